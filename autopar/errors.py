@@ -1,0 +1,29 @@
+"""One exception type per kind of user mistake; each message names the culprit and the fix."""
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class MeshError(AutoparError):
+    """The mesh does not fit the job (axis names, sizes, world size, device profile)."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be traced into a graph."""
+
+
+class ShardingError(AutoparError):
+    """A requested placement is impossible (e.g. a dimension that the mesh axis cannot split)."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the memory budget; `min_memory_bytes` is the smallest budget that would."""
+
+    def __init__(self, message: str, min_memory_bytes: float | None = None):
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class PlanMismatchError(AutoparError):
+    """A saved plan does not belong to this model, inputs or mesh."""

@@ -1,0 +1,130 @@
+"""`Mesh`: a description of the devices a model is parallelized over.
+
+A Mesh is data: a shape with one name per axis and a device profile. Planning needs no
+process group; `device_mesh()` builds torch.distributed's DeviceMesh when the plan runs.
+
+Axes are laid out row-major over global ranks (the last axis varies fastest), as torch's
+DeviceMesh does. An axis therefore connects devices `stride = prod(shape[i+1:])` ranks apart;
+it stays inside a node when `stride * size <= devices_per_node`, crosses nodes when
+`stride >= devices_per_node`, and is hierarchical in between (its slowest hop, the
+inter-node link, bounds a ring over it).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .cost_model.profiles import DeviceProfile, Link, load_profile
+from .errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class AxisInfo:
+    name: str
+    size: int
+    link: Link
+    scope: str  # "intra-node", "inter-node" or "hierarchical"
+
+
+class Mesh:
+    def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None,
+                 device: str | DeviceProfile = "h100"):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
+            raise MeshError(f"mesh shape {shape!r} must be a non-empty tuple of positive ints, e.g. (2, 4)")
+        if axis_names is None:
+            axis_names = tuple(f"axis{i}" for i in range(len(shape)))
+        axis_names = tuple(axis_names)
+        if len(axis_names) != len(shape):
+            raise MeshError(f"mesh shape {shape} has {len(shape)} axes but {len(axis_names)} axis names "
+                            f"{axis_names}: give one name per axis")
+        if len(set(axis_names)) != len(axis_names):
+            raise MeshError(f"mesh axis names {axis_names} repeat a name: names must be unique")
+        try:
+            self.profile = load_profile(device)
+        except ValueError as e:
+            raise MeshError(str(e)) from None
+        self.shape: tuple[int, ...] = shape
+        self.axis_names: tuple[str, ...] = axis_names
+        self.axes: tuple[AxisInfo, ...] = tuple(self._axis_info(i) for i in range(len(shape)))
+
+    def _axis_info(self, i: int) -> AxisInfo:
+        stride = math.prod(self.shape[i + 1:])
+        per_node = self.profile.devices_per_node
+        if stride * self.shape[i] <= per_node:
+            link, scope = self.profile.intra_node, "intra-node"
+        elif stride >= per_node:
+            link, scope = self.profile.inter_node, "inter-node"
+        else:
+            link, scope = self.profile.inter_node, "hierarchical"
+        return AxisInfo(self.axis_names[i], self.shape[i], link, scope)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return tuple(a.link for a in self.axes)
+
+    def axis_index(self, name_or_index: str | int) -> int:
+        if isinstance(name_or_index, int):
+            if not 0 <= name_or_index < self.ndim:
+                raise MeshError(f"mesh axis {name_or_index} out of range for a {self.ndim}-axis mesh")
+            return name_or_index
+        if name_or_index not in self.axis_names:
+            raise MeshError(f"no mesh axis named {name_or_index!r}; axes are {self.axis_names}")
+        return self.axis_names.index(name_or_index)
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "axis_names": list(self.axis_names), "device": self.profile.name}
+
+    def describe(self) -> str:
+        axes = ", ".join(f"{a.name}={a.size} ({a.scope}, {a.link.bandwidth / 1e9:.0f} GB/s)" for a in self.axes)
+        return f"Mesh[{axes}] of {self.size} x {self.profile.name}"
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape}, axis_names={self.axis_names}, device={self.profile.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and (self.shape, self.axis_names, self.profile) == (
+            other.shape, other.axis_names, other.profile)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.axis_names, self.profile.name))
+
+    # -- torch.distributed ---------------------------------------------------------------
+    @classmethod
+    def from_device_mesh(cls, device_mesh, device: str | DeviceProfile | None = None) -> Mesh:
+        """Describe an existing torch DeviceMesh (profile defaults to 'cpu' or 'h100' by device type)."""
+        names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+        if device is None:
+            device = "cpu" if device_mesh.device_type == "cpu" else "h100"
+        m = cls(tuple(device_mesh.shape), names, device)
+        m._device_mesh = device_mesh
+        return m
+
+    def device_mesh(self):
+        """torch.distributed's DeviceMesh for this mesh (process groups are created once, then cached)."""
+        dm = getattr(self, "_device_mesh", None)
+        if dm is not None:
+            return dm
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshError("torch.distributed is not initialized: launch with torchrun (or call "
+                            "torch.distributed.init_process_group) before running a plan; planning needs none")
+        world = dist.get_world_size()
+        if world != self.size:
+            raise MeshError(f"mesh {self.shape} has {self.size} devices but the job has world size {world}: "
+                            f"launch {self.size} processes (torchrun --nproc-per-node ...) or change the mesh shape")
+        device_type = "cpu" if dist.get_backend() == "gloo" else self.profile.device_type
+        self._device_mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axis_names)
+        return self._device_mesh

@@ -1,0 +1,1 @@
+"""Compiler passes over torch.fx graphs: capture, shape/FLOP annotation, rewrite."""

@@ -1,0 +1,75 @@
+"""DTensor's placement vocabulary, with the short notation used in plans and reports.
+
+`"R"` = Replicate(), `"S(1)"` = Shard(1), `"P"` = Partial("sum"), `"P(avg)"` = Partial("avg").
+A tensor's layout over an N-D mesh is one placement per mesh axis, e.g. ("S(0)", "R").
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Placement", "Replicate", "Shard", "Partial", "to_str", "from_str", "layout_str", "parse_layout",
+           "shard_factor", "local_shape", "is_partial", "R", "P"]
+
+R = Replicate()
+P = Partial()
+_SHARD_RE = re.compile(r"^S\((-?\d+)\)$")
+
+
+def to_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    if isinstance(p, Replicate):
+        return "R"
+    raise TypeError(f"unknown placement {p!r}")
+
+
+def from_str(s: str | Placement) -> Placement:
+    if isinstance(s, Placement):
+        return s
+    s = s.strip()
+    if s == "R":
+        return R
+    if s == "P":
+        return P
+    if s.startswith("P(") and s.endswith(")"):
+        return Partial(s[2:-1])
+    m = _SHARD_RE.match(s)
+    if m:
+        return Shard(int(m.group(1)))
+    raise ValueError(f"cannot parse placement {s!r}: use 'R', 'S(d)', 'P' or 'P(avg)'")
+
+
+def layout_str(layout: Sequence[Placement]) -> tuple[str, ...]:
+    return tuple(to_str(p) for p in layout)
+
+
+def parse_layout(layout: Sequence[str | Placement]) -> tuple[Placement, ...]:
+    return tuple(from_str(p) for p in layout)
+
+
+def is_partial(p: Placement) -> bool:
+    return isinstance(p, Partial)
+
+
+def shard_factor(layout: Sequence[Placement], axis_sizes: Sequence[int]) -> int:
+    """How many pieces the tensor is cut into (Partial and Replicate keep it whole)."""
+    f = 1
+    for p, n in zip(layout, axis_sizes):
+        if isinstance(p, Shard):
+            f *= n
+    return f
+
+
+def local_shape(shape: Sequence[int], layout: Sequence[Placement], axis_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Per-device shape under an even split (the planner only proposes even splits)."""
+    out = list(shape)
+    for p, n in zip(layout, axis_sizes):
+        if isinstance(p, Shard):
+            out[p.dim] //= n
+    return tuple(out)

@@ -1,0 +1,136 @@
+"""`Plan`: the planner's answer, as data.
+
+A plan says, for every node of the captured graph, the layout (one DTensor placement per
+mesh axis) of each tensor input and of the output, plus what it costs. It serializes to
+JSON, loads back, diffs against another plan, prints a report, and is applied by
+`autoparallelize(..., plan=...)` without solving again.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    peak_memory_bytes: float
+    param_state_bytes: float          # parameters + gradients + optimizer state, per device
+    activation_bytes: float           # activations live at the peak, per device
+    comm_bytes_per_axis: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    kind: str          # "all_reduce@tp", ...
+    phase: str         # "forward" or "backward"
+    tensor: str        # the producer node whose output is resharded
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    name: str
+    op: str
+    module: str                       # module path the node came from ("blocks.0.mlp")
+    inputs: tuple[tuple[str, ...], ...]
+    output: tuple[str, ...]
+    labels: tuple[str, ...]           # per mesh axis: "batch", "column", "row", "replicate", ...
+    executor: str                     # "dtensor" | "local" | "replicate" (fallback) | "input" | "param"
+    compute_s: float = 0.0
+    collectives: tuple[Collective, ...] = ()
+    fallback: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    solver: str
+    status: str
+    seconds: float
+    n_variables: int
+    n_constraints: int
+    objective_s: float
+    n_decisions: int
+    n_nodes: int
+    plan_seconds: float = 0.0         # capture + strategies + costs + solve
+
+
+@dataclass(slots=True)
+class Plan:
+    model: str
+    fingerprint: str                  # identifies the captured graph (ops and shapes)
+    mesh: dict[str, Any]
+    options: dict[str, Any]
+    nodes: list[NodePlan]
+    placements: dict[str, tuple[str, ...]]      # parameter FQN -> layout, e.g. ("S(0)", "R")
+    estimate: Estimate
+    solver: SolverInfo
+    fallbacks: list[str] = field(default_factory=list)   # "node (op)" replicated because no rule knows the op
+    version: int = PLAN_FORMAT_VERSION
+
+    # -- lookups -------------------------------------------------------------------------
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node {name!r} in this plan")
+
+    def report(self, **kw) -> str:
+        from .report import render_report
+        return render_report(self, **kw)
+
+    def diff(self, other: Plan) -> list[str]:
+        """Human-readable differences in parameter placements and node layouts."""
+        out = []
+        for k in sorted(set(self.placements) | set(other.placements)):
+            a, b = self.placements.get(k), other.placements.get(k)
+            if a != b:
+                out.append(f"param {k}: {_lay(a)} -> {_lay(b)}")
+        theirs = {n.name: n for n in other.nodes}
+        for n in self.nodes:
+            m = theirs.get(n.name)
+            if m is not None and (n.inputs, n.output) != (m.inputs, m.output):
+                out.append(f"node {n.name} ({n.op}): {_lay(n.output)} -> {_lay(m.output)}")
+        if self.estimate.step_time_s != other.estimate.step_time_s:
+            out.append(f"step time: {self.estimate.step_time_s * 1e3:.3f} ms -> {other.estimate.step_time_s * 1e3:.3f} ms")
+        return out
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("version") != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format version {d.get('version')} is not {PLAN_FORMAT_VERSION}: re-plan the model")
+        nodes = [NodePlan(**{**n, "inputs": tuple(tuple(i) for i in n["inputs"]), "output": tuple(n["output"]),
+                             "labels": tuple(n["labels"]),
+                             "collectives": tuple(Collective(**c) for c in n["collectives"])}) for n in d["nodes"]]
+        return cls(model=d["model"], fingerprint=d["fingerprint"], mesh=d["mesh"], options=d["options"], nodes=nodes,
+                   placements={k: tuple(v) for k, v in d["placements"].items()},
+                   estimate=Estimate(**d["estimate"]), solver=SolverInfo(**d["solver"]),
+                   fallbacks=list(d["fallbacks"]), version=d["version"])
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+
+def _lay(layout) -> str:
+    return "-" if layout is None else "(" + ", ".join(layout) + ")"

@@ -1,0 +1,134 @@
+"""The planning pipeline: capture -> annotate -> strategies and costs -> ILP -> Plan."""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Replicate
+
+from .cost_model import reshard_cost
+from .errors import InfeasibleError
+from .mesh import Mesh
+from .passes.capture import Captured, capture
+from .passes.shape_prop import annotate, tensor_meta
+from .placement import layout_str
+from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo
+from .solver.ilp import evaluate, solve
+from .solver.problem import Problem, build_problem, grad_layout_in, grad_layout_out
+from .strategies import op_name, rule_for
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    memory_budget: float | None = None          # bytes per device; default: the profile's capacity
+    pins: Mapping[str, Sequence[str]] | None = None
+    batch_axes: Sequence[str] | None = None     # inputs arrive split on dim 0 over these axes
+    sharded_outputs: bool = False               # leave outputs in their planned layout
+    optimizer: str = "adamw"
+    time_limit: float | None = 60.0
+
+    def to_dict(self) -> dict:
+        return {"memory_budget": self.memory_budget,
+                "pins": {k: list(v) for k, v in sorted((self.pins or {}).items())},
+                "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
+                "optimizer": self.optimizer}
+
+
+def fingerprint(cap: Captured) -> str:
+    h = hashlib.sha256()
+    for n in cap.gm.graph.nodes:
+        metas = tensor_meta(n.meta.get("val")) if n.op != "output" else ()
+        h.update(f"{n.op}|{n.name}|{op_name(n.target) if n.op == 'call_function' else n.target}|"
+                 f"{[(m.shape, str(m.dtype)) for m in metas]}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
+    t0 = time.perf_counter()
+    cap = capture(model, args, kwargs)
+    infos = annotate(cap.gm)
+    problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
+                            batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    result = solve(problem, budget, opts.time_limit)
+    plan = assemble(cap, problem, result.choice, mesh, opts)
+    plan.solver = SolverInfo(result.solver, result.status, result.seconds, result.n_variables, result.n_constraints,
+                             result.objective, len(problem.leaders), len(problem.order),
+                             time.perf_counter() - t0)
+    return plan
+
+
+def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions) -> Plan:
+    """Turn a choice per decision into a Plan with per-node layouts, collectives and estimates."""
+    compute, comm, peak, state = evaluate(problem, choice)
+    chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    whole = tuple(Replicate() for _ in mesh.shape)
+    collectives: dict[str, list[Collective]] = {}
+    per_axis = dict.fromkeys(mesh.axis_names, 0.0)
+    for e in problem.edges:
+        src = problem.decisions[e.src]
+        a = chosen[e.src].output
+        meta = tensor_meta(by_name[e.src].meta.get("val"))[0]
+        if e.dst == "output":
+            b = gb = whole
+        else:
+            t = chosen[e.dst]
+            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
+        fwd = reshard_cost(meta.shape, meta.dtype.itemsize, a, b, mesh.shape, mesh.links, mesh.axis_names)
+        legs = [("forward", fwd)]
+        needs_grad = meta.dtype.is_floating_point and src.kind != "input"
+        if needs_grad:
+            legs.append(("backward", reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a), mesh.shape,
+                                                  mesh.links, mesh.axis_names)))
+        for phase, rc in legs:
+            for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
+                per_axis[ax] += nbytes
+            if rc.seconds > 0 or rc.collectives:
+                for kind in rc.collectives:
+                    collectives.setdefault(e.dst, []).append(
+                        Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
+    act_peak = max(peak - state, 0.0)
+    estimate = Estimate(compute + comm, compute, comm, peak, state, act_peak, per_axis)
+    nodes = []
+    placements = {}
+    for node in cap.gm.graph.nodes:
+        if node.name not in problem.decisions and node.op != "output":
+            continue
+        if node.op == "output":
+            if collectives.get("output"):
+                nodes.append(NodePlan("output", "output", "", (), (), (), "output",
+                                      collectives=tuple(collectives["output"])))
+            continue
+        d = problem.decisions[node.name]
+        s = chosen[node.name]
+        if d.kind == "param":
+            placements[d.fqn] = layout_str(s.output)
+            executor, op = "param", f"param {d.fqn}"
+        elif d.kind == "input":
+            executor, op = "input", f"input {d.fqn}"
+        else:
+            rule = rule_for(node.target)
+            executor = "replicate" if rule is None else rule.executor
+            op = op_name(node.target)
+        nodes.append(NodePlan(node.name, op, _module_path(node), tuple(layout_str(i) for i in s.inputs),
+                              layout_str(s.output), tuple(s.labels) or tuple("-" for _ in mesh.shape), executor,
+                              d.compute_s[choice[d.leader]], tuple(collectives.get(node.name, ())), d.fallback))
+    fallbacks = [f"{n} ({op_name(by_name[n].target)})" for n in problem.fallbacks]
+    return Plan(cap.model_name, fingerprint(cap), mesh.to_dict(), opts.to_dict(), nodes, placements, estimate,
+                SolverInfo("none", "unsolved", 0.0, 0, 0, compute + comm, len(problem.leaders), len(problem.order)),
+                fallbacks)
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L__self___", "")
+
+
+__all__ = ["PlanOptions", "make_plan", "assemble", "InfeasibleError"]

@@ -1,0 +1,75 @@
+"""Resharding as an explicit, differentiable graph op.
+
+`Reshard(mesh, layout)` moves a DTensor to `layout` and sends its gradient back in the
+layout the input had (Partial inputs get a whole gradient). That second half is why we do
+not call `DTensor.redistribute` alone: a weight replicated over a data-parallel axis
+receives a partial-sum gradient from its matmul, and only an explicit reshard on its way
+into the op turns that into the all-reduce (or, for a sharded weight, the reduce-scatter)
+that data parallelism needs before the optimizer sees it.
+
+DTensor refuses `Replicate -> Partial`; we do it here exactly: the coordinate-0 device keeps
+the value and the others hold zeros, so the partial sum equals the original bit for bit.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from ..placement import layout_str
+
+
+def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
+    """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P."""
+    layout = tuple(layout)
+    cur = tuple(x.placements)
+    if cur == layout:
+        return x
+    to_partial = [i for i, (c, t) in enumerate(zip(cur, layout)) if isinstance(t, Partial) and c != t]
+    mid = tuple(Replicate() if i in to_partial else t for i, t in enumerate(layout))
+    # Partial -> other Partial kinds are not needed by any rule; go through Replicate
+    mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
+                for c, m in zip(cur, mid))
+    y = x.redistribute(x.device_mesh, mid) if mid != cur else x
+    if to_partial:
+        local = y.to_local()
+        coord = x.device_mesh.get_coordinate()
+        if any(coord[i] != 0 for i in to_partial):
+            local = torch.zeros_like(local)
+        y = DTensor.from_local(local, x.device_mesh, layout, run_check=False)
+    return y
+
+
+def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in layout)
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, layout: tuple):  # type: ignore[override]
+        ctx.src = tuple(x.placements)
+        return to_layout(x, layout)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        return to_layout(grad, grad_layout(ctx.src)), None
+
+
+def reshard(x: DTensor, layout: Sequence[Placement]) -> DTensor:
+    return _Reshard.apply(x, tuple(layout))
+
+
+class Reshard(torch.nn.Module):
+    """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring)."""
+
+    def __init__(self, layout: Sequence[Placement]):
+        super().__init__()
+        self.layout = tuple(layout)
+
+    def forward(self, x):
+        return reshard(x, self.layout) if isinstance(x, DTensor) else x
+
+    def extra_repr(self) -> str:
+        return ", ".join(layout_str(self.layout))

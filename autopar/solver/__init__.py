@@ -1,0 +1,1 @@
+"""Choosing strategies: the optimisation problem (`problem.py`) and its ILP (`ilp.py`)."""

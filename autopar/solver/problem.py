@@ -1,0 +1,275 @@
+"""The planning problem as data: decisions, their costs, and the edges between them.
+
+Built once from the annotated graph; the ILP (`ilp.py`), exhaustive search (tests) and plan
+evaluation all read these same tables, so they price a plan identically.
+
+* A *decision* ("leader") is a node with a strategy to choose. Followers (views, splits,
+  element-wise ops with one tensor input) are merged into the leader they follow: their
+  strategy list is aligned with the leader's, entry i being theirs when the leader picks i.
+* Node cost[i]: forward + backward compute seconds of the node's share of the work.
+* Edge cost[a][b]: seconds to reshard the producer's output layout class a into the layout
+  class b the consumer wants (forward), plus moving the gradient back (backward).
+* Memory: parameter state per leader choice, activation bytes per node per choice, and the
+  liveness points at which their sum must fit the budget.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ..cost_model import backward_time, compute_time, reshard_cost
+from ..cost_model.memory import Liveness, liveness, param_state_bytes
+from ..errors import ShardingError
+from ..mesh import Mesh
+from ..passes.capture import Captured
+from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
+from ..placement import parse_layout, to_str
+from ..strategies import Strategy, rule_for
+from ..strategies.strategy import axis_options, layout_space, node_strategies, parallel_count, shard_count
+
+R = Replicate()
+
+
+@dataclass(slots=True)
+class Decision:
+    name: str
+    kind: str                          # "param" | "input" | "op"
+    leader: str
+    strategies: list[Strategy]         # aligned with the leader's choice index
+    compute_s: list[float]
+    act_bytes: list[float]             # bytes this node's output adds per device (0 for views)
+    state_bytes: list[float]           # parameter + grad + optimizer state per device
+    fallback: bool = False             # unknown op: replicated
+    fqn: str | None = None
+
+
+@dataclass(slots=True)
+class EdgeTable:
+    src: str
+    dst: str                           # consumer node, or "output"
+    slot: int
+    a_of: list[int]                    # leader(src) choice -> source layout class
+    b_of: list[int]                    # leader(dst) choice -> destination class (one entry for "output")
+    cost: list[list[float]]            # [a][b] seconds
+
+
+@dataclass(slots=True)
+class Problem:
+    mesh: Mesh
+    order: list[str]                           # node names in topological order
+    decisions: dict[str, Decision]
+    leaders: list[str]
+    edges: list[EdgeTable]
+    live: Liveness
+    fallbacks: list[str] = field(default_factory=list)
+
+    def n_choices(self, leader: str) -> int:
+        return len(self.decisions[leader].strategies)
+
+    def node_cost(self, leader_choice: Mapping[str, int]) -> float:
+        return sum(d.compute_s[leader_choice[d.leader]] for d in self.decisions.values())
+
+
+def grad_layout_in(s: Strategy, slot: int) -> tuple:
+    """Layout of the gradient an op sends back to input `slot` under strategy s.
+
+    Per axis: the grad of a Partial input is whole (Replicate); a replicated input used by
+    work split on that axis gets a partial sum (e.g. a weight under data parallelism);
+    otherwise the grad is split like the input."""
+    par = s.parallel_axes()
+    out = []
+    for a, p in enumerate(s.inputs[slot]):
+        if isinstance(p, Partial):
+            out.append(R)
+        elif isinstance(p, Replicate) and par[a]:
+            out.append(Partial())
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def grad_layout_out(layout) -> tuple:
+    """The gradient arriving for an output: whole where the output was a partial sum."""
+    return tuple(R if isinstance(p, Partial) else p for p in layout)
+
+
+def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool]) -> bool:
+    k = kinds.get(node.name)
+    if k == "param":
+        return True
+    if k in ("input", "buffer", "constant"):
+        return False
+    metas = tensor_meta(node.meta.get("val"))
+    return bool(metas) and metas[0].dtype.is_floating_point and any(ng.get(a.name, False)
+                                                                  for a in node.all_input_nodes)
+
+
+def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
+                  pins: Mapping[str, Sequence[str]] | None = None, optimizer: str = "adamw",
+                  batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False) -> Problem:
+    shape = mesh.shape
+    nodes = list(cap.gm.graph.nodes)
+    kinds = {name: slot.kind for name, slot in cap.inputs.items()}
+    pins = dict(pins or {})
+    used_pins: set[str] = set()
+    decisions: dict[str, Decision] = {}
+    ng: dict[str, bool] = {}
+    is_view, saves = {}, {}
+    fallbacks: list[str] = []
+    batch_idx = {mesh.axis_index(a) for a in (batch_axes or ())}
+
+    def pinned(keys: Sequence[str]):
+        for pat, layout in pins.items():
+            if any(fnmatch.fnmatchcase(k, pat) for k in keys if k):
+                used_pins.add(pat)
+                return pat, parse_layout(layout)
+        return None, None
+
+    for node in nodes:
+        ng[node.name] = _needs_grad(node, kinds, ng)
+        info = infos[node.name]
+        if node.op == "placeholder":
+            slot = cap.inputs[node.name]
+            if not node.users or not info.out:
+                continue
+            meta = info.out[0]
+            if slot.kind == "param":
+                layouts = layout_space(meta, shape)
+                pat, want = pinned([slot.target, node.name])
+                if want is not None:
+                    _check_pin(want, meta, mesh, slot.target)
+                    layouts = [want]
+                strategies = [Strategy((), L) for L in layouts]
+                state = [param_state_bytes(meta.nbytes / shard_count(L, shape), optimizer) for L in layouts]
+                decisions[node.name] = Decision(node.name, "param", node.name, strategies, [0.0] * len(layouts),
+                                                [0.0] * len(layouts), state, fqn=slot.target)
+            else:
+                L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
+                          for a in range(mesh.ndim))
+                if slot.kind == "input" and batch_idx:
+                    _check_pin(L, meta, mesh, f"input {slot.target} ({node.name})")
+                decisions[node.name] = Decision(node.name, "input", node.name, [Strategy((), L)], [0.0], [0.0],
+                                                [0.0], fqn=str(slot.target))
+            continue
+        if node.op != "call_function" or not info.out:
+            continue
+        rule = rule_for(node.target)
+        ins_meta = [infos[a.name].out[0] for a in info.ins]
+        if any(a.name not in decisions for a in info.ins):
+            continue   # fed by something we do not plan (should not happen for ATen graphs)
+        if rule is None:
+            fallbacks.append(node.name)
+        is_view[node.name] = bool(rule and rule.is_view)
+        saves[node.name] = rule.saves_inputs if rule else True
+        opts = axis_options(rule, node, ins_meta, info.out)
+        own = node_strategies(opts, ins_meta, info.out, shape)
+        pat, want = pinned([node.name])
+        if want is not None:
+            own = [s for s in own if s.output == want] or _bad_pin(node.name, want)
+        leader, strategies = node.name, own
+        if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
+            src = decisions[info.ins[0].name]
+            by_input = {s.inputs[0]: s for s in own}
+            follow = [by_input.get(s.output) for s in (decisions[src.name].strategies)]
+            if all(f is not None for f in follow) and src.kind == "op":
+                leader, strategies = src.leader, follow
+        compute = []
+        for s in ([] if is_view[node.name] else strategies):
+            pf = parallel_count(s, shape)
+            fwd = compute_time(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, mesh.profile,
+                               is_matmul=bool(rule and rule.family == "matmul"))
+            compute.append(fwd + (backward_time(fwd, bool(rule and rule.family == "matmul")) if ng[node.name] else 0.0))
+        compute = compute or [0.0] * len(strategies)
+        act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
+               for s in strategies]
+        decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
+                                        fallback=rule is None)
+    unused = set(pins) - used_pins
+    if unused:
+        raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
+                            f"use parameter names as in model.named_parameters() (glob patterns allowed)")
+    edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs)
+    order = [n.name for n in nodes if n.name in decisions]
+    op_nodes = [n for n in nodes if n.name in decisions and decisions[n.name].kind == "op"]
+    live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes])
+    leaders = [n for n in order if decisions[n].leader == n]
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks)
+
+
+def _edges(cap, infos, mesh, decisions, ng, sharded_outputs) -> list[EdgeTable]:
+    shape, links, names = mesh.shape, mesh.links, mesh.axis_names
+    edges = []
+    cache: dict = {}
+
+    def cost(meta: TensorMeta, a, b, ga, gb, grad: bool) -> float:
+        key = (meta, a, b, ga, gb, grad)
+        if key not in cache:
+            c = reshard_cost(meta.shape, meta.dtype.itemsize, a, b, shape, links, names).seconds
+            if grad:
+                c += reshard_cost(meta.shape, meta.dtype.itemsize, gb, ga, shape, links, names).seconds
+            cache[key] = c
+        return cache[key]
+
+    def classes(keys):
+        uniq, idx = {}, []
+        for k in keys:
+            idx.append(uniq.setdefault(k, len(uniq)))
+        return list(uniq), idx
+
+    for node in cap.gm.graph.nodes:
+        if node.op == "output":
+            if sharded_outputs:
+                continue
+            consumers = [(a, None) for a in infos[node.name].ins]
+        elif node.name in decisions and decisions[node.name].kind == "op":
+            consumers = [(a, k) for k, a in enumerate(infos[node.name].ins)]
+        else:
+            continue
+        for src, slot in consumers:
+            if src.name not in decisions:
+                continue
+            u = decisions[src.name]
+            meta = tensor_meta(src.meta["val"])[0]
+            grad = ng.get(src.name, False) and meta.dtype.is_floating_point
+            a_keys, a_of = classes([s.output for s in u.strategies])
+            if slot is None:
+                want = tuple(R for _ in shape)
+                b_keys, b_of = [(want, want)], [0]
+                dst = "output"
+            else:
+                v = decisions[node.name]
+                if v.leader == u.leader:
+                    continue      # inside one merged group: priced by the follower's alignment (free)
+                b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
+                dst = node.name
+            table = [[cost(meta, a, b, grad_layout_out(a), gb, grad) for (b, gb) in b_keys] for a in a_keys]
+            edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table))
+    return edges
+
+
+def _check_pin(layout, meta: TensorMeta, mesh: Mesh, what: str) -> None:
+    if len(layout) != mesh.ndim:
+        raise ShardingError(f"placement {tuple(to_str(p) for p in layout)} for {what} has {len(layout)} entries "
+                            f"but the mesh has {mesh.ndim} axes {mesh.axis_names}: give one per axis")
+    split: dict[int, int] = {}
+    for p, ax in zip(layout, mesh.axes):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < meta.ndim:
+                raise ShardingError(f"{what} has {meta.ndim} dims; it has no dim {p.dim} to split over mesh axis "
+                                    f"{ax.name!r}")
+            split[p.dim] = split.get(p.dim, 1) * ax.size
+            if meta.shape[p.dim] % split[p.dim]:
+                raise ShardingError(
+                    f"cannot split dim {p.dim} (size {meta.shape[p.dim]}) of {what} over mesh axis {ax.name!r} "
+                    f"(into {split[p.dim]} pieces in all): choose a size divisible by {split[p.dim]}, "
+                    f"another dim, or Replicate on that axis")
+
+
+def _bad_pin(name, want):
+    raise ShardingError(f"node {name!r} has no strategy with output placement "
+                        f"{tuple(to_str(p) for p in want)}: pin another layout or leave it to the solver")

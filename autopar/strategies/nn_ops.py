@@ -1,0 +1,114 @@
+"""Neural-network ops: normalisation, softmax, embedding, attention, losses, reductions, factories."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .pointwise import broadcast_options
+from .registry import AxisOption, register
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+@register(aten.layer_norm, aten.rms_norm, family="norm")
+def norm_rule(node, ins, outs):
+    """Normalised over the trailing `normalized_shape` dims: any leading dim may be split."""
+    x = ins[0]
+    n_norm = len(node.args[1])
+    rest = (R,) * (len(ins) - 1)          # weight and bias stay whole; their grads are partial sums
+    return [AxisOption((Shard(d),) + rest, Shard(d), "split") for d in range(x.ndim - n_norm)]
+
+
+@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, family="softmax")
+def softmax_rule(node, ins, outs):
+    x = ins[0]
+    dim = node.args[1] % x.ndim
+    return [AxisOption((Shard(d),), Shard(d), "split") for d in range(x.ndim) if d != dim]
+
+
+@register(aten.embedding, family="embedding")
+def embedding_rule(node, ins, outs):
+    """weight[V, H] gathered at indices[...]: split the indices (batch) or the hidden dim."""
+    w, idx = ins
+    out = outs[0]
+    opts = [AxisOption((R, Shard(d)), Shard(d), "batch" if d == 0 else f"dim{d}") for d in range(idx.ndim)]
+    opts.append(AxisOption((Shard(1), R), Shard(out.ndim - 1), "hidden"))
+    return opts
+
+
+@register(aten.scaled_dot_product_attention, family="attention", executor="local")
+def sdpa_rule(node, ins, outs):
+    """Attention is independent per (batch, head): split dims 0 and 1 of q, k, v (and the mask).
+
+    Runs on local shards: DTensor has no CPU flash-attention rule, and none is needed.
+    """
+    q = ins[0]
+    opts = []
+    for d in range(q.ndim - 2):
+        placements = [Shard(d), Shard(d), Shard(d)]
+        for m in ins[3:]:   # attn_mask broadcasts against (B, H, Sq, Sk)
+            k = d - (q.ndim - m.ndim)
+            placements.append(Shard(k) if k >= 0 and m.shape[k] == q.shape[d] else R)
+        opts.append(AxisOption(tuple(placements), Shard(d), "batch" if d == 0 else "heads"))
+    return opts
+
+
+def _reduction_kind(node) -> str:
+    red = node.kwargs.get("reduction", node.args[3] if len(node.args) > 3 else 1)
+    return {0: "none", 1: "mean", 2: "sum"}.get(red, red)
+
+
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, family="loss")
+def cross_entropy_rule(node, ins, outs):
+    """Split the batch: each device's loss is a partial sum (or partial mean) of the whole."""
+    logits = ins[0]
+    kind = _reduction_kind(node)
+    out = {"none": Shard(0), "mean": Partial("avg"), "sum": P}[kind]
+    if logits.ndim == 1:
+        return []
+    rest = tuple(Shard(0) if t.ndim >= 1 and t.shape[0] == logits.shape[0] else R for t in ins[1:])
+    return [AxisOption((Shard(0),) + rest, out, "batch")]
+
+
+@register(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, family="loss")
+def elementwise_loss_rule(node, ins, outs):
+    red = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    out_of = {0: None, 1: Partial("avg"), 2: P}[red]
+    target = ins[0]
+    if out_of is None:
+        return broadcast_options(ins, outs[0])
+    return [AxisOption(tuple(Shard(d) for _ in ins), out_of, f"split{d}") for d in range(target.ndim)]
+
+
+@register(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.std, family="reduction")
+def reduction_rule(node, ins, outs):
+    """Split a kept dim: the output is split; split a reduced dim: a partial sum (sum/mean only)."""
+    x = ins[0]
+    if not ins or x.ndim == 0:
+        return []
+    packet = node.target.overloadpacket
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or dims == [] or not isinstance(dims, (list, tuple, int)):
+        dims = list(range(x.ndim))
+    dims = {d % x.ndim for d in ([dims] if isinstance(dims, int) else dims)}
+    keepdim = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get(
+        "keepdim", False)
+    partial = {aten.sum: P, aten.mean: Partial("avg")}.get(packet)
+    opts = []
+    for d in range(x.ndim):
+        if d in dims:
+            if partial is not None:
+                opts.append(AxisOption((Shard(d),), partial, "partial"))
+            continue
+        od = d if keepdim else d - sum(1 for r in dims if r < d)
+        if outs and outs[0].ndim > od:
+            opts.append(AxisOption((Shard(d),), Shard(od), "split"))
+    return opts
+
+
+@register(aten.arange, aten.full, aten.zeros, aten.ones, aten.empty, aten.scalar_tensor, aten.tensor,
+          aten.tril, aten.triu, aten.randn, aten.rand, family="factory", saves_inputs=False)
+def factory_rule(node, ins, outs):
+    """Created whole on every device (tril/triu of such a constant too)."""
+    return []

@@ -1,0 +1,50 @@
+"""Element-wise ops: the output may be split along any dim; broadcast inputs follow or replicate."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .registry import AxisOption, register
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+def broadcast_options(ins, out, label="split") -> list[AxisOption]:
+    """One option per output dim d: inputs that carry dim d (right-aligned, same size) shard it."""
+    opts = []
+    for d in range(out.ndim):
+        placements = []
+        for t in ins:
+            k = d - (out.ndim - t.ndim)
+            placements.append(Shard(k) if k >= 0 and t.shape[k] == out.shape[d] else R)
+        opts.append(AxisOption(tuple(placements), Shard(d), f"{label}{d}"))
+    return opts
+
+
+_BINARY_LINEAR = (aten.add, aten.sub)
+
+_POINTWISE = (
+    aten.add, aten.sub, aten.mul, aten.div, aten.pow, aten.neg, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+    aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.abs, aten.sin, aten.cos, aten.clamp,
+    aten.where, aten.masked_fill, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
+    aten.maximum, aten.minimum, aten.reciprocal, aten.erf, aten.square, aten.bitwise_and, aten.bitwise_or,
+    aten.leaky_relu, aten.hardtanh, aten.elu, aten.softplus, aten.mish, aten.hardswish, aten.hardsigmoid,
+    aten.type_as, aten._to_copy, aten.to, aten.fill, aten.zeros_like, aten.ones_like, aten.full_like,
+)
+
+
+@register(*_POINTWISE, family="pointwise", saves_inputs=True)
+def pointwise_rule(node, ins, outs):
+    if not outs:
+        return []
+    opts = broadcast_options(ins, outs[0])
+    if node.target.overloadpacket in _BINARY_LINEAR and len(ins) == 2 and all(
+            t.shape == outs[0].shape for t in ins):
+        opts.append(AxisOption((P, P), P, "partial"))   # a sum of partial sums stays partial
+    return opts
+
+
+@register(aten.dropout, aten.native_dropout, family="pointwise")
+def dropout_rule(node, ins, outs):
+    return broadcast_options(ins, outs[0])

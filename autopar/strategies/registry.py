@@ -1,0 +1,73 @@
+"""The rule registry: for each op, its sharding options along ONE mesh axis.
+
+A rule looks at a node's global input/output shapes and returns `AxisOption`s: the
+placement of every tensor input and of the output when one mesh axis is used for that
+op. For `aten.linear` (x[..., K] @ w[N, K]^T) they are
+
+    batch   S(d), R,    R    -> S(d)     (data parallel, one per non-feature dim d of x)
+    column  R,    S(0), S(0) -> S(-1)    (Megatron's first MLP linear)
+    row     S(-1),S(1), P    -> P        (Megatron's second; the output is a partial sum)
+
+and `strategy.py` combines per-axis options into N-D strategies. Registering rules per op
+with a decorator follows DTensor's `_ops/` layout; the all-replicate option is implicit.
+
+`executor` says how the op runs on sharded tensors: "dtensor" (DTensor's dispatch runs it on
+the planned placements) or "local" (our rule proves the op is shard-local: run it on the
+local shards; used where DTensor has no rule, e.g. CPU flash attention).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement
+
+from ..passes.shape_prop import TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class AxisOption:
+    inputs: tuple[Placement, ...]
+    output: Placement
+    label: str = ""          # "batch", "column", "row", ... (shown in reports)
+
+
+RuleFn = Callable[[fx.Node, Sequence[TensorMeta], Sequence[TensorMeta]], list[AxisOption]]
+
+
+@dataclass(frozen=True, slots=True)
+class OpRule:
+    fn: RuleFn
+    family: str              # "matmul", "pointwise", "view", "norm", "reduction", ...
+    executor: str = "dtensor"
+    saves_inputs: bool = True    # are the inputs kept alive for the backward?
+    is_view: bool = False        # output aliases the input (no new memory)
+    follower: bool = False       # one tensor input, strategy implied by it: merged into its producer
+
+
+RULES: dict[object, OpRule] = {}
+
+
+def register(*targets, family: str, executor: str = "dtensor", saves_inputs: bool = True,
+             is_view: bool = False, follower: bool = False):
+    """Register `fn` as the rule of every op in `targets` (OpOverloadPackets or Python callables)."""
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            RULES[t] = OpRule(fn, family, executor, saves_inputs, is_view, follower)
+        return fn
+    return deco
+
+
+def rule_for(target) -> OpRule | None:
+    if target in RULES:
+        return RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    return RULES.get(packet) if packet is not None else None
+
+
+def op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
