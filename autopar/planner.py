@@ -48,7 +48,11 @@ def fingerprint(cap: Captured) -> str:
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
-    cap = capture(model, args, kwargs)
+    return plan_captured(capture(model, args, kwargs), mesh, opts, t0)
+
+
+def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None) -> Plan:
+    t0 = time.perf_counter() if t0 is None else t0
     infos = annotate(cap.gm)
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
                             batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)

@@ -1,0 +1,23 @@
+"""autopar: an auto-parallelization compiler for PyTorch.
+
+    mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"), device="h100")
+    plan = autopar.plan(model, example_inputs, mesh); print(plan.report())
+    dmodel = autopar.autoparallelize(model, mesh, example_inputs)      # on every rank
+"""
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .api import autoparallelize, plan
+from .errors import AutoparError, CaptureError, InfeasibleError, MeshError, PlanMismatchError, ShardingError
+from .mesh import Mesh
+from .plan import Estimate, Plan
+
+
+def compile_backend(mesh: Mesh, **options):
+    """A `torch.compile` backend that runs the graph with autopar's plan over `mesh`."""
+    from .backend import compile_backend as _cb
+    return _cb(mesh, **options)
+
+
+__all__ = ["Mesh", "Plan", "Estimate", "plan", "autoparallelize", "compile_backend", "AutoparError",
+           "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError", "ShardingError", "Replicate",
+           "Shard", "Partial"]

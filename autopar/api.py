@@ -1,0 +1,64 @@
+"""The public entry points: `plan` (inspect, no cluster needed) and `autoparallelize` (run)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .errors import PlanMismatchError
+from .mesh import Mesh
+from .passes.capture import capture
+from .plan import Plan
+from .planner import PlanOptions, fingerprint, make_plan, plan_captured
+
+
+def _as_tuple(example_inputs) -> tuple:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: dict | None = None,
+         memory_budget: float | None = None, pins: Mapping[str, Sequence[str]] | None = None,
+         batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
+         time_limit: float | None = 60.0) -> Plan:
+    """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
+
+    example_inputs: the global batch (real or meta tensors; the model may be on meta too).
+    memory_budget: bytes per device (default: the device profile's capacity).
+    pins: {"param.fqn or glob": ("S(0)", "R"), "node_name": (...)} fixes those layouts.
+    batch_axes: mesh axes over which inputs arrive already split on dim 0 (a DistributedSampler).
+    sharded_outputs: return outputs as DTensors in their planned layout instead of whole.
+    """
+    opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
+                       sharded_outputs, optimizer, time_limit)
+    return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
+
+
+def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
+                    example_kwargs: dict | None = None, **options):
+    """Return a module that runs `model` over `mesh` on this rank (call on every rank).
+
+    Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree). The user's
+    model is not modified; the returned module holds this rank's parameter shards.
+    """
+    import torch.distributed as dist
+
+    from .runtime.module import DistributedModule
+    device_mesh = mesh.device_mesh()          # validates world size before anything else
+    cap = capture(model, _as_tuple(example_inputs), example_kwargs)
+    if plan is None:
+        plan_opts = PlanOptions(**{k: options[k] for k in options if k in PlanOptions.__dataclass_fields__})
+        chosen = [plan_captured(cap, mesh, plan_opts) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        plan = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_dict(chosen[0])
+    else:
+        check_plan(plan, cap, mesh)
+    return DistributedModule(model, cap, plan, device_mesh)
+
+
+def check_plan(plan: Plan, cap, mesh: Mesh) -> None:
+    if plan.fingerprint != fingerprint(cap):
+        raise PlanMismatchError(f"this plan was made for another graph (fingerprint {plan.fingerprint}, this model "
+                                f"and inputs give {fingerprint(cap)}): re-plan, or pass the same model and input shapes")
+    if list(plan.mesh["shape"]) != list(mesh.shape) or list(plan.mesh["axis_names"]) != list(mesh.axis_names):
+        raise PlanMismatchError(f"this plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
+                                f"not {mesh.shape} {mesh.axis_names}: re-plan for this mesh")

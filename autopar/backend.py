@@ -1,0 +1,70 @@
+"""`torch.compile(model, backend=autopar.compile_backend(mesh))`.
+
+Dynamo hands us the model's graph with parameters lifted to inputs (real `nn.Parameter`s).
+We plan that graph exactly as `autopar.plan` would (parameters are planned, not treated as
+data), rewrite it into the same per-rank DTensor program, and return a callable that runs it.
+
+The user's optimizer keeps stepping the user's own full parameters, so each call enters them
+as whole DTensors and reshards them to their planned layouts; the reshard's backward gathers
+the gradient whole again (all-reduce or all-gather per the plan), so `param.grad` on every
+rank is the full gradient. Compute and activations are distributed as planned; parameter
+memory is not saved in this mode (use `autoparallelize` for sharded parameter storage).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Replicate
+
+from .mesh import Mesh
+from .passes.capture import InputSlot, capture
+from .passes.rewrite import rewrite
+from .placement import parse_layout
+from .plan import Plan
+from .planner import PlanOptions, plan_captured
+from .runtime.module import split_outputs
+from .runtime.reshard import reshard
+
+
+def compile_backend(mesh: Mesh, **options):
+    opts = PlanOptions(**options)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        for i, x in enumerate(example_inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"autopar's compile backend needs static shapes: input {i} is {type(x).__name__}; "
+                                f"use torch.compile(..., dynamic=False)")
+        cap = capture(gm, tuple(example_inputs))
+        users = [name for name, slot in cap.inputs.items() if slot.kind == "input"]
+        for name, x in zip(users, example_inputs):
+            if isinstance(x, torch.nn.Parameter):
+                cap.inputs[name] = InputSlot("param", name)
+                cap.param_names[name] = name
+        if dist.is_initialized():
+            chosen = [plan_captured(cap, mesh, opts) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(chosen, src=0)
+            plan: Plan = chosen[0]
+        else:
+            plan = plan_captured(cap, mesh, opts)
+        device_mesh = mesh.device_mesh()
+        program = rewrite(cap, plan, device_mesh)
+        whole = tuple(Replicate() for _ in device_mesh.shape)
+        layouts = {name: parse_layout(plan.placements[cap.inputs[name].target]) for name in cap.inputs
+                   if cap.inputs[name].kind == "param" and cap.inputs[name].target in plan.placements}
+        names = list(cap.inputs)
+
+        def run(*args):
+            values = []
+            for name, a in zip(names, args):
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+                    a = DTensor.from_local(a, device_mesh, whole, run_check=False)
+                    if name in layouts:
+                        a = reshard(a, layouts[name])
+                values.append(a)
+            return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=None)))
+
+        run.plan = plan
+        return run
+
+    return backend

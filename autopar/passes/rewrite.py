@@ -1,0 +1,81 @@
+"""Rewrite: the captured graph + a Plan -> the per-rank graph that runs the plan.
+
+Every reshard is an explicit `Reshard` node, every op runs through the executor its rule
+names, and (unless outputs stay sharded) outputs are gathered whole. For a row-parallel
+linear the result reads
+
+    reshard_linear_3_0 = self.reshard_linear_3_0(gelu)                    # -> (S(0), S(2))
+    reshard_linear_3_1 = self.reshard_linear_3_1(p_fc2_weight)            # -> (R, S(1))
+    linear_3 = self.op_linear_3(reshard_linear_3_0, reshard_linear_3_1, ...)  # -> (S(0), P)
+    reshard_add_2_1 = self.reshard_add_2_1(linear_3)                      # all-reduce over tp
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..placement import parse_layout
+from ..plan import Plan
+from ..runtime.ops import LocalOp, OpCall, ReplicateOp, ToLocal
+from ..runtime.reshard import Reshard
+from .capture import Captured
+from .shape_prop import tensor_meta
+
+_EXECUTORS = {"dtensor": OpCall, "local": LocalOp, "replicate": ReplicateOp}
+
+
+def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
+    planned = {n.name: n for n in plan.nodes}
+    root = torch.nn.Module()
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    whole = tuple("R" for _ in device_mesh.shape)
+
+    def add_module(name: str, mod: torch.nn.Module, *args, **kwargs) -> fx.Node:
+        root.add_module(name, mod)
+        return g.call_module(name, args, kwargs)
+
+    def is_tensor(a) -> bool:
+        return isinstance(a, fx.Node) and bool(tensor_meta(a.meta.get("val")))
+
+    for node in cap.gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = g.placeholder(node.name)
+            continue
+        if node.op == "output":
+            leaves, spec = pytree.tree_flatten(node.args[0])
+            outs = []
+            for k, a in enumerate(leaves):
+                v = env[a] if isinstance(a, fx.Node) else a
+                if is_tensor(a) and not plan.options.get("sharded_outputs"):
+                    v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)), v)
+                    v = add_module(f"to_local_output_{k}", ToLocal(), v)
+                outs.append(v)
+            g.output(pytree.tree_unflatten(outs, spec))
+            continue
+        np = planned.get(node.name)
+        leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+        new_leaves, slot = [], 0
+        for a in leaves:
+            if not isinstance(a, fx.Node):
+                new_leaves.append(a)
+                continue
+            v = env[a]
+            if is_tensor(a) and np is not None and node.target is not operator.getitem:
+                want = np.inputs[slot]
+                src = planned.get(a.name)
+                if src is None or src.executor == "param" or src.output != want:
+                    v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want)), v)
+                slot += 1
+            new_leaves.append(v)
+        args, kwargs = pytree.tree_unflatten(new_leaves, spec)
+        if np is None or node.target is operator.getitem or np.executor not in _EXECUTORS:
+            env[node] = g.call_function(node.target, args, kwargs)
+        else:
+            mod = _EXECUTORS[np.executor](node.target, parse_layout(np.output), device_mesh)
+            env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
+        env[node].meta = dict(node.meta)
+    return fx.GraphModule(root, g, class_name="AutoparRankGraph")

@@ -1,0 +1,67 @@
+"""`plan.report()`: what was sharded how, what it costs, and what the solver did."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .plan import Plan
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB" if b >= 2**27 else f"{b / 2**20:.2f} MiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def _lay(layout) -> str:
+    return "(" + ", ".join(layout) + ")"
+
+
+def render_report(plan: Plan, *, max_rows: int = 200) -> str:
+    m, est, sol = plan.mesh, plan.estimate, plan.solver
+    axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
+    lines = [f"autopar plan for {plan.model} on mesh ({axes}) of {m['device']}",
+             f"  estimated step: {_ms(est.step_time_s)} = compute {_ms(est.compute_s)} + communication "
+             f"{_ms(est.comm_s)} (forward + backward, no overlap assumed)",
+             f"  peak memory per device: {_gib(est.peak_memory_bytes)} = parameters/grads/optimizer "
+             f"{_gib(est.param_state_bytes)} + activations {_gib(est.activation_bytes)}",
+             "  communication per device per step: " + ", ".join(
+                 f"{ax} {_gib(b)}" for ax, b in est.comm_bytes_per_axis.items()),
+             f"  solver: {sol.solver} {sol.status} in {sol.seconds:.2f} s ({sol.n_variables} variables, "
+             f"{sol.n_constraints} constraints, {sol.n_decisions} decisions for {sol.n_nodes} nodes); "
+             f"planning took {sol.plan_seconds:.2f} s", ""]
+    # parameters, grouped by module
+    lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "):")
+    for fqn, layout in plan.placements.items():
+        lines.append(f"  {fqn:<48} {_lay(layout)}")
+    lines.append("")
+    lines.append("Ops (layout of output; strategy per axis; collectives on the way in):")
+    lines.append(f"  {'node':<28} {'op':<26} {'module':<22} {'output':<16} {'strategy':<24} collectives")
+    rows = 0
+    for n in plan.nodes:
+        if n.executor in ("param", "input"):
+            continue
+        if rows >= max_rows:
+            lines.append(f"  ... {len(plan.nodes) - rows} more nodes")
+            break
+        coll = "; ".join(f"{c.phase[:3]} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
+        tag = " [replicated: no rule]" if n.fallback else ""
+        lines.append(f"  {n.name:<28} {n.op:<26} {n.module[:22]:<22} {_lay(n.output):<16} "
+                     f"{'/'.join(n.labels):<24} {coll}{tag}")
+        rows += 1
+    lines.append("")
+    totals: dict[str, float] = defaultdict(float)
+    for n in plan.nodes:
+        for c in n.collectives:
+            totals[f"{c.phase} {c.kind.split('@')[0]} over {c.kind.split('@')[-1]}"] += c.seconds
+    if totals:
+        lines.append("Communication by collective:")
+        for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {k:<44} {_ms(v)}")
+        lines.append("")
+    if plan.fallbacks:
+        lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
+    else:
+        lines.append("Ops with no sharding rule: none")
+    return "\n".join(lines)

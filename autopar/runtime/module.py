@@ -1,0 +1,111 @@
+"""`DistributedModule`: the user's model, parallelized by a plan, as an nn.Module.
+
+Parameters keep the user's qualified names (so optimizers, state_dict and
+torch.distributed.checkpoint see `blocks.0.attn.qkv.weight`), but each is a DTensor holding
+only this rank's shard in its planned layout. Tied parameters stay one Parameter.
+Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..errors import AutoparError
+from ..passes.capture import Captured
+from ..placement import parse_layout
+from ..plan import Plan
+from ..passes.rewrite import rewrite
+
+
+def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if part not in mod._modules:
+            mod.add_module(part, torch.nn.Module())
+        mod = mod._modules[part]
+    if kind == "param":
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+class DistributedModule(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh):
+        super().__init__()
+        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh}   # plain dict: not a submodule
+        whole = tuple(Replicate() for _ in device_mesh.shape)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        made: dict[str, torch.nn.Parameter] = {}
+        for fqn, canon in cap.param_names.items():
+            if canon not in made:
+                src = params[canon]
+                if src.is_meta:
+                    raise AutoparError(
+                        f"parameter {canon!r} is on the meta device: planning works on meta, but running needs "
+                        f"values; materialise the model (e.g. model.to_empty(device='cpu') and initialise it, or "
+                        f"load a checkpoint) before autoparallelize")
+                layout = parse_layout(plan.placements.get(canon, tuple("R" for _ in device_mesh.shape)))
+                dt = distribute_tensor(src.detach().to(_device(device_mesh)), device_mesh, layout)
+                made[canon] = torch.nn.Parameter(dt, requires_grad=src.requires_grad)
+            _set_path(self, fqn, made[canon], "param")
+        for fqn, buf in model.named_buffers():
+            _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
+        self._whole = whole
+        self._graph = rewrite(cap, plan, device_mesh)
+        batch_axes = plan.options.get("batch_axes") or []
+        self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+
+    @property
+    def plan(self) -> Plan:
+        return self._autopar["plan"]
+
+    @property
+    def graph_module(self):
+        """The per-rank graph, with every reshard and collective explicit (print `.code`)."""
+        return self._graph
+
+    def layout_mismatches(self) -> int:
+        """How many op calls produced a layout other than the planned one (0 when rules agree)."""
+        return sum(getattr(m, "mismatches", 0) for m in self._graph.modules())
+
+    def forward(self, *args, **kwargs):
+        cap, mesh = self._autopar["cap"], self._autopar["mesh"]
+        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        values = []
+        for name, slot in cap.inputs.items():
+            if slot.kind == "param":
+                values.append(self.get_parameter(slot.target))
+            elif slot.kind == "buffer":
+                values.append(DTensor.from_local(self.get_buffer(slot.target), mesh, self._whole, run_check=False))
+            elif slot.kind == "constant":
+                values.append(DTensor.from_local(getattr(cap.gm, slot.target), mesh, self._whole, run_check=False))
+            else:
+                x = leaves[slot.target]
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                    layout = self._input_layout if x.ndim else self._whole
+                    x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
+                values.append(x)
+        return split_outputs(cap, self._graph(*values), buffers=self)
+
+
+def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):
+    """The graph's flat outputs -> the user's output structure; buffer updates written back."""
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    user = []
+    for (kind, target), val in zip(cap.outputs, outs):
+        if kind == "buffer":
+            if buffers is not None:
+                with torch.no_grad():
+                    buffers.get_buffer(target).copy_(val.full_tensor() if isinstance(val, DTensor) else val)
+        else:
+            user.append(val)
+    return pytree.tree_unflatten(user, cap.out_spec)
+
+
+def _device(device_mesh) -> torch.device:
+    if device_mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_mesh.device_type, torch.accelerator.current_device_index()
+                        if hasattr(torch, "accelerator") else torch.cuda.current_device())

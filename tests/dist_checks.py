@@ -1,0 +1,82 @@
+"""Rank functions for the numerics tests: train distributed and single-process, compare.
+
+Each runs on every rank of a pooled gloo job (see rank_pool.py) and returns the worst
+relative differences it saw, so the test asserts in the parent.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import autopar  # noqa: E402
+from models import GPT, MLP, gpt_inputs  # noqa: E402
+
+STEPS = 3
+LR = 1e-2
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = MLP(d_in=16, hidden=32, d_out=8, depth=2)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        return model, (x,), lambda out: (out ** 2).sum()
+    if name == "gpt":
+        model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+        return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
+    raise ValueError(name)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None):
+    model, inputs, loss_fn = build(name)
+    ref = copy.deepcopy(model)
+    mesh = autopar.Mesh(mesh_shape, axis_names, device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    local_inputs = inputs
+    if batch_axes:   # this rank's slice of the batch, as a DistributedSampler would give
+        dm = mesh.device_mesh()
+        n, idx = 1, 0
+        for ax in batch_axes:
+            i = mesh.axis_index(ax)
+            idx = idx * mesh.shape[i] + dm.get_coordinate()[i]
+            n *= mesh.shape[i]
+        local_inputs = tuple(t.chunk(n)[idx] for t in inputs)
+    dmodel = autopar.autoparallelize(model, mesh, inputs, pins=pins, batch_axes=batch_axes)
+    # the user's model is untouched
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    opt = torch.optim.AdamW(dmodel.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        out = dmodel(*local_inputs)
+        if batch_axes:
+            out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        loss = loss_fn(out)
+        loss.backward()
+        ref_loss = loss_fn(ref(*inputs))
+        ref_loss.backward()
+        worst["loss"] = max(worst["loss"], rel(loss.detach(), ref_loss.detach()))
+        if step == 0:
+            params = dict(dmodel.named_parameters())
+            for k, p in ref.named_parameters():
+                worst["grad"] = max(worst["grad"], rel(params[k].grad.full_tensor(), p.grad))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    params = dict(dmodel.named_parameters())
+    for k, p in ref.named_parameters():
+        local = params[k].to_local()
+        assert local.numel() <= p.numel()
+        worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor(), p.detach()))
+    worst["mismatches"] = dmodel.layout_mismatches()
+    worst["placements"] = dict(dmodel.plan.placements)
+    return worst
