@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .cost_model.comm import reshard_cost
 from .cost_model.profiles import DeviceProfile, Link, load_profile
 from .errors import MeshError
 
@@ -81,6 +82,11 @@ class Mesh:
         if name_or_index not in self.axis_names:
             raise MeshError(f"no mesh axis named {name_or_index!r}; axes are {self.axis_names}")
         return self.axis_names.index(name_or_index)
+
+    def reshard_cost(self, shape, itemsize: int, src, dst):
+        """Seconds and bytes to move a tensor between layouts on this mesh (see cost_model.comm)."""
+        return reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
+                            launch_overhead=self.profile.kernel_overhead)
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

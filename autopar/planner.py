@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Replicate
 
-from .cost_model import reshard_cost
 from .errors import InfeasibleError
 from .mesh import Mesh
 from .passes.capture import Captured, capture
@@ -82,12 +81,11 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
         else:
             t = chosen[e.dst]
             b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
-        fwd = reshard_cost(meta.shape, meta.dtype.itemsize, a, b, mesh.shape, mesh.links, mesh.axis_names)
+        fwd = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b)
         legs = [("forward", fwd)]
         needs_grad = meta.dtype.is_floating_point and src.kind != "input"
         if needs_grad:
-            legs.append(("backward", reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a), mesh.shape,
-                                                  mesh.links, mesh.axis_names)))
+            legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a))))
         for phase, rc in legs:
             for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax] += nbytes

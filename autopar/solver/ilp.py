@@ -53,7 +53,7 @@ class StrategyILP:
         self.p = problem
         self.budget = memory_budget
         self.lp = pulp.LpProblem("autopar_strategies", pulp.LpMinimize)
-        self.x = {l: [pulp.LpVariable(f"x_{k}_{i}", cat="Binary") for i in range(problem.n_choices(l))]
+        self.x = {l: [self.lp.add_variable(f"x_{k}_{i}", 0, 1, cat="Binary") for i in range(problem.n_choices(l))]
                   for k, l in enumerate(problem.leaders)}
         self.objective_terms: list = []
         self.add_objective_and_edges()
@@ -86,7 +86,7 @@ class StrategyILP:
             if n_a == 1:
                 terms += [e.cost[0][e.b_of[j]] * v for j, v in enumerate(self.x[dst]) if e.cost[0][e.b_of[j]]]
                 continue
-            y = [[pulp.LpVariable(f"y_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(n_b)] for a in range(n_a)]
+            y = [[self.lp.add_variable(f"y_{k}_{a}_{b}", 0, 1) for b in range(n_b)] for a in range(n_a)]
             for a in range(n_a):
                 self.lp += pulp.lpSum(y[a]) == self.class_sum(src, e.a_of, a), f"B_edge_src_{k}_{a}"
             for b in range(n_b):
@@ -111,8 +111,9 @@ class StrategyILP:
 
     # (D)
     def add_memory(self) -> None:
-        points = range(len(self.p.live.points)) or [-1]
-        for t in (points if len(self.p.live.points) else [-1]):
+        if self.budget == float("inf"):
+            return
+        for t in (range(len(self.p.live.points)) if self.p.live.points else [-1]):
             self.lp += self.memory_expr(t) <= self.budget, f"D_memory_{t}"
 
     def solve(self, time_limit: float | None = None) -> SolveResult:
@@ -141,7 +142,7 @@ class StrategyILP:
 def min_memory(problem: Problem) -> float:
     """The smallest peak per-device memory any plan reaches (ignoring time)."""
     ilp = StrategyILP(problem, memory_budget=float("inf"))
-    z = pulp.LpVariable("peak_bytes", lowBound=0)
+    z = ilp.lp.add_variable("peak_bytes", 0)
     ilp.lp += z
     for t in (range(len(problem.live.points)) if problem.live.points else [-1]):
         ilp.lp += ilp.memory_expr(t) <= z, f"D_peak_{t}"

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..cost_model import backward_time, compute_time, reshard_cost
+from ..cost_model import backward_time, compute_time
 from ..cost_model.memory import Liveness, liveness, param_state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
@@ -202,16 +202,16 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs) -> list[EdgeTable]:
-    shape, links, names = mesh.shape, mesh.links, mesh.axis_names
+    shape = mesh.shape
     edges = []
     cache: dict = {}
 
     def cost(meta: TensorMeta, a, b, ga, gb, grad: bool) -> float:
         key = (meta, a, b, ga, gb, grad)
         if key not in cache:
-            c = reshard_cost(meta.shape, meta.dtype.itemsize, a, b, shape, links, names).seconds
+            c = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
             if grad:
-                c += reshard_cost(meta.shape, meta.dtype.itemsize, gb, ga, shape, links, names).seconds
+                c += mesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, ga).seconds
             cache[key] = c
         return cache[key]
 

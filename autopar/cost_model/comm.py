@@ -1,0 +1,161 @@
+"""Collective and resharding costs over the axes of an N-D mesh (alpha-beta, ring algorithms).
+
+A collective over one mesh axis of n devices, with `nbytes` the FULL buffer on that axis
+(gathered / unreduced size; each device holds nbytes/n of it when sharded), on a Link of
+one-direction bandwidth B and per-step latency alpha:
+
+    all_reduce       2(n-1)/n   * nbytes / B  +  2(n-1) alpha    (reduce-scatter then all-gather)
+    all_gather       (n-1)/n    * nbytes / B  +   (n-1) alpha
+    reduce_scatter   (n-1)/n    * nbytes / B  +   (n-1) alpha
+    all_to_all       (n-1)/n**2 * nbytes / B  +   (n-1) alpha    (each device keeps 1/n of its
+                                                                   nbytes/n local buffer, sends the rest)
+
+The first factor is what each device sends (`collective_bytes_on_wire`). Every cost is 0 for n == 1.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from .profiles import Link
+
+__all__ = ["Collective", "collective_bytes_on_wire", "collective_time", "all_reduce_time", "all_gather_time",
+           "reduce_scatter_time", "all_to_all_time", "ReshardCost", "reshard_cost"]
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+
+def _ring(kind: Collective, n: int) -> tuple[float, int]:
+    """(fraction of the full buffer each device sends, number of latency-bound steps)."""
+    if n < 1:
+        raise ValueError(f"a mesh axis has at least 1 device, got n={n}")
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n, 2 * (n - 1)
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n, n - 1
+    if kind == "all_to_all":
+        return (n - 1) / n ** 2, n - 1
+    raise ValueError(f"unknown collective {kind!r}: use all_reduce, all_gather, reduce_scatter or all_to_all")
+
+
+def collective_bytes_on_wire(kind: Collective, nbytes: float, n: int) -> float:
+    """Bytes each device sends for one collective over n devices on a buffer of full size nbytes."""
+    return _ring(kind, n)[0] * nbytes
+
+
+def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> float:
+    fraction, steps = _ring(kind, n)
+    return fraction * nbytes / link.bandwidth + steps * link.latency
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    return collective_time("all_reduce", nbytes, n, link)
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    return collective_time("all_gather", nbytes, n, link)
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    return collective_time("reduce_scatter", nbytes, n, link)
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    return collective_time("all_to_all", nbytes, n, link)
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardCost:
+    seconds: float
+    bytes_per_axis: tuple[float, ...]     # per-device bytes sent on each mesh axis
+    collectives: tuple[str, ...]          # e.g. ("all_reduce@tp", "all_gather@dp"), in execution order
+
+
+# Phases of a redistribution, run in this order so that collectives see the smallest local tensor:
+# free local slicing first, then reduce-scatters (which shrink it), size-neutral all-to-alls and
+# all-reduces, and the all-gathers (which grow it) last. Within a phase, by an exchange argument on
+# the ring formulas: reduce-scatters on the fastest link first (it carries the biggest tensor),
+# all-gathers on the slowest link first (it carries the smallest); total bytes are the same either way.
+_FREE, _SHRINK, _NEUTRAL, _GROW = range(4)
+_SUM_LIKE = ("sum", "avg")  # P(sum) <-> P(avg) is a local scale by the axis size
+
+
+def _transition(cur: Placement, tgt: Placement) -> tuple[int, Collective | None]:
+    """(phase, collective or None if free) for one mesh axis going from cur to tgt."""
+    if cur == tgt or isinstance(cur, Replicate):            # R -> S(d) slices, R -> P keeps one copy
+        return _FREE, None
+    if isinstance(cur, Partial):
+        if isinstance(tgt, Shard):
+            return _SHRINK, "reduce_scatter"
+        if isinstance(tgt, Partial) and cur.reduce_op in _SUM_LIKE and tgt.reduce_op in _SUM_LIKE:
+            return _FREE, None
+        return _NEUTRAL, "all_reduce"                        # -> R, or -> P(other op) via R
+    if isinstance(tgt, Shard):
+        return _NEUTRAL, "all_to_all"                        # S(d) -> S(d')
+    return _GROW, "all_gather"                               # S(d) -> R, or -> P via R (rare)
+
+
+def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Placement], sizes: Sequence[int]) -> float:
+    """Bytes of the largest local chunk (uneven shards are padded to it, as DTensor's collectives do)."""
+    s = list(shape)
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard):
+            s[p.dim] = -(-s[p.dim] // n)
+    return float(math.prod(s) * itemsize)
+
+
+def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
+                 axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
+                 launch_overhead: float = 0.0) -> ReshardCost:
+    """Cost of redistributing a tensor from layout `src` to `dst` (one placement per mesh axis).
+
+    Axis by axis as DTensor's redistribute does, in the byte-minimising order above; the rewrite
+    should issue the collectives in the order listed. Shard dims must be normalised (>= 0).
+    Collectives on different axes are charged one after another (no overlap). Works the same for
+    gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
+    collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
+    that move the same bytes).
+    """
+    k = len(axis_sizes)
+    if not len(src) == len(dst) == len(axis_links) == len(axis_names) == k:
+        raise ValueError(f"reshard_cost: src {tuple(src)}, dst {tuple(dst)}, axis_sizes, axis_links and "
+                         f"axis_names must all have one entry per mesh axis ({k})")
+    for p in (*src, *dst):
+        if isinstance(p, Shard) and not 0 <= p.dim < len(global_shape):
+            raise ValueError(f"reshard_cost: {p} does not fit a tensor of shape {tuple(global_shape)}")
+        if not isinstance(p, (Shard, Replicate, Partial)):
+            raise ValueError(f"reshard_cost: unknown placement {p!r}")
+    rc = _reshard_cost(tuple(global_shape), itemsize, tuple(src), tuple(dst), tuple(axis_sizes),
+                       tuple(axis_links), tuple(axis_names))
+    if launch_overhead and rc.collectives:
+        rc = ReshardCost(rc.seconds + launch_overhead * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
+    return rc
+
+
+@lru_cache(maxsize=1 << 16)  # pure function, called for every (edge, strategy pair) by the planner
+def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], dst: tuple[Placement, ...],
+                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
+    steps = []
+    for i, (a, b) in enumerate(zip(src, dst)):
+        phase, kind = _transition(a, b)
+        order = links[i].bandwidth if phase == _GROW else -links[i].bandwidth
+        steps.append((phase, order, i, kind))
+    cur = list(src)
+    seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
+    for _, _, i, kind in sorted(steps):
+        before = _local_bytes(shape, itemsize, cur, sizes)
+        cur[i] = dst[i]
+        if kind is None or sizes[i] == 1:
+            continue
+        after = _local_bytes(shape, itemsize, cur, sizes)
+        full = before if kind == "all_reduce" else sizes[i] * min(before, after)
+        seconds += collective_time(kind, full, sizes[i], links[i])
+        sent[i] += collective_bytes_on_wire(kind, full, sizes[i])
+        names_out.append(f"{kind}@{names[i]}")
+    return ReshardCost(seconds, tuple(sent), tuple(names_out))

@@ -1,0 +1,125 @@
+"""Device profiles: the hardware figures every cost is computed from, one JSON file per device.
+
+A profile is data, per device: peak FLOP/s per dtype, memory bandwidth and capacity, three
+links (host PCIe, intra-node NVLink-class, inter-node InfiniBand-class per device), and the
+efficiencies that turn peaks into achieved rates. The shipped files (`profiles/*.json`) cite
+where each figure comes from in their `_notes`; `autopar calibrate` will write measured ones
+in the same format, and `load_profile` reads either.
+
+    >>> load_profile("h100").flops_for(torch.bfloat16)
+    989000000000000.0
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+__all__ = ["Link", "DeviceProfile", "load_profile", "save_profile", "known_profiles", "PROFILE_DIR"]
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+PEAK_KEYS = ("float32", "tf32", "bfloat16", "float16")
+# float32 maps to "float32", not "tf32": PyTorch leaves TF32 matmuls off by default
+# (torch.backends.cuda.matmul.allow_tf32 = False), so an fp32 matmul runs at the fp32 rate.
+_DTYPE_KEYS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    bandwidth: float   # bytes/s per device, one direction (what a ring collective's per-step transfer sees)
+    latency: float     # seconds per message (alpha), charged once per ring step
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise ValueError(f"{self!r}: bandwidth must be > 0 and latency >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    name: str
+    device_type: str                  # "cuda" or "cpu"
+    backend: str                      # "nccl" or "gloo"
+    # dtype key -> dense FLOP/s; hash=False because a mapping is unhashable (equality still compares it)
+    peak_flops: Mapping[str, float] = field(hash=False)
+    memory_bandwidth: float           # bytes/s
+    memory_capacity: float            # bytes
+    host_link: Link                   # PCIe to host memory (offload)
+    intra_node: Link                  # NVLink-class
+    inter_node: Link                  # InfiniBand-class, per device
+    devices_per_node: int
+    matmul_efficiency: float          # fraction of peak a large well-shaped matmul reaches
+    memory_efficiency: float          # fraction of memory bandwidth a streaming kernel reaches
+    matmul_ramp_time: float           # seconds a matmul loses to filling the device (small-matmul curve)
+    kernel_overhead: float            # seconds of fixed cost per kernel (dispatch + launch)
+    source: str                       # where the figures come from
+
+    def __post_init__(self) -> None:
+        peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
+        object.__setattr__(self, "peak_flops", peaks)
+        if "float32" not in peaks or any(not v > 0 for v in peaks.values()):
+            raise ValueError(f"profile {self.name!r}: peak_flops needs a positive 'float32' entry, got {dict(peaks)}")
+        for f in ("memory_bandwidth", "memory_capacity", "devices_per_node"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"profile {self.name!r}: {f} must be > 0")
+        for f in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
+        if self.matmul_ramp_time < 0 or self.kernel_overhead < 0:
+            raise ValueError(f"profile {self.name!r}: matmul_ramp_time and kernel_overhead must be >= 0")
+
+    def __reduce__(self):  # a mappingproxy does not pickle; rebuild from plain data (pickle, deepcopy)
+        return _from_dict, (_to_dict(self),)
+
+    def flops_for(self, dtype: torch.dtype) -> float:
+        """Dense peak FLOP/s for `dtype`; dtypes without an entry (float64, integers) use the float32 rate."""
+        return self.peak_flops.get(_DTYPE_KEYS.get(dtype, "float32"), self.peak_flops["float32"])
+
+
+def known_profiles() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+
+
+def _from_dict(d: Mapping[str, Any], origin: str = "<dict>") -> DeviceProfile:
+    # Keys starting with "_" are documentation (the shipped files cite their figures there).
+    d = {k: v for k, v in d.items() if not k.startswith("_")}
+    names = {f.name for f in fields(DeviceProfile)}
+    unknown, missing = set(d) - names, names - set(d)
+    if unknown or missing:
+        raise ValueError(f"profile {origin}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    for k in ("host_link", "intra_node", "inter_node"):
+        d[k] = Link(**d[k])
+    return DeviceProfile(**d)
+
+
+def _to_dict(p: DeviceProfile) -> dict[str, Any]:
+    d = {f.name: getattr(p, f.name) for f in fields(DeviceProfile)}
+    d["peak_flops"] = dict(p.peak_flops)
+    for k in ("host_link", "intra_node", "inter_node"):
+        d[k] = {"bandwidth": d[k].bandwidth, "latency": d[k].latency}
+    return d
+
+
+def load_profile(name_or_path: str | Path | DeviceProfile) -> DeviceProfile:
+    """A shipped profile by name ("a100", "h100", "h200", "cpu"; any case), a JSON file, or a profile as is."""
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
+    if isinstance(name_or_path, str) and name_or_path.lower() in known_profiles():
+        path = PROFILE_DIR / f"{name_or_path.lower()}.json"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"unknown device profile {str(name_or_path)!r}: use one of "
+                             f"{', '.join(known_profiles())} or the path of a profile JSON file")
+    return _from_dict(json.loads(path.read_text()), str(path))
+
+
+def save_profile(profile: DeviceProfile, path: str | Path) -> Path:
+    """Write `profile` as JSON that `load_profile(path)` reads back equal."""
+    path = Path(path)
+    path.write_text(json.dumps(_to_dict(profile), indent=2) + "\n")
+    return path

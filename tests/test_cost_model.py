@@ -1,0 +1,225 @@
+"""Cost model: profiles, roofline, collectives and resharding, checked against hand-derived numbers."""
+import copy
+import dataclasses
+import json
+import pickle
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.cost_model import (Link, all_gather_time, all_reduce_time, all_to_all_time,
+                                backward_time, collective_bytes_on_wire, compute_time, known_profiles,
+                                load_profile, matmul_efficiency_at, reduce_scatter_time, reshard_cost,
+                                save_profile)
+
+R, S, P = Replicate(), Shard, Partial()
+NVLINK = Link(bandwidth=300e9, latency=2e-6)
+SLOW = Link(bandwidth=25e9, latency=10e-6)
+
+
+# -- profiles ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a100", "h100", "h200", "cpu"])
+def test_every_shipped_profile_loads(name):
+    p = load_profile(name.upper())
+    assert p.name == name and p == load_profile(name) and hash(p) == hash(load_profile(name))
+    assert p.inter_node.bandwidth <= p.intra_node.bandwidth
+    assert p.flops_for(torch.bfloat16) >= p.flops_for(torch.float32) > 0
+    assert p.memory_capacity > 10 * 2**30
+
+
+def test_known_profiles_and_datasheet_figures():
+    assert set(known_profiles()) == {"a100", "h100", "h200", "cpu"}
+    a100, h100, h200 = load_profile("a100"), load_profile("h100"), load_profile("h200")
+    assert a100.flops_for(torch.bfloat16) == 312e12
+    assert a100.flops_for(torch.float32) == 19.5e12          # fp32 is not silently tf32
+    assert a100.flops_for(torch.float64) == 19.5e12          # no entry: falls back to fp32
+    assert h100.flops_for(torch.float16) == 989e12 and h100.memory_bandwidth == 3.35e12
+    assert h200.flops_for(torch.bfloat16) == h100.flops_for(torch.bfloat16) and h200.memory_bandwidth == 4.8e12
+    assert h200.memory_capacity > 1.7 * h100.memory_capacity
+
+
+def test_unknown_profile_lists_known_names():
+    with pytest.raises(ValueError, match="a100, cpu, h100, h200"):
+        load_profile("tpu-v9")
+
+
+def test_profile_is_frozen_and_read_only():
+    p = load_profile("h100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.memory_bandwidth = 1.0
+    with pytest.raises(TypeError):
+        p.peak_flops["bfloat16"] = 1.0
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = dataclasses.replace(load_profile("a100"), name="my-a100", memory_bandwidth=1.9e12,
+                            intra_node=Link(250e9, 3e-6))
+    path = save_profile(p, tmp_path / "my.json")
+    q = load_profile(path)
+    assert q == p and q.intra_node == Link(250e9, 3e-6) and dict(q.peak_flops) == dict(p.peak_flops)
+    assert load_profile(str(path)) == p and load_profile(p) is p
+
+
+def test_profile_pickles_and_deep_copies():
+    p = load_profile("h100")
+    assert pickle.loads(pickle.dumps(p)) == p and copy.deepcopy(p) == p
+
+
+def test_profile_json_rejects_unknown_keys(tmp_path):
+    d = json.loads(save_profile(load_profile("cpu"), tmp_path / "c.json").read_text())
+    d["memory_bandwith"] = 1.0   # a typo must not be ignored
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="memory_bandwith"):
+        load_profile(tmp_path / "bad.json")
+
+
+# -- roofline ------------------------------------------------------------------------------
+def test_roofline_memory_bound_op():
+    h100 = load_profile("h100")
+    t = compute_time(1e6, 1e9, torch.bfloat16, h100, is_matmul=False)
+    assert t == pytest.approx(1e9 / (3.35e12 * 0.9) + 5e-6)
+
+
+def test_roofline_compute_bound_matmul():
+    h100 = load_profile("h100")
+    flops = 1e15
+    eff = 0.8 * flops / (flops + 2.8e-6 * 989e12 * 0.8)
+    t = compute_time(flops, 1e6, torch.bfloat16, h100, is_matmul=True)
+    assert t == pytest.approx(flops / (989e12 * eff) + 5e-6)
+    assert t == pytest.approx(flops / (989e12 * 0.8) + 2.8e-6 + 5e-6)   # ideal + ramp + launch
+    # fp32 matmul runs at the fp32 (not tensor-core bf16) peak, with the same ramp in seconds
+    t32 = compute_time(flops, 1e6, torch.float32, h100, is_matmul=True)
+    assert t32 == pytest.approx(flops / (67e12 * 0.8) + 2.8e-6 + 5e-6)
+
+
+def test_roofline_picks_the_larger_term():
+    p = load_profile("a100")
+    flops, nbytes = 1e12, 1e10
+    t_c = compute_time(flops, 0, torch.bfloat16, p, is_matmul=True)
+    t_m = compute_time(0, nbytes, torch.bfloat16, p, is_matmul=True)
+    assert compute_time(flops, nbytes, torch.bfloat16, p, is_matmul=True) == pytest.approx(max(t_c, t_m))
+    assert t_c != pytest.approx(t_m)
+
+
+def test_pointwise_flops_use_vector_rate_not_tensor_cores():
+    p = load_profile("a100")
+    t = compute_time(1e12, 0, torch.bfloat16, p, is_matmul=False)
+    assert t == pytest.approx(1e12 / (19.5e12 * 0.5) + 5e-6)
+
+
+def test_view_costs_nothing():
+    assert compute_time(0, 0, torch.float32, load_profile("h100"), is_matmul=False) == 0.0
+
+
+def test_small_matmul_efficiency_curve_is_monotone():
+    p = load_profile("h100")
+    sizes = [2 * n**3 for n in (16, 64, 256, 1024, 4096, 16384)]
+    effs = [matmul_efficiency_at(f, torch.bfloat16, p) for f in sizes]
+    assert all(a < b for a, b in zip(effs, effs[1:]))
+    assert effs[0] < 0.01 and effs[-1] == pytest.approx(0.8, rel=1e-3)
+    # half efficiency at 2.8 us * 989 TFLOP/s * 0.8 = 2.2 GFLOP, about a 1040^3 bf16 matmul
+    assert matmul_efficiency_at(2.8e-6 * 989e12 * 0.8, torch.bfloat16, p) == pytest.approx(0.4)
+    assert matmul_efficiency_at(2 * 1040**3, torch.bfloat16, p) == pytest.approx(0.4, rel=0.02)
+
+
+def test_backward_factors():
+    assert backward_time(1.5, is_matmul=True) == 3.0
+    assert backward_time(1.5, is_matmul=False) == 1.5
+
+
+# -- collectives ---------------------------------------------------------------------------
+def test_all_reduce_8_devices_1GB_nvlink():
+    expected = 2 * 7 / 8 * 1e9 / 300e9 + 2 * 7 * 2e-6
+    assert all_reduce_time(1e9, 8, NVLINK) == pytest.approx(expected)
+    assert expected == pytest.approx(5.8613e-3, rel=1e-4)
+
+
+def test_gather_scatter_all_to_all_formulas():
+    assert all_gather_time(1e9, 8, NVLINK) == pytest.approx(7 / 8 * 1e9 / 300e9 + 7 * 2e-6)
+    assert reduce_scatter_time(1e9, 8, NVLINK) == all_gather_time(1e9, 8, NVLINK)
+    assert all_to_all_time(1e9, 8, NVLINK) == pytest.approx(7 / 64 * 1e9 / 300e9 + 7 * 2e-6)
+    assert collective_bytes_on_wire("all_reduce", 1e9, 4) == 1.5e9
+    assert collective_bytes_on_wire("all_gather", 1e9, 4) == 0.75e9
+    assert collective_bytes_on_wire("all_to_all", 1e9, 4) == pytest.approx(3 / 16 * 1e9)
+    with pytest.raises(ValueError):
+        collective_bytes_on_wire("broadcast", 1e9, 4)
+
+
+@pytest.mark.parametrize("fn", [all_reduce_time, all_gather_time, reduce_scatter_time, all_to_all_time])
+def test_one_device_collective_is_free(fn):
+    assert fn(1e9, 1, NVLINK) == 0.0
+
+
+# -- resharding ----------------------------------------------------------------------------
+SHAPE, ITEM = (1024, 2048), 4
+B = 1024 * 2048 * 4   # 8 MiB
+
+
+def cost(src, dst, sizes=(2, 4), links=(NVLINK, SLOW), names=("dp", "tp")):
+    return reshard_cost(SHAPE, ITEM, src, dst, sizes, links, names)
+
+
+def test_identical_placements_are_free():
+    for layout in [(R, R), (S(0), S(1)), (P, S(0)), (Partial("avg"), R)]:
+        rc = cost(layout, layout)
+        assert rc.seconds == 0.0 and rc.bytes_per_axis == (0.0, 0.0) and rc.collectives == ()
+
+
+def test_local_transitions_are_free():
+    assert cost((R, R), (S(0), S(1))).seconds == 0.0       # R -> S slices locally
+    assert cost((R, R), (P, R)).seconds == 0.0             # R -> P keeps one copy
+    assert cost((P, R), (Partial("avg"), R)).seconds == 0.0
+
+
+def test_shard_to_replicate_is_an_all_gather_of_the_full_bytes():
+    rc = reshard_cost(SHAPE, ITEM, [S(0)], [R], [4], [NVLINK], ["tp"])
+    assert rc.seconds == pytest.approx(all_gather_time(B, 4, NVLINK))
+    assert rc.bytes_per_axis == (0.75 * B,) and rc.collectives == ("all_gather@tp",)
+
+
+def test_2d_gather_runs_the_slow_axis_first_on_the_small_tensor():
+    rc = cost((S(0), S(1)), (R, R))
+    # tp (4 devices, 25 GB/s) first: gathers B/2 from chunks of B/8; then dp (2, 300 GB/s): gathers B.
+    t_tp = 3 / 4 * (B / 2) / 25e9 + 3 * 10e-6
+    t_dp = 1 / 2 * B / 300e9 + 1 * 2e-6
+    assert rc.collectives == ("all_gather@tp", "all_gather@dp")
+    assert rc.seconds == pytest.approx(t_tp + t_dp) == pytest.approx(1.7181e-4, rel=1e-4)
+    assert rc.bytes_per_axis == (B / 2, 3 / 8 * B)
+    other_order = (1 / 2 * (B / 4) / 300e9 + 2e-6) + (3 / 4 * B / 25e9 + 3 * 10e-6)
+    assert rc.seconds < other_order
+
+
+def test_partial_to_replicate_charges_only_the_partial_axis():
+    rc = reshard_cost(SHAPE, ITEM, (P, S(0)), (R, S(0)), (2, 2), (NVLINK, NVLINK), ("a", "b"))
+    assert rc.seconds == pytest.approx(all_reduce_time(B / 2, 2, NVLINK))
+    assert rc.bytes_per_axis == (B / 2, 0.0) and rc.collectives == ("all_reduce@a",)
+
+
+def test_shrinking_collectives_run_before_growing_ones():
+    # dp: S(0) -> R grows; tp: P -> S(0) shrinks. Reduce-scatter on tp first (B/2 -> B/8 local),
+    # then the dp all-gather moves B/8-chunks (B/4 full) instead of B/2-chunks.
+    rc = cost((S(0), P), (R, S(0)))
+    t_rs = reduce_scatter_time(B / 2, 4, SLOW)
+    t_ag = all_gather_time(B / 4, 2, NVLINK)
+    assert rc.collectives == ("reduce_scatter@tp", "all_gather@dp")
+    assert rc.seconds == pytest.approx(t_rs + t_ag)
+    assert rc.seconds < all_gather_time(B, 2, NVLINK) + reduce_scatter_time(B, 4, SLOW)
+
+
+def test_shard_to_other_dim_is_an_all_to_all():
+    rc = reshard_cost(SHAPE, ITEM, [S(0)], [S(1)], [4], [NVLINK], ["tp"])
+    assert rc.seconds == pytest.approx(all_to_all_time(B, 4, NVLINK))
+    assert rc.collectives == ("all_to_all@tp",)
+
+
+def test_size_one_axis_is_free():
+    rc = cost((P, S(0)), (R, R), sizes=(1, 4))
+    assert rc.collectives == ("all_gather@tp",) and rc.bytes_per_axis[0] == 0.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one entry per mesh axis"):
+        reshard_cost(SHAPE, ITEM, (R,), (R, R), (2, 4), (NVLINK, SLOW), ("dp", "tp"))
+    with pytest.raises(ValueError, match="does not fit"):
+        cost((S(2), R), (R, R))

@@ -1,0 +1,81 @@
+"""Bad input gets an error that names the cause, and the user's model is left as it was."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import autopar  # noqa: E402
+from models import MLP  # noqa: E402
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:   # data-dependent Python branch: not capturable
+            return y * 2
+        return y
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model, snap):
+    return all(torch.equal(snap[k], v) for k, v in model.state_dict().items())
+
+
+def test_uncapturable_model_names_the_line():
+    model = DataDependent()
+    snap = _snapshot(model)
+    with pytest.raises(autopar.CaptureError) as e:
+        autopar.plan(model, (torch.randn(2, 4),), autopar.Mesh((2,), ("dp",)))
+    msg = str(e.value)
+    assert "DataDependent" in msg and "test_errors.py" in msg and "y.sum().item() > 0" in msg
+    assert _same(model, snap)
+
+
+def test_dimension_that_cannot_be_split():
+    model = MLP(d_in=6, hidden=6, d_out=6, depth=1)
+    snap = _snapshot(model)
+    with pytest.raises(autopar.ShardingError) as e:
+        autopar.plan(model, (torch.randn(4, 6),), autopar.Mesh((4,), ("tp",)),
+                     pins={"layers.0.weight": ("S(0)",)})
+    msg = str(e.value)
+    assert "layers.0.weight" in msg and "'tp'" in msg and "size 6" in msg
+    assert _same(model, snap)
+
+
+def test_pin_that_matches_nothing():
+    with pytest.raises(autopar.ShardingError, match="no_such.weight"):
+        autopar.plan(MLP(), (torch.randn(4, 16),), autopar.Mesh((2,), ("dp",)), pins={"no_such.weight": ("R",)})
+
+
+def test_bad_mesh_descriptions():
+    with pytest.raises(autopar.MeshError, match="axis names"):
+        autopar.Mesh((2, 2), ("dp",))
+    with pytest.raises(autopar.MeshError, match="unknown|known"):
+        autopar.Mesh((2,), ("dp",), device="tpu-v9")
+
+
+def _world_mismatch(rank, world_size):
+    model = MLP()
+    try:
+        autopar.autoparallelize(model, autopar.Mesh((2, 4), ("dp", "tp"), device="cpu"), (torch.randn(8, 16),))
+    except autopar.MeshError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mesh_size_not_world_size(rank_pool):
+    msgs = rank_pool(4).run(_world_mismatch)
+    assert all("8 devices" in m and "world size 4" in m for m in msgs), msgs
