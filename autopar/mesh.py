@@ -132,5 +132,13 @@ class Mesh:
             raise MeshError(f"mesh {self.shape} has {self.size} devices but the job has world size {world}: "
                             f"launch {self.size} processes (torchrun --nproc-per-node ...) or change the mesh shape")
         device_type = "cpu" if dist.get_backend() == "gloo" else self.profile.device_type
-        self._device_mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axis_names)
+        # one DeviceMesh (and its process groups) per shape per job: creating groups is collective
+        # and costly, and plans for the same mesh should share them
+        key = (id(dist.group.WORLD), device_type, self.shape, self.axis_names)
+        if key not in _DEVICE_MESHES:
+            _DEVICE_MESHES[key] = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axis_names)
+        self._device_mesh = _DEVICE_MESHES[key]
         return self._device_mesh
+
+
+_DEVICE_MESHES: dict = {}

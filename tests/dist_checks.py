@@ -17,7 +17,8 @@ import autopar  # noqa: E402
 from models import GPT, MLP, gpt_inputs  # noqa: E402
 
 STEPS = 3
-LR = 1e-2
+WELL_POSED = 1e-3   # |grad| above this fraction of the tensor's largest: see train_and_compare
+LR = 1e-3   # a typical AdamW rate; Adam normalises steps, so float reordering differences scale with it
 
 
 def build(name: str):
@@ -32,6 +33,18 @@ def build(name: str):
     raise ValueError(name)
 
 
+def shard_happy_profile():
+    """A device whose compute is slow and links free: the solver then splits everything it can,
+    so the solver-chosen plans of these small models exercise real sharding, not replication."""
+    from dataclasses import replace
+
+    from autopar.cost_model import Link, load_profile
+    base = load_profile("cpu")
+    free = Link(1e15, 0.0)
+    return replace(base, name="test-shard-happy", peak_flops={k: 1e6 for k in base.peak_flops},
+                   memory_bandwidth=1e6, intra_node=free, inter_node=free, kernel_overhead=0.0)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
@@ -39,7 +52,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None):
     model, inputs, loss_fn = build(name)
     ref = copy.deepcopy(model)
-    mesh = autopar.Mesh(mesh_shape, axis_names, device="cpu")
+    mesh = autopar.Mesh(mesh_shape, axis_names, device="cpu" if pins else shard_happy_profile())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     local_inputs = inputs
     if batch_axes:   # this rank's slice of the batch, as a DistributedSampler would give
@@ -68,15 +81,24 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
         worst["loss"] = max(worst["loss"], rel(loss.detach(), ref_loss.detach()))
         if step == 0:
             params = dict(dmodel.named_parameters())
+            well_posed = {}
             for k, p in ref.named_parameters():
                 worst["grad"] = max(worst["grad"], rel(params[k].grad.full_tensor(), p.grad))
+                # Elements whose true gradient is zero (e.g. attention's key bias: softmax ignores
+                # it) get float noise as gradient in any run; AdamW normalises that noise to a full
+                # +-lr step of random sign. Parameters are compared where the gradient is signal.
+                well_posed[k] = p.grad.abs() > WELL_POSED * p.grad.abs().max()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     params = dict(dmodel.named_parameters())
     for k, p in ref.named_parameters():
         local = params[k].to_local()
         assert local.numel() <= p.numel()
-        worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor(), p.detach()))
+        mask = well_posed[k]
+        worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[mask], p.detach()[mask]))
+        worst["ill_posed_elements"] = worst.get("ill_posed_elements", 0) + int((~mask).sum())
     worst["mismatches"] = dmodel.layout_mismatches()
     worst["placements"] = dict(dmodel.plan.placements)
+    worst["sharded_nodes"] = sum(1 for n in dmodel.plan.nodes if n.executor not in ("param", "input", "output")
+                                 and any(p != "R" for p in n.output))
     return worst

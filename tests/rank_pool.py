@@ -55,25 +55,15 @@ def _worker(rank, world_size, init_file, conn, parent_pid):
             break
         try:
             fn, args = pickle.loads(msg)
-            try:
-                # Plain pickle (not multiprocessing's tensor-in-shared-memory reducers):
-                # results are copied, so nothing ties them to this process.
-                reply = ("ok", pickle.dumps(fn(rank, world_size, *args)))
-            finally:
-                _drop_subgroups()  # every task starts with the world group only
+            # Plain pickle (not multiprocessing's tensor-in-shared-memory reducers):
+            # results are copied, so nothing ties them to this process. Process groups made by
+            # a task stay: autopar caches one DeviceMesh per mesh shape, so they are reused.
+            reply = ("ok", pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:
             reply = ("error", traceback.format_exc())
         conn.send(reply)
     dist.destroy_process_group()
     conn.close()
-
-
-def _drop_subgroups():
-    """Destroy the groups a task made (e.g. by init_device_mesh): each costs ~15 fds per rank."""
-    world = dist.group.WORLD
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        if pg is not world:
-            dist.destroy_process_group(pg)
 
 
 class RankPool:

@@ -20,6 +20,9 @@ TP_PINS_GPT = {"blocks.*.attn.qkv.*": ("R", "S(0)"), "blocks.*.fc.*": ("R", "S(0
 TWO_D_PINS_MLP = {"layers.*.weight": ("S(0)", "S(1)"), "head.weight": ("S(1)", "S(0)")}
 TWO_D_PINS_GPT = {"blocks.*.fc.weight": ("S(0)", "S(1)"), "blocks.*.fc2.weight": ("S(1)", "S(0)"),
                   "blocks.*.attn.qkv.weight": ("S(0)", "S(1)")}
+# 3-D: batch over dp, MLP weights split over tp x sp (column over one, rows over the other).
+THREE_D_PINS_GPT = {"blocks.*.fc.weight": ("R", "S(0)", "S(1)"), "blocks.*.fc2.weight": ("R", "S(1)", "S(0)"),
+                    "wte.weight": ("R", "R", "S(1)")}
 
 CASES = [
     ("mlp", (4,), ("dp",), None),
@@ -32,6 +35,7 @@ CASES = [
     ("gpt", (2, 2, 2), ("dp", "tp", "sp"), None),
     ("gpt", (2, 2), ("dp", "tp"), TP_PINS_GPT),
     ("gpt", (2, 2), ("dp", "tp"), TWO_D_PINS_GPT),
+    ("gpt", (2, 2, 2), ("dp", "tp", "sp"), THREE_D_PINS_GPT),
 ]
 
 
@@ -47,6 +51,7 @@ def test_matches_single_process(rank_pool, name, shape, axes, pins):
     for key in ("loss", "grad", "param"):
         assert max(x[key] for x in results) < TOL, (key, r)
     assert all(x["mismatches"] == 0 for x in results), r
+    assert r["sharded_nodes"] > 0, "the plan must actually shard something"
     if pins:
         for pat, lay in pins.items():
             import fnmatch

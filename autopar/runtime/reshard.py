@@ -39,6 +39,11 @@ def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
         if any(coord[i] != 0 for i in to_partial):
             local = torch.zeros_like(local)
         y = DTensor.from_local(local, x.device_mesh, layout, run_check=False)
+    local = y.to_local()
+    if not local.is_contiguous():
+        # chunking a non-leading dim (gloo's all-to-all fallback) leaves strided shards, which
+        # later views, forward or backward, cannot take
+        y = DTensor.from_local(local.contiguous(), y.device_mesh, layout, run_check=False)
     return y
 
 

@@ -22,8 +22,6 @@ def broadcast_options(ins, out, label="split") -> list[AxisOption]:
     return opts
 
 
-_BINARY_LINEAR = (aten.add, aten.sub)
-
 _POINTWISE = (
     aten.add, aten.sub, aten.mul, aten.div, aten.pow, aten.neg, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.abs, aten.sin, aten.cos, aten.clamp,
@@ -38,11 +36,9 @@ _POINTWISE = (
 def pointwise_rule(node, ins, outs):
     if not outs:
         return []
-    opts = broadcast_options(ins, outs[0])
-    if node.target.overloadpacket in _BINARY_LINEAR and len(ins) == 2 and all(
-            t.shape == outs[0].shape for t in ins):
-        opts.append(AxisOption((P, P), P, "partial"))   # a sum of partial sums stays partial
-    return opts
+    # No Partial pass-through (P + P -> P): Megatron-style plans reduce before the residual add,
+    # and the extra option would multiply every residual edge of the ILP by 5/4 per mesh axis.
+    return broadcast_options(ins, outs[0])
 
 
 @register(aten.dropout, aten.native_dropout, family="pointwise")
