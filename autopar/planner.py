@@ -114,7 +114,7 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
             executor, op = "input", f"input {d.fqn}"
         else:
             rule = rule_for(node.target)
-            executor = "replicate" if rule is None else rule.executor
+            executor = "replicate" if rule is None else "local"
             op = op_name(node.target)
         nodes.append(NodePlan(node.name, op, _module_path(node), tuple(layout_str(i) for i in s.inputs),
                               layout_str(s.output), tuple(s.labels) or tuple("-" for _ in mesh.shape), executor,

@@ -52,7 +52,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None):
     model, inputs, loss_fn = build(name)
     ref = copy.deepcopy(model)
-    mesh = autopar.Mesh(mesh_shape, axis_names, device="cpu" if pins else shard_happy_profile())
+    mesh = autopar.Mesh(mesh_shape, axis_names, device=shard_happy_profile())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     local_inputs = inputs
     if batch_axes:   # this rank's slice of the batch, as a DistributedSampler would give
@@ -97,8 +97,8 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
         mask = well_posed[k]
         worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[mask], p.detach()[mask]))
         worst["ill_posed_elements"] = worst.get("ill_posed_elements", 0) + int((~mask).sum())
-    worst["mismatches"] = dmodel.layout_mismatches()
     worst["placements"] = dict(dmodel.plan.placements)
+    worst["labels"] = sorted({lab for n in dmodel.plan.nodes for lab in n.labels})
     worst["sharded_nodes"] = sum(1 for n in dmodel.plan.nodes if n.executor not in ("param", "input", "output")
                                  and any(p != "R" for p in n.output))
     return worst

@@ -50,8 +50,9 @@ def test_matches_single_process(rank_pool, name, shape, axes, pins):
     r = results[0]
     for key in ("loss", "grad", "param"):
         assert max(x[key] for x in results) < TOL, (key, r)
-    assert all(x["mismatches"] == 0 for x in results), r
     assert r["sharded_nodes"] > 0, "the plan must actually shard something"
+    if pins in (TP_PINS_GPT, TP_PINS_MLP):
+        assert {"column", "row"} <= set(r["labels"]), r["labels"]
     if pins:
         for pat, lay in pins.items():
             import fnmatch

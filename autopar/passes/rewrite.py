@@ -1,7 +1,7 @@
 """Rewrite: the captured graph + a Plan -> the per-rank graph that runs the plan.
 
-Every reshard is an explicit `Reshard` node, every op runs through the executor its rule
-names, and (unless outputs stay sharded) outputs are gathered whole. For a row-parallel
+Every reshard is an explicit `Reshard` node, every op runs on local shards (`LocalOp`), or
+whole if no rule knows it (`ReplicateOp`), and (unless outputs stay sharded) outputs are gathered whole. For a row-parallel
 linear the result reads
 
     reshard_linear_3_0 = self.reshard_linear_3_0(gelu)                    # -> (S(0), S(2))
@@ -19,12 +19,12 @@ import torch.utils._pytree as pytree
 
 from ..placement import parse_layout
 from ..plan import Plan
-from ..runtime.ops import LocalOp, OpCall, ReplicateOp, ToLocal
+from ..runtime.ops import LocalOp, ReplicateOp, ToLocal
 from ..runtime.reshard import Reshard
 from .capture import Captured
 from .shape_prop import tensor_meta
 
-_EXECUTORS = {"dtensor": OpCall, "local": LocalOp, "replicate": ReplicateOp}
+_EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp}
 
 
 def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
@@ -75,7 +75,9 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
         if np is None or node.target is operator.getitem or np.executor not in _EXECUTORS:
             env[node] = g.call_function(node.target, args, kwargs)
         else:
-            mod = _EXECUTORS[np.executor](node.target, parse_layout(np.output), device_mesh)
+            metas = tensor_meta(node.meta.get("val"))
+            mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
+                                          device_mesh, metas[0].shape if metas else None)
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")

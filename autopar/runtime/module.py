@@ -66,10 +66,6 @@ class DistributedModule(torch.nn.Module):
         """The per-rank graph, with every reshard and collective explicit (print `.code`)."""
         return self._graph
 
-    def layout_mismatches(self) -> int:
-        """How many op calls produced a layout other than the planned one (0 when rules agree)."""
-        return sum(getattr(m, "mismatches", 0) for m in self._graph.modules())
-
     def forward(self, *args, **kwargs):
         cap, mesh = self._autopar["cap"], self._autopar["mesh"]
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))

@@ -1,107 +1,120 @@
-"""How a planned op runs on DTensors: through DTensor, on local shards, or replicated."""
+"""How a planned op runs: on each device's local shards, exactly as the plan's strategy says.
+
+A strategy (from the op's rule) states the layout of every input and of the output; the
+rule is what proves that running the op on local shards yields that output layout. So an op
+runs as plain PyTorch on local tensors, with three adjustments:
+
+* shape arguments (view/reshape/expand sizes) become the local output shape;
+* each input's gradient leaves in the layout the strategy implies: a Partial input gets a whole
+  gradient, a Replicate input used by work split over an axis gets a partial sum over it
+  (a weight under data parallelism), a Shard input a shard;
+* an output that is a partial *average* (a mean over a split batch) passes 1/n of the gradient to
+  each device, since each device's term enters the whole with weight 1/n.
+
+DTensor is used for what it is best at: storing shards and moving them (`Reshard`).
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..placement import layout_str
-from .reshard import reshard
+from ..placement import layout_str, local_shape
+from .reshard import grad_layout, reshard, to_layout
+
+aten = torch.ops.aten
+_SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1}
+# a local shard can be strided where the global tensor was not (a transposed shard): reshape is
+# view where it can be and copies where it must, with the same gradient
+_RESHAPE_FOR = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def _wrap_plain(out, mesh, layout):
-    """Factory ops return plain tensors: they are whole on every device."""
-    return pytree.tree_map(
-        lambda t: DTensor.from_local(t, mesh, tuple(Replicate() for _ in layout), run_check=False)
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
+def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:
+    """Per input, the layout of its gradient under this strategy (see module docstring)."""
+    n = len(output)
+    parallel = [not (isinstance(output[a], Replicate) and all(isinstance(i[a], Replicate) for i in inputs))
+                for a in range(n)]
+    out = []
+    for lay in inputs:
+        out.append(tuple(Replicate() if isinstance(p, Partial) else
+                         Partial() if isinstance(p, Replicate) and parallel[a] else p for a, p in enumerate(lay)))
+    return out
 
 
-_RESHAPE_FOR = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
-                torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
-
-
-class OpCall(torch.nn.Module):
-    """Runs the op through DTensor on inputs already in their planned layouts.
-
-    `mismatches` counts calls whose output layout differed from the plan (DTensor chose
-    another rule): results stay correct, the consumer's reshard absorbs the difference."""
-
-    def __init__(self, target, layout: Sequence[Placement], mesh):
-        super().__init__()
-        # a local shard may be non-contiguous where the global tensor is not: reshape copies then
-        target = _RESHAPE_FOR.get(target, target)
-        self.target, self.layout, self.mesh = target, tuple(layout), mesh
-        self.mismatches = 0
-
-    def forward(self, *args, **kwargs):
-        out = _wrap_plain(self.target(*args, **kwargs), self.mesh, self.layout)
-        out = pytree.tree_map(lambda t: _ContiguousGrad.apply(t) if isinstance(t, DTensor) and t.requires_grad
-                              else t, out)
-        first = next((t for t in pytree.tree_leaves(out) if isinstance(t, DTensor)), None)
-        if first is not None and tuple(first.placements) != self.layout:
-            self.mismatches += 1
-        return out
-
-    def extra_repr(self) -> str:
-        return f"{self.target} -> {', '.join(layout_str(self.layout))}"
-
-
-def contiguous_local(t):
-    """t with a contiguous local tensor. DTensor reports the *global* strides, so a DTensor whose
-    local shard is strided (a transpose's gradient, gloo's all-to-all fallback) looks contiguous,
-    and the next `reshape` takes the view path and fails on the shard."""
-    if isinstance(t, DTensor):
-        local = t._local_tensor
-        if local.is_contiguous():
-            return t
-        return DTensor.from_local(local.contiguous(), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return t if t is None or t.is_contiguous() else t.contiguous()
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a gradient with a contiguous local tensor."""
-
+class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        return x.view_as(x)
+    def forward(ctx, x: DTensor, grad_layout: tuple):  # type: ignore[override]
+        ctx.meta = (x.device_mesh, grad_layout, x.shape, x.stride())
+        return x.to_local().view_as(x.to_local())
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return contiguous_local(grad)
+        mesh, layout, shape, stride = ctx.meta
+        return DTensor.from_local(grad.contiguous(), mesh, layout, run_check=False, shape=shape, stride=stride), None
 
 
-def _to_local(t):
-    return _ContiguousGrad.apply(t.to_local()) if isinstance(t, DTensor) else t
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh, layout: tuple):  # type: ignore[override]
+        ctx.layout = layout
+        ctx.avg_scale = 1.0
+        for p, n in zip(layout, mesh.shape):
+            if isinstance(p, Partial) and p.reduce_op == "avg":
+                ctx.avg_scale /= n
+        return DTensor.from_local(t, mesh, layout, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        local = to_layout(grad, grad_layout(ctx.layout)).to_local()
+        if ctx.avg_scale != 1.0:
+            local = local * ctx.avg_scale
+        return local.contiguous(), None, None
 
 
 class LocalOp(torch.nn.Module):
-    """Runs the op on each device's local shards (the rule proves the op is shard-local)."""
+    """`out = self.op_x(*inputs)`: the op on local shards; inputs arrive in the planned layouts."""
 
-    def __init__(self, target, layout: Sequence[Placement], mesh):
+    def __init__(self, target, inputs: Sequence[tuple], output: Sequence[Placement], mesh,
+                 global_shape: tuple[int, ...] | None = None):
         super().__init__()
-        self.target, self.layout, self.mesh = target, tuple(layout), mesh
+        self.target, self.mesh = _RESHAPE_FOR.get(target, target), mesh
+        self.output = tuple(output)
+        self.grad_layouts = input_grad_layouts([tuple(i) for i in inputs], self.output)
+        self.shape_arg = _SHAPE_ARG.get(self.target)
+        self.local_out_shape = (local_shape(global_shape, self.output, mesh.shape)
+                                if global_shape is not None and self.shape_arg is not None else None)
+
+    def _localize(self, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        k = 0
+        for i, a in enumerate(leaves):
+            if isinstance(a, DTensor):
+                leaves[i] = _ToLocal.apply(a, self.grad_layouts[k])
+                k += 1
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        if self.local_out_shape is not None:
+            args = list(args)
+            args[self.shape_arg] = list(self.local_out_shape)
+        return args, kwargs
 
     def forward(self, *args, **kwargs):
-        args, kwargs = pytree.tree_map(_to_local, (args, kwargs))
+        args, kwargs = self._localize(args, kwargs)
         out = self.target(*args, **kwargs)
-        # gradients enter and leave the local op contiguous (fused kernels' backwards view them)
-        return pytree.tree_map(lambda t: DTensor.from_local(_ContiguousGrad.apply(t), self.mesh, self.layout,
-                                                            run_check=False)
+        return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output)
                                if isinstance(t, torch.Tensor) else t, out)
 
     def extra_repr(self) -> str:
-        return f"{self.target} on local shards -> {', '.join(layout_str(self.layout))}"
+        return f"{self.target} -> {', '.join(layout_str(self.output))}"
 
 
 class ReplicateOp(LocalOp):
     """An op no rule knows: every input gathered whole, run as on one device (the safe fallback)."""
 
     def forward(self, *args, **kwargs):
-        whole = tuple(Replicate() for _ in self.layout)
+        whole = tuple(Replicate() for _ in self.output)
         args, kwargs = pytree.tree_map(lambda t: reshard(t, whole) if isinstance(t, DTensor) else t, (args, kwargs))
         return super().forward(*args, **kwargs)
 

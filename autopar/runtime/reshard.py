@@ -7,8 +7,9 @@ receives a partial-sum gradient from its matmul, and only an explicit reshard on
 into the op turns that into the all-reduce (or, for a sharded weight, the reduce-scatter)
 that data parallelism needs before the optimizer sees it.
 
-DTensor refuses `Replicate -> Partial`; we do it here exactly: the coordinate-0 device keeps
-the value and the others hold zeros, so the partial sum equals the original bit for bit.
+DTensor refuses `Replicate -> Partial`; we do it here exactly: for a partial sum the
+coordinate-0 device keeps the value and the others hold zeros, so the sum equals the original
+bit for bit; for a partial average every device keeps the value.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
     if to_partial:
         local = y.to_local()
         coord = x.device_mesh.get_coordinate()
-        if any(coord[i] != 0 for i in to_partial):
+        if any(coord[i] != 0 and layout[i].reduce_op == "sum" for i in to_partial):
             local = torch.zeros_like(local)
         y = DTensor.from_local(local, x.device_mesh, layout, run_check=False)
     local = y.to_local()

@@ -37,12 +37,9 @@ def embedding_rule(node, ins, outs):
     return opts
 
 
-@register(aten.scaled_dot_product_attention, family="attention", executor="local")
+@register(aten.scaled_dot_product_attention, family="attention")
 def sdpa_rule(node, ins, outs):
-    """Attention is independent per (batch, head): split dims 0 and 1 of q, k, v (and the mask).
-
-    Runs on local shards: DTensor has no CPU flash-attention rule, and none is needed.
-    """
+    """Attention is independent per (batch, head): split dims 0 and 1 of q, k, v (and the mask)."""
     q = ins[0]
     opts = []
     for d in range(q.ndim - 2):

@@ -11,9 +11,8 @@ op. For `aten.linear` (x[..., K] @ w[N, K]^T) they are
 and `strategy.py` combines per-axis options into N-D strategies. Registering rules per op
 with a decorator follows DTensor's `_ops/` layout; the all-replicate option is implicit.
 
-`executor` says how the op runs on sharded tensors: "dtensor" (DTensor's dispatch runs it on
-the planned placements) or "local" (our rule proves the op is shard-local: run it on the
-local shards; used where DTensor has no rule, e.g. CPU flash attention).
+Every option is a promise that running the op on the local shards gives the output layout
+stated (the runtime relies on it: `runtime/ops.py`); the numerics tests hold rules to it.
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ RuleFn = Callable[[fx.Node, Sequence[TensorMeta], Sequence[TensorMeta]], list[Ax
 class OpRule:
     fn: RuleFn
     family: str              # "matmul", "pointwise", "view", "norm", "reduction", ...
-    executor: str = "dtensor"
     saves_inputs: bool = True    # are the inputs kept alive for the backward?
     is_view: bool = False        # output aliases the input (no new memory)
     follower: bool = False       # one tensor input, strategy implied by it: merged into its producer
@@ -50,12 +48,12 @@ class OpRule:
 RULES: dict[object, OpRule] = {}
 
 
-def register(*targets, family: str, executor: str = "dtensor", saves_inputs: bool = True,
+def register(*targets, family: str, saves_inputs: bool = True,
              is_view: bool = False, follower: bool = False):
     """Register `fn` as the rule of every op in `targets` (OpOverloadPackets or Python callables)."""
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
-            RULES[t] = OpRule(fn, family, executor, saves_inputs, is_view, follower)
+            RULES[t] = OpRule(fn, family, saves_inputs, is_view, follower)
         return fn
     return deco
 

@@ -59,15 +59,8 @@ def view_rule(node, ins, outs):
     return [o for o in _mapped(ins, outs, dmap)]
 
 
-@register(aten.contiguous, family="view", executor="local", saves_inputs=False, is_view=True, follower=True)
-def contiguous_rule(node, ins, outs):
-    """Layout-preserving; runs on local shards because a DTensor's own strides describe the global
-    tensor, so DTensor may skip the copy a transposed local shard needs."""
-    return _mapped(ins, outs, {d: d for d in range(ins[0].ndim) if ins[0].shape[d] > 1})
-
-
 @register(aten.transpose, aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.expand,
-          aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy,
+          aten.contiguous, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy,
           family="view", saves_inputs=False, is_view=True, follower=True)
 def permute_rule(node, ins, outs):
     src, dst = ins[0], outs[0]
