@@ -29,6 +29,7 @@ from .runtime.reshard import reshard
 
 def compile_backend(mesh: Mesh, **options):
     opts = PlanOptions(**options)
+    plans: list[Plan] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         for i, x in enumerate(example_inputs):
@@ -64,7 +65,8 @@ def compile_backend(mesh: Mesh, **options):
                 values.append(a)
             return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=None)))
 
-        run.plan = plan
+        plans.append(plan)
         return run
 
+    backend.plans = plans      # one per compiled graph, for inspection (`backend.plans[0].report()`)
     return backend

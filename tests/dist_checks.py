@@ -45,6 +45,13 @@ def shard_happy_profile():
                    memory_bandwidth=1e6, intra_node=free, inter_node=free, kernel_overhead=0.0)
 
 
+def well_posed_elements(grad: torch.Tensor) -> torch.Tensor:
+    """Elements whose gradient is signal, not float noise. Where the true gradient is zero (the
+    attention key bias: softmax ignores it) any run gets rounding noise as gradient, and AdamW
+    normalises that noise into a full +-lr step of random sign; parameters are compared elsewhere."""
+    return grad.abs() > WELL_POSED * grad.abs().max()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
@@ -84,10 +91,7 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
             well_posed = {}
             for k, p in ref.named_parameters():
                 worst["grad"] = max(worst["grad"], rel(params[k].grad.full_tensor(), p.grad))
-                # Elements whose true gradient is zero (e.g. attention's key bias: softmax ignores
-                # it) get float noise as gradient in any run; AdamW normalises that noise to a full
-                # +-lr step of random sign. Parameters are compared where the gradient is signal.
-                well_posed[k] = p.grad.abs() > WELL_POSED * p.grad.abs().max()
+                well_posed[k] = well_posed_elements(p.grad)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     params = dict(dmodel.named_parameters())
@@ -101,4 +105,39 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     worst["labels"] = sorted({lab for n in dmodel.plan.nodes for lab in n.labels})
     worst["sharded_nodes"] = sum(1 for n in dmodel.plan.nodes if n.executor not in ("param", "input", "output")
                                  and any(p != "R" for p in n.output))
+    return worst
+
+
+def compile_and_compare(rank, world_size, name, mesh_shape, axis_names):
+    """torch.compile with autopar's backend trains like the single-process model."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    model, inputs, loss_fn = build(name)
+    ref = copy.deepcopy(model)
+    mesh = autopar.Mesh(mesh_shape, axis_names, device=shard_happy_profile())
+    backend = autopar.compile_backend(mesh)
+    compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        loss = loss_fn(compiled(*inputs))
+        loss.backward()
+        ref_loss = loss_fn(ref(*inputs))
+        ref_loss.backward()
+        worst["loss"] = max(worst["loss"], rel(loss.detach(), ref_loss.detach()))
+        if step == 0:
+            mine = dict(model.named_parameters())
+            for k, p in ref.named_parameters():
+                worst["grad"] = max(worst["grad"], rel(mine[k].grad, p.grad))
+            well_posed = {k: well_posed_elements(p.grad) for k, p in ref.named_parameters()}
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    mine = dict(model.named_parameters())
+    for k, p in ref.named_parameters():
+        mask = well_posed[k]
+        worst["param"] = max(worst["param"], rel(mine[k].detach()[mask], p.detach()[mask]))
+    worst["plans"] = len(backend.plans)
+    worst["sharded_nodes"] = sum(1 for plan in backend.plans for n in plan.nodes
+                                 if n.executor not in ("param", "input", "output") and any(p != "R" for p in n.output))
     return worst
