@@ -18,7 +18,18 @@ def _lay(layout) -> str:
     return "(" + ", ".join(layout) + ")"
 
 
-def render_report(plan: Plan, *, max_rows: int = 200) -> str:
+def _groups(plan: Plan):
+    """Op nodes grouped by module path, in order of first appearance (graph outputs last)."""
+    groups: dict[str, list] = {}
+    for n in plan.nodes:
+        if n.executor in ("param", "input"):
+            continue
+        key = "(graph outputs)" if n.executor == "output" else (n.module or "(top level)")
+        groups.setdefault(key, []).append(n)
+    return groups.items()
+
+
+def render_report(plan: Plan, *, detail: bool = False) -> str:
     m, est, sol = plan.mesh, plan.estimate, plan.solver
     axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
     lines = [f"autopar plan for {plan.model} on mesh ({axes}) of {m['device']}",
@@ -36,20 +47,29 @@ def render_report(plan: Plan, *, max_rows: int = 200) -> str:
     for fqn, layout in plan.placements.items():
         lines.append(f"  {fqn:<48} {_lay(layout)}")
     lines.append("")
-    lines.append("Ops (layout of output; strategy per axis; collectives on the way in):")
-    lines.append(f"  {'node':<28} {'op':<26} {'module':<22} {'output':<16} {'strategy':<24} collectives")
-    rows = 0
-    for n in plan.nodes:
-        if n.executor in ("param", "input"):
-            continue
-        if rows >= max_rows:
-            lines.append(f"  ... {len(plan.nodes) - rows} more nodes")
-            break
-        coll = "; ".join(f"{c.phase[:3]} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
-        tag = " [replicated: no rule]" if n.fallback else ""
-        lines.append(f"  {n.name:<28} {n.op:<26} {n.module[:22]:<22} {_lay(n.output):<16} "
-                     f"{'/'.join(n.labels):<24} {coll}{tag}")
-        rows += 1
+    lines.append("Layers (ops grouped by the module they come from; layout of the group's output; strategy "
+                 "per mesh axis of its heaviest op; collectives on the way in, forward + backward):")
+    lines.append(f"  {'module':<26} {'ops':>4} {'compute':>10}  {'output':<16} {'strategy':<22} collectives")
+    for module, group in _groups(plan):
+        heavy = max(group, key=lambda n: n.compute_s)
+        coll: dict[str, float] = defaultdict(float)
+        for n in group:
+            for c in n.collectives:
+                coll[c.kind] += c.seconds
+        colls = ", ".join(f"{k} {_ms(v)}" for k, v in coll.items())
+        tag = " [replicated: no rule]" if any(n.fallback for n in group) else ""
+        lines.append(f"  {module[:26]:<26} {len(group):>4} {_ms(sum(n.compute_s for n in group)):>10}  "
+                     f"{_lay(group[-1].output):<16} {'/'.join(heavy.labels)[:22]:<22} {colls}{tag}")
+    if detail:
+        lines.append("")
+        lines.append("Ops (layout of output; strategy per axis; collectives on the way in):")
+        lines.append(f"  {'node':<28} {'op':<26} {'output':<16} {'strategy':<24} collectives")
+        for n in plan.nodes:
+            if n.executor in ("param", "input"):
+                continue
+            coll = "; ".join(f"{c.phase[:3]} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
+            tag = " [replicated: no rule]" if n.fallback else ""
+            lines.append(f"  {n.name:<28} {n.op:<26} {_lay(n.output):<16} {'/'.join(n.labels):<24} {coll}{tag}")
     lines.append("")
     totals: dict[str, float] = defaultdict(float)
     for n in plan.nodes:

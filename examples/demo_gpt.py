@@ -8,6 +8,7 @@ single-process copy and prints both loss curves, which must agree.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
 
@@ -22,12 +23,15 @@ STEPS = 5
 
 
 def main() -> None:
+    # DTensor notes every multi-axis gather it splits in two; the plan already prices that
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = GPT(vocab=128, seq=32, hidden=64, heads=4, layers=2)
+    model = GPT(vocab=512, seq=128, hidden=256, heads=8, layers=2)
     reference = copy.deepcopy(model)
-    batches = [gpt_inputs(batch=8, seq=32, vocab=128, seed=s) for s in range(STEPS)]
+    batches = [gpt_inputs(batch=16, seq=128, vocab=512, seed=s) for s in range(STEPS)]
     mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"), device="cpu")
 
     plan = autopar.plan(model, batches[0], mesh)
@@ -37,7 +41,7 @@ def main() -> None:
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     if rank == 0:
-        print(f"{'step':>4} {'autopar (4 ranks)':>18} {'single process':>15} {'difference':>11}")
+        print(f"{'step':>4} {'autopar (4 ranks)':>18} {'single process':>15} {'rel. diff':>11}")
     worst = 0.0
     for step, batch in enumerate(batches):
         loss = dmodel(*batch)
@@ -48,14 +52,14 @@ def main() -> None:
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        diff = abs(loss.item() - ref_loss.item())
+        diff = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         worst = max(worst, diff)
         if rank == 0:
             print(f"{step:>4} {loss.item():>18.6f} {ref_loss.item():>15.6f} {diff:>11.2e}", flush=True)
     if rank == 0:
-        print(f"\nlosses agree with the single-process run to {worst:.1e} ({'OK' if worst < 1e-4 else 'MISMATCH'})")
+        print(f"\nlosses agree with the single-process run to {worst:.1e} ({'OK' if worst < 1e-5 else 'MISMATCH'})")
     dist.destroy_process_group()
-    if worst >= 1e-4:
+    if worst >= 1e-5:
         sys.exit(1)
 
 
