@@ -1,0 +1,59 @@
+"""Planning time and peak memory for a 1.3B GPT (24 layers, hidden 2048) built on the meta device.
+
+    python benchmarks/bench_plan_gpt.py [--layers 24] [--hidden 2048] [--mesh 8,8] [--device h100]
+
+Prints one JSON line: wall time split into capture / strategies+costs / solve, peak RSS, ILP size,
+and the plan's estimate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import autopar  # noqa: E402
+from models import GPT  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=51200)
+    ap.add_argument("--mesh", default="8,8")
+    ap.add_argument("--device", default="h100")
+    ap.add_argument("--time-limit", type=float, default=600)
+    a = ap.parse_args(argv)
+    shape = tuple(int(s) for s in a.mesh.split(","))
+    names = ("dp", "tp", "pp", "sp")[:len(shape)]
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(vocab=a.vocab, seq=a.seq, hidden=a.hidden, heads=a.heads, layers=a.layers)
+        idx = torch.zeros(a.batch, a.seq, dtype=torch.long)
+    n_params = sum(p.numel() for p in model.parameters())
+    plan = autopar.plan(model, (idx, idx), autopar.Mesh(shape, names, device=a.device), time_limit=a.time_limit)
+    wall = time.perf_counter() - t0
+    out = {"model": f"GPT {n_params / 1e9:.2f}B ({a.layers} layers, hidden {a.hidden})", "mesh": shape,
+           "device": a.device, "wall_s": round(wall, 2), "solve_s": round(plan.solver.seconds, 2),
+           "plan_s": round(plan.solver.plan_seconds, 2),
+           "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,
+           "decisions": plan.solver.n_decisions, "nodes": plan.solver.n_nodes, "status": plan.solver.status,
+           "step_time_ms": round(plan.estimate.step_time_s * 1e3, 2),
+           "peak_memory_gib": round(plan.estimate.peak_memory_bytes / 2**30, 2),
+           "placements_sample": {k: v for k, v in list(plan.placements.items())[2:8]}}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
