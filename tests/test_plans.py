@@ -100,3 +100,26 @@ def test_plan_round_trips_through_json(tmp_path):
     assert "wte.weight" in plan.placements and "lm_head.weight" not in plan.placements  # tied: one entry
     text = plan.report()
     assert "estimated step" in text and "wte.weight" in text and "Ops with no sharding rule: none" in text
+
+
+class _AddChain(torch.nn.Module):
+    """Ten `+ w` in a row: a sum keeps nothing for the backward, so only neighbours coexist."""
+
+    def __init__(self, n=1024):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n, n))
+
+    def forward(self, x):
+        for _ in range(10):
+            x = x + self.w
+        return x
+
+
+def test_peak_memory_comes_from_liveness():
+    n = 1024
+    plan = autopar.plan(_AddChain(n), (torch.zeros(n, n),), autopar.Mesh((1,), ("x",), device="h100"))
+    act = n * n * 4
+    state = 4 * act                              # w, its grad, two AdamW moments
+    assert plan.estimate.param_state_bytes == state
+    # at most the input's successor and the next result live at once (the input itself is data)
+    assert plan.estimate.peak_memory_bytes == state + 2 * act

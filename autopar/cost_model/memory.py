@@ -31,6 +31,7 @@ class Liveness:
     owners: tuple[str, ...]                     # nodes that allocate their output (views excluded)
     points: tuple[tuple[str, ...], ...]         # live owners at each checked position
     point_names: tuple[str, ...]                # the node at which each point is taken
+    positions: tuple[int, ...]                  # forward position of each point (index into `nodes`)
 
 
 def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Mapping[str, bool],
@@ -66,10 +67,11 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
     owners = tuple(sorted(end, key=lambda o: pos[o]))
     frees = sorted({end[o] for o in owners if end[o] < last})
     checks = frees + [last]
-    points, names = [], []
+    points, names, where = [], [], []
     for t in checks:
         live = tuple(o for o in owners if pos[o] <= t <= end[o])
         if live:
             points.append(live)
             names.append(nodes[min(t, last - 1)].name)
-    return Liveness(owners, tuple(points), tuple(names))
+            where.append(t)
+    return Liveness(owners, tuple(points), tuple(names), tuple(where))

@@ -56,6 +56,11 @@ class EdgeTable:
     a_of: list[int]                    # leader(src) choice -> source layout class
     b_of: list[int]                    # leader(dst) choice -> destination class (one entry for "output")
     cost: list[list[float]]            # [a][b] seconds
+    saved: list[list[float]]           # [a][b] bytes of a resharded copy the consumer keeps for backward
+    dst_pos: int = -1                  # consumer's position in the forward (for liveness)
+
+    def at(self, a: int, b: int, which: str = "cost") -> float:
+        return getattr(self, which)[a][b]
 
 
 @dataclass(slots=True)
@@ -193,15 +198,18 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
                             f"use parameter names as in model.named_parameters() (glob patterns allowed)")
-    edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs)
+    edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves)
     order = [n.name for n in nodes if n.name in decisions]
     op_nodes = [n for n in nodes if n.name in decisions and decisions[n.name].kind == "op"]
     live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes])
+    op_pos = {n.name: i for i, n in enumerate(op_nodes)}
+    for e in edges:
+        e.dst_pos = op_pos.get(e.dst, len(op_nodes))
     leaders = [n for n in order if decisions[n].leader == n]
     return Problem(mesh, order, decisions, leaders, edges, live, fallbacks)
 
 
-def _edges(cap, infos, mesh, decisions, ng, sharded_outputs) -> list[EdgeTable]:
+def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
     shape = mesh.shape
     edges = []
     cache: dict = {}
@@ -248,7 +256,12 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs) -> list[EdgeTable]:
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             table = [[cost(meta, a, b, grad_layout_out(a), gb, grad) for (b, gb) in b_keys] for a in a_keys]
-            edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table))
+            # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
+            # stored sharded and gathered whole for use): that copy lives until the backward
+            keeps = slot is not None and grad and saves.get(node.name, True)
+            saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
+                     for a in a_keys]
+            edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved))
     return edges
 
 

@@ -22,8 +22,11 @@ def broadcast_options(ins, out, label="split") -> list[AxisOption]:
     return opts
 
 
+# the gradient of a sum needs neither operand: nothing is kept for the backward
+_LINEAR = (aten.add, aten.sub, aten.neg)
+
 _POINTWISE = (
-    aten.add, aten.sub, aten.mul, aten.div, aten.pow, aten.neg, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
+    aten.mul, aten.div, aten.pow, aten.exp, aten.log, aten.sqrt, aten.rsqrt,
     aten.tanh, aten.sigmoid, aten.relu, aten.gelu, aten.silu, aten.abs, aten.sin, aten.cos, aten.clamp,
     aten.where, aten.masked_fill, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
     aten.maximum, aten.minimum, aten.reciprocal, aten.erf, aten.square, aten.bitwise_and, aten.bitwise_or,
@@ -32,6 +35,7 @@ _POINTWISE = (
 )
 
 
+@register(*_LINEAR, family="pointwise", saves_inputs=False)
 @register(*_POINTWISE, family="pointwise", saves_inputs=True)
 def pointwise_rule(node, ins, outs):
     if not outs:

@@ -1,0 +1,55 @@
+"""Mesh: N-D descriptions, links per axis from where the axis's devices sit."""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.cost_model import load_profile
+
+
+def test_axes_inside_and_across_nodes():
+    # 8 GPUs per node, row-major ranks: the last axis varies fastest
+    mesh = autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")
+    prof = load_profile("h100")
+    scopes = [a.scope for a in mesh.axes]
+    assert scopes == ["inter-node", "inter-node", "intra-node"]
+    assert mesh.axes[2].link == prof.intra_node and mesh.axes[0].link == prof.inter_node
+    assert mesh.size == 1024 and mesh.ndim == 3
+
+
+def test_hierarchical_axis():
+    # an axis of 4 with stride 4 spans two nodes of 8: partly NVLink, bounded by the network
+    mesh = autopar.Mesh((4, 4), ("a", "b"), device="a100")
+    assert [a.scope for a in mesh.axes] == ["hierarchical", "intra-node"]
+
+
+def test_mesh_round_trip_and_lookup():
+    mesh = autopar.Mesh((2, 2, 2), ("dp", "tp", "sp"), device="cpu")
+    assert mesh.to_dict() == {"shape": [2, 2, 2], "axis_names": ["dp", "tp", "sp"], "device": "cpu"}
+    assert mesh.axis_index("sp") == 2
+    with pytest.raises(autopar.MeshError, match="no mesh axis named 'ep'"):
+        mesh.axis_index("ep")
+    assert "dp=2" in mesh.describe()
+
+
+def test_reshard_cost_on_mesh_counts_launches():
+    mesh = autopar.Mesh((8,), ("tp",), device="h100")
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    ar = mesh.reshard_cost((1024, 1024), 4, (Partial(),), (Replicate(),))
+    rs = mesh.reshard_cost((1024, 1024), 4, (Partial(),), (Shard(0),))
+    ag = mesh.reshard_cost((1024, 1024), 4, (Shard(0),), (Replicate(),))
+    assert ar.collectives == ("all_reduce@tp",)
+    # same bytes and ring steps, one more kernel launch
+    assert rs.seconds + ag.seconds == pytest.approx(ar.seconds + mesh.profile.kernel_overhead)
+
+
+def _from_device_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = autopar.Mesh.from_device_mesh(dm)
+    return mesh.shape, mesh.axis_names, mesh.profile.name, mesh.device_mesh() is dm
+
+
+def test_from_device_mesh(rank_pool):
+    for shape, names, prof, same in rank_pool(4).run(_from_device_mesh):
+        assert shape == (2, 2) and names == ("dp", "tp") and prof == "cpu" and same
