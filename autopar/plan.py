@@ -52,13 +52,20 @@ class NodePlan:
 class SolverInfo:
     solver: str
     status: str
-    seconds: float
     n_variables: int
     n_constraints: int
     objective_s: float
-    n_decisions: int
+    n_decisions: int              # decisions in the graph
     n_nodes: int
-    plan_seconds: float = 0.0         # capture + strategies + costs + solve
+    n_shared: int = 0             # decisions that share a repeated layer's variables
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Wall seconds of this planning run: kept out of the JSON so that a plan is a pure function of
+    model, mesh and options (byte-identical when re-planned)."""
+    solve_s: float = 0.0
+    total_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -73,6 +80,7 @@ class Plan:
     solver: SolverInfo
     fallbacks: list[str] = field(default_factory=list)   # "node (op)" replicated because no rule knows the op
     version: int = PLAN_FORMAT_VERSION
+    timings: Timings = field(default_factory=Timings, compare=False)
 
     # -- lookups -------------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -103,7 +111,9 @@ class Plan:
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("timings")
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)

@@ -14,7 +14,7 @@ from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
-from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo
+from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo, Timings
 from .solver.ilp import evaluate, solve
 from .solver.problem import Problem, build_problem, grad_layout_in, grad_layout_out
 from .strategies import op_name, rule_for
@@ -58,9 +58,9 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     result = solve(problem, budget, opts.time_limit)
     plan = assemble(cap, problem, result.choice, mesh, opts)
-    plan.solver = SolverInfo(result.solver, result.status, result.seconds, result.n_variables, result.n_constraints,
-                             result.objective, len(problem.leaders), len(problem.order),
-                             time.perf_counter() - t0)
+    plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
+                             result.objective, len(problem.leaders), len(problem.order), len(problem.rep))
+    plan.timings = Timings(result.seconds, time.perf_counter() - t0)
     return plan
 
 
@@ -121,7 +121,7 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
                               d.compute_s[choice[d.leader]], tuple(collectives.get(node.name, ())), d.fallback))
     fallbacks = [f"{n} ({op_name(by_name[n].target)})" for n in problem.fallbacks]
     return Plan(cap.model_name, fingerprint(cap), mesh.to_dict(), opts.to_dict(), nodes, placements, estimate,
-                SolverInfo("none", "unsolved", 0.0, 0, 0, compute + comm, len(problem.leaders), len(problem.order)),
+                SolverInfo("none", "unsolved", 0, 0, compute + comm, len(problem.leaders), len(problem.order)),
                 fallbacks)
 
 

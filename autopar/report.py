@@ -39,9 +39,10 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
              f"{_gib(est.param_state_bytes)} + activations {_gib(est.activation_bytes)}",
              "  communication per device per step: " + ", ".join(
                  f"{ax} {_gib(b)}" for ax, b in est.comm_bytes_per_axis.items()),
-             f"  solver: {sol.solver} {sol.status} in {sol.seconds:.2f} s ({sol.n_variables} variables, "
-             f"{sol.n_constraints} constraints, {sol.n_decisions} decisions for {sol.n_nodes} nodes); "
-             f"planning took {sol.plan_seconds:.2f} s", ""]
+             f"  solver: {sol.solver} {sol.status} in {plan.timings.solve_s:.2f} s ({sol.n_variables} variables, "
+             f"{sol.n_constraints} constraints; {sol.n_decisions} decisions for {sol.n_nodes} nodes, "
+             f"{sol.n_shared} of them sharing a repeated layer's variables); "
+             f"planning took {plan.timings.total_s:.2f} s", ""]
     # parameters, grouped by module
     lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "):")
     for fqn, layout in plan.placements.items():

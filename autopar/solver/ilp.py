@@ -8,9 +8,9 @@ classes a and destination classes b; liveness points t.
     (A) one_choice[l]:     sum_i x[l,i] = 1
     (B) edge_src[e,a]:     sum_b y[e,a,b] = sum_{i: a_e(i) = a} x[src(e), i]
     (C) edge_dst[e,b]:     sum_a y[e,a,b] = sum_{j: b_e(j) = b} x[dst(e), j]
-    (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i]
-                           + sum_{e: pos(dst e) <= t} sum_{a,b} K_e[a,b] y[e,a,b]  <= M
-        x binary, 0 <= y <= 1
+    (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i] + sum_{e: pos(dst e) <= t} k[e]  <= M
+    (E) copy_bytes[e]:     k[e] = sum_{a,b} K_e[a,b] y[e,a,b]
+        x binary, 0 <= y <= 1, k >= 0
 
 C[l,i]: compute seconds (forward + backward) of every node merged into l when l picks i;
 c_e[a,b]: seconds to reshard forward plus to return the gradient; S: parameter, gradient and
@@ -51,82 +51,115 @@ def pick_solver(time_limit: float | None):
 
 
 class StrategyILP:
+    """The model above, built with one coefficient dict per row (pulp's operator overloading is
+    far too slow at this size). `rep` maps each decision to the representative whose variables it
+    uses: decisions of repeated layers share one set (see `layers.py`), so their costs add up on
+    one variable and edges with the same ends and tables share one y."""
+
     def __init__(self, problem: Problem, memory_budget: float):
-        self.p = problem
+        p = self.p = problem
         self.budget = memory_budget
         self.lp = pulp.LpProblem("autopar_strategies", pulp.LpMinimize)
-        self.x = {l: [self.lp.add_variable(f"x_{k}_{i}", 0, 1, cat="Binary") for i in range(problem.n_choices(l))]
-                  for k, l in enumerate(problem.leaders)}
-        self.y: dict[int, list[list]] = {}
+        self.rep = {l: p.rep.get(l, l) for l in p.leaders}
+        reps = list(dict.fromkeys(self.rep.values()))
+        self.x = {r: [self.lp.add_variable(f"x_{k}_{i}", 0, 1, cat="Binary") for i in range(p.n_choices(r))]
+                  for k, r in enumerate(reps)}
+        self.group_of: list[tuple] = []          # per edge: its group key
+        self.y: dict[tuple, list[list]] = {}
+        self.copy_bytes: dict[tuple, pulp.LpVariable] = {}   # (E) per group: bytes of its kept copy
         self.add_one_choice()
         self.add_edges()
 
+    def var(self, leader: str) -> list:
+        return self.x[self.rep[leader]]
+
     # (A)
     def add_one_choice(self) -> None:
-        for k, l in enumerate(self.p.leaders):
-            self.lp += pulp.lpSum(self.x[l]) == 1, f"A_one_choice_{k}"
+        for k, v in enumerate(self.x.values()):
+            self.lp += pulp.LpAffineExpression([(x, 1.0) for x in v]) == 1, f"A_one_choice_{k}"
 
-    def class_sum(self, leader: str, of: list[int], cls: int):
-        return pulp.lpSum(v for v, c in zip(self.x[leader], of) if c == cls)
+    def _ends(self, e) -> tuple[str, str | None]:
+        src = self.rep[self.p.decisions[e.src].leader]
+        dst = None if e.dst == "output" else self.rep[self.p.decisions[e.dst].leader]
+        return src, dst
 
-    def _src(self, e) -> str:
-        return self.p.decisions[e.src].leader
-
-    def _dst(self, e) -> str | None:
-        return None if e.dst == "output" else self.p.decisions[e.dst].leader
-
-    # (B), (C): y only where both ends have several layout classes
+    # (B), (C): one y per group of edges with the same ends and layout classes
     def add_edges(self) -> None:
-        for k, e in enumerate(self.p.edges):
+        for e in self.p.edges:
+            src, dst = self._ends(e)
+            key = (src, dst, tuple(e.a_of), tuple(e.b_of))
+            self.group_of.append(key)
             n_a, n_b = len(e.cost), len(e.cost[0])
-            if n_a == 1 or n_b == 1:
+            if key in self.y or dst is None or dst == src or n_a == 1 or n_b == 1:
                 continue
-            y = [[self.lp.add_variable(f"y_{k}_{a}_{b}", 0, 1) for b in range(n_b)] for a in range(n_a)]
+            g = len(self.y)
+            y = [[self.lp.add_variable(f"y_{g}_{a}_{b}", 0, 1) for b in range(n_b)] for a in range(n_a)]
             for a in range(n_a):
-                self.lp += pulp.lpSum(y[a]) == self.class_sum(self._src(e), e.a_of, a), f"B_edge_src_{k}_{a}"
+                row = [(v, 1.0) for v in y[a]] + [(x, -1.0) for x, c in zip(self.x[src], e.a_of) if c == a]
+                self.lp += pulp.LpAffineExpression(row) == 0, f"B_edge_src_{g}_{a}"
             for b in range(n_b):
-                self.lp += pulp.lpSum(y[a][b] for a in range(n_a)) == self.class_sum(self._dst(e), e.b_of, b), \
-                    f"C_edge_dst_{k}_{b}"
-            self.y[k] = y
+                row = [(y[a][b], 1.0) for a in range(n_a)] + [(x, -1.0) for x, c in zip(self.x[dst], e.b_of) if c == b]
+                self.lp += pulp.LpAffineExpression(row) == 0, f"C_edge_dst_{g}_{b}"
+            self.y[key] = y
+            if e.keeps_copy:   # (E): memory rows then name one variable instead of every y
+                kv = self.lp.add_variable(f"k_{g}", 0)
+                row = [(kv, 1.0)] + [(y[a][b], -e.saved[a][b]) for a in range(n_a) for b in range(n_b)
+                                     if e.saved[a][b]]
+                self.lp += pulp.LpAffineExpression(row) == 0, f"E_copy_bytes_{g}"
+                self.copy_bytes[key] = kv
 
-    def edge_expr(self, k: int, which: str) -> list:
-        """Terms of sum_{a,b} table[a][b] [src picks a and dst picks b], linear in x or y."""
-        e = self.p.edges[k]
-        table = getattr(e, which)
-        if k in self.y:
-            return [table[a][b] * v for a, row in enumerate(self.y[k]) for b, v in enumerate(row) if table[a][b]]
-        if len(table[0]) == 1:
-            return [table[e.a_of[i]][0] * v for i, v in enumerate(self.x[self._src(e)]) if table[e.a_of[i]][0]]
-        return [table[0][e.b_of[j]] * v for j, v in enumerate(self.x[self._dst(e)]) if table[0][e.b_of[j]]]
+    def add_edge_terms(self, coef: dict, k: int, table: list[list[float]], scale: float = 1.0) -> None:
+        """coef += scale * sum_{a,b} table[a][b] [edge k's source picks a and its consumer b]."""
+        e, key = self.p.edges[k], self.group_of[k]
+        src, dst = key[0], key[1]
+        if key in self.y:
+            for a, row in enumerate(self.y[key]):
+                for b, v in enumerate(row):
+                    if table[a][b]:
+                        coef[v] = coef.get(v, 0.0) + scale * table[a][b]
+        elif dst == src:        # both ends on one variable set: linear in it
+            for i, v in enumerate(self.x[src]):
+                if table[e.a_of[i]][e.b_of[i]]:
+                    coef[v] = coef.get(v, 0.0) + scale * table[e.a_of[i]][e.b_of[i]]
+        elif dst is None or len(table[0]) == 1:
+            for i, v in enumerate(self.x[src]):
+                if table[e.a_of[i]][0]:
+                    coef[v] = coef.get(v, 0.0) + scale * table[e.a_of[i]][0]
+        else:
+            for j, v in enumerate(self.x[dst]):
+                if table[0][e.b_of[j]]:
+                    coef[v] = coef.get(v, 0.0) + scale * table[0][e.b_of[j]]
 
-    def objective(self):
-        p = self.p
-        node_cost = {l: [0.0] * p.n_choices(l) for l in p.leaders}
-        for d in p.decisions.values():
-            for i, c in enumerate(d.compute_s):
-                node_cost[d.leader][i] += c
-        terms = [c * v for l in p.leaders for c, v in zip(node_cost[l], self.x[l]) if c]
-        for k in range(len(p.edges)):
-            terms += self.edge_expr(k, "cost")
-        return pulp.lpSum(terms)
+    def _node_terms(self, coef: dict, field: str, names) -> None:
+        for name in names:
+            d = self.p.decisions[name]
+            for i, c in enumerate(getattr(d, field)):
+                if c:
+                    v = self.var(d.leader)[i]
+                    coef[v] = coef.get(v, 0.0) + c
 
-    def memory_expr(self, t: int):
+    def objective(self) -> pulp.LpAffineExpression:
+        coef: dict = {}
+        self._node_terms(coef, "compute_s", self.p.decisions)
+        for k, e in enumerate(self.p.edges):
+            self.add_edge_terms(coef, k, e.cost)
+        return pulp.LpAffineExpression(list(coef.items()))
+
+    def memory_expr(self, t: int) -> pulp.LpAffineExpression:
         """Per-device bytes at liveness point t (t = -1: parameter state only)."""
         p = self.p
-        coef = {l: [0.0] * p.n_choices(l) for l in p.leaders}
-        for d in p.decisions.values():
-            for i, b in enumerate(d.state_bytes):
-                coef[d.leader][i] += b
-        terms = []
+        coef: dict = {}
+        self._node_terms(coef, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
         if t >= 0:
-            for name in p.live.points[t]:
-                d = p.decisions[name]
-                for i, b in enumerate(d.act_bytes):
-                    coef[d.leader][i] += b
+            self._node_terms(coef, "act_bytes", p.live.points[t])
             for k, e in enumerate(p.edges):
-                if e.dst_pos <= p.live.positions[t] and any(any(r) for r in e.saved):
-                    terms += self.edge_expr(k, "saved")
-        return pulp.lpSum([c * v for l in p.leaders for c, v in zip(coef[l], self.x[l]) if c] + terms)
+                if e.dst_pos <= p.live.positions[t] and e.keeps_copy:
+                    kv = self.copy_bytes.get(self.group_of[k])
+                    if kv is None:
+                        self.add_edge_terms(coef, k, e.saved)
+                    else:
+                        coef[kv] = coef.get(kv, 0.0) + 1.0
+        return pulp.LpAffineExpression(list(coef.items()))
 
     def memory_points(self):
         return range(len(self.p.live.points)) if self.p.live.points else [-1]
@@ -140,7 +173,7 @@ class StrategyILP:
 
     def solve(self, time_limit: float | None = None) -> SolveResult:
         self.add_memory()
-        self.lp += self.objective()
+        self.lp.setObjective(self.objective())
         solver, name = pick_solver(time_limit)
         t0 = time.perf_counter()
         self.lp.solve(solver)
@@ -156,7 +189,8 @@ class StrategyILP:
             if self.lp.sol_status != pulp.LpSolutionIntegerFeasible:
                 raise InfeasibleError(f"the solver stopped without a plan (status {status}); raise time_limit")
             status = "Feasible (time limit)"
-        choice = {l: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for l, v in self.x.items()}
+        picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
+        choice = {l: picked[self.rep[l]] for l in self.p.leaders}
         return SolveResult(choice, float(pulp.value(self.lp.objective) or 0.0), status, name, secs,
                            self.lp.numVariables(), self.lp.numConstraints())
 

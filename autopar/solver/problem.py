@@ -30,6 +30,7 @@ from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
 from ..placement import parse_layout, to_str
 from ..strategies import Strategy, rule_for
+from .layers import repeated_layers
 from ..strategies.strategy import axis_options, layout_space, node_strategies, parallel_count, shard_count
 
 R = Replicate()
@@ -59,8 +60,9 @@ class EdgeTable:
     saved: list[list[float]]           # [a][b] bytes of a resharded copy the consumer keeps for backward
     dst_pos: int = -1                  # consumer's position in the forward (for liveness)
 
-    def at(self, a: int, b: int, which: str = "cost") -> float:
-        return getattr(self, which)[a][b]
+    @property
+    def keeps_copy(self) -> bool:
+        return any(any(row) for row in self.saved)
 
 
 @dataclass(slots=True)
@@ -72,12 +74,10 @@ class Problem:
     edges: list[EdgeTable]
     live: Liveness
     fallbacks: list[str] = field(default_factory=list)
+    rep: dict[str, str] = field(default_factory=dict)   # leader -> leader whose variables it shares
 
     def n_choices(self, leader: str) -> int:
         return len(self.decisions[leader].strategies)
-
-    def node_cost(self, leader_choice: Mapping[str, int]) -> float:
-        return sum(d.compute_s[leader_choice[d.leader]] for d in self.decisions.values())
 
 
 def grad_layout_in(s: Strategy, slot: int) -> tuple:
@@ -116,7 +116,8 @@ def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool])
 
 def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                   pins: Mapping[str, Sequence[str]] | None = None, optimizer: str = "adamw",
-                  batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False) -> Problem:
+                  batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False,
+                  link_layers: bool = True) -> Problem:
     shape = mesh.shape
     nodes = list(cap.gm.graph.nodes)
     kinds = {name: slot.kind for name, slot in cap.inputs.items()}
@@ -206,7 +207,8 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     for e in edges:
         e.dst_pos = op_pos.get(e.dst, len(op_nodes))
     leaders = [n for n in order if decisions[n].leader == n]
-    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks)
+    rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
@@ -214,14 +216,26 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     edges = []
     cache: dict = {}
 
-    def cost(meta: TensorMeta, a, b, ga, gb, grad: bool) -> float:
-        key = (meta, a, b, ga, gb, grad)
+    def seconds(meta: TensorMeta, a, b) -> float:
+        key = (meta, a, b)
         if key not in cache:
-            c = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
-            if grad:
-                c += mesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, ga).seconds
-            cache[key] = c
+            cache[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
         return cache[key]
+
+    tables: dict = {}   # identical edges (repeated layers) share one table
+
+    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool):
+        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps)
+        if key not in tables:
+            ga = [grad_layout_out(a) for a in a_keys]
+            cost = [[seconds(meta, a, b) + (seconds(meta, gb, g) if grad else 0.0) for (b, gb) in b_keys]
+                    for a, g in zip(a_keys, ga)]
+            # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
+            # stored sharded and gathered whole for use): that copy lives until the backward
+            saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
+                     for a in a_keys]
+            tables[key] = (cost, saved)
+        return tables[key]
 
     def classes(keys):
         uniq, idx = {}, []
@@ -255,12 +269,8 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                     continue      # inside one merged group: priced by the follower's alignment (free)
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
-            table = [[cost(meta, a, b, grad_layout_out(a), gb, grad) for (b, gb) in b_keys] for a in a_keys]
-            # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
-            # stored sharded and gathered whole for use): that copy lives until the backward
             keeps = slot is not None and grad and saves.get(node.name, True)
-            saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
-                     for a in a_keys]
+            table, saved = table_for(meta, a_keys, b_keys, grad, keeps)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved))
     return edges
 

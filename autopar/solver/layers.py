@@ -1,0 +1,82 @@
+"""Repeated layers: the copies of a block share one set of decision variables.
+
+A transformer's 96 blocks are the same computation on the same shapes. Their decisions are
+tied: block i's k-th decision uses block 0's variables, so the ILP is about one block's size
+whatever the depth, while every copy's compute, communication and memory still enter the
+objective and the memory rows (their coefficients add up on the shared variables).
+
+Layers are found from module paths (`blocks.7.attn.qkv` is layer 7 of container `blocks`);
+two layers are tied only if their node sequences match exactly: op, path inside the layer,
+input/output shapes and dtypes, constant arguments and which in-layer node feeds which.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch.fx as fx
+
+from ..passes.capture import Captured
+from ..passes.shape_prop import tensor_meta
+from ..strategies import op_name
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> tuple[str, int, str] | None:
+    """'blocks.7.attn.qkv' -> ('blocks', 7, 'attn.qkv')."""
+    m = _LAYER.match(path)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), path[m.end():]
+
+
+def _module_path(node: fx.Node, cap: Captured) -> str:
+    slot = cap.inputs.get(node.name)
+    if slot is not None:
+        return str(slot.target) if slot.kind == "param" else ""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _signature(node: fx.Node, rest: str, index: dict[str, int]) -> tuple:
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("in", index.get(a.name, -1)) if a.name in index else ("ext", tuple(
+                (m.shape, str(m.dtype)) for m in tensor_meta(a.meta.get("val"))))
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        return repr(a)
+    metas = tuple((m.shape, str(m.dtype)) for m in tensor_meta(node.meta.get("val"))) if node.op != "output" else ()
+    target = op_name(node.target) if node.op == "call_function" else node.op
+    return (target, rest, metas, arg(tuple(node.args)), arg(tuple(sorted(node.kwargs.items()))))
+
+
+def repeated_layers(cap: Captured, leaders: Mapping[str, str]) -> dict[str, str]:
+    """leader name -> the leader of the first congruent layer whose variables it shares."""
+    layers: dict[tuple[str, int], list[tuple[fx.Node, str]]] = {}
+    for node in cap.gm.graph.nodes:
+        if node.name not in leaders:
+            continue
+        where = layer_of(_module_path(node, cap))
+        if where is not None:
+            layers.setdefault(where[:2], []).append((node, where[2]))
+    sigs = {}
+    for key, members in layers.items():
+        index = {n.name: i for i, (n, _) in enumerate(members)}
+        sigs[key] = tuple(_signature(n, rest, index) for n, rest in members)
+    rep: dict[str, str] = {}
+    first: dict[tuple, tuple[str, int]] = {}
+    for key in sorted(layers, key=lambda k: (k[0], k[1])):
+        canon = first.setdefault((key[0], sigs[key]), key)
+        if canon == key:
+            continue
+        for (n, _), (m, _) in zip(layers[key], layers[canon]):
+            a, b = leaders[n.name] == n.name, leaders[m.name] == m.name
+            if a != b:
+                break
+        else:
+            for (n, _), (m, _) in zip(layers[key], layers[canon]):
+                if leaders[n.name] == n.name:
+                    rep[n.name] = m.name
+    return rep
