@@ -32,6 +32,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--mesh", default="8,8")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--time-limit", type=float, default=600)
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="bytes per device (default: the profile's capacity; 'inf' for none)")
     a = ap.parse_args(argv)
     shape = tuple(int(s) for s in a.mesh.split(","))
     names = ("dp", "tp", "pp", "sp")[:len(shape)]
@@ -40,7 +42,8 @@ def main(argv=None) -> dict:
         model = GPT(vocab=a.vocab, seq=a.seq, hidden=a.hidden, heads=a.heads, layers=a.layers)
         idx = torch.zeros(a.batch, a.seq, dtype=torch.long)
     n_params = sum(p.numel() for p in model.parameters())
-    plan = autopar.plan(model, (idx, idx), autopar.Mesh(shape, names, device=a.device), time_limit=a.time_limit)
+    plan = autopar.plan(model, (idx, idx), autopar.Mesh(shape, names, device=a.device), time_limit=a.time_limit,
+                        memory_budget=a.memory_budget)
     wall = time.perf_counter() - t0
     out = {"model": f"GPT {n_params / 1e9:.2f}B ({a.layers} layers, hidden {a.hidden})", "mesh": shape,
            "device": a.device, "wall_s": round(wall, 2), "solve_s": round(plan.timings.solve_s, 2),

@@ -31,6 +31,8 @@ import pulp
 from ..errors import InfeasibleError
 from .problem import Problem
 
+GIB = float(2**30)
+
 
 @dataclass(frozen=True, slots=True)
 class SolveResult:
@@ -103,8 +105,8 @@ class StrategyILP:
             self.y[key] = y
             if e.keeps_copy:   # (E): memory rows then name one variable instead of every y
                 kv = self.lp.add_variable(f"k_{g}", 0)
-                row = [(kv, 1.0)] + [(y[a][b], -e.saved[a][b]) for a in range(n_a) for b in range(n_b)
-                                     if e.saved[a][b]]
+                row = [(kv, 1.0)] + [(y[a][b], -e.saved[a][b] / GIB) for a in range(n_a) for b in range(n_b)
+                                     if e.saved[a][b]]   # k in GiB, like the memory rows
                 self.lp += pulp.LpAffineExpression(row) == 0, f"E_copy_bytes_{g}"
                 self.copy_bytes[key] = kv
 
@@ -145,31 +147,55 @@ class StrategyILP:
             self.add_edge_terms(coef, k, e.cost)
         return pulp.LpAffineExpression(list(coef.items()))
 
-    def memory_expr(self, t: int) -> pulp.LpAffineExpression:
-        """Per-device bytes at liveness point t (t = -1: parameter state only)."""
+    def memory_rows(self) -> list[pulp.LpAffineExpression]:
+        """Per-device memory at every liveness point, in GiB (rows in bytes, 1e9-1e11 next to 0/1
+        variables, trip the solver's tolerances). Built in one sweep over the points: between
+        neighbours only the activations defined or freed, and the copies kept since, change."""
         p = self.p
-        coef: dict = {}
-        self._node_terms(coef, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
-        if t >= 0:
-            self._node_terms(coef, "act_bytes", p.live.points[t])
-            for k, e in enumerate(p.edges):
-                if e.dst_pos <= p.live.positions[t] and e.keeps_copy:
-                    kv = self.copy_bytes.get(self.group_of[k])
-                    if kv is None:
-                        self.add_edge_terms(coef, k, e.saved)
-                    else:
-                        coef[kv] = coef.get(kv, 0.0) + 1.0
-        return pulp.LpAffineExpression(list(coef.items()))
+        state: dict = {}
+        self._node_terms(state, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
+        if not p.live.points:
+            return [pulp.LpAffineExpression([(v, c / GIB) for v, c in state.items()])]
+        acts: dict = {}
+        live: set[str] = set()
+        kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
+        copies: dict = {}
+        nk = 0
+        rows = []
+        for members, where in zip(p.live.points, p.live.positions):
+            now = set(members)
+            self._add_nodes(acts, live - now, -1.0)
+            self._add_nodes(acts, now - live, 1.0)
+            live = now
+            while nk < len(kept) and kept[nk][0] <= where:
+                k = kept[nk][1]
+                kv = self.copy_bytes.get(self.group_of[k])
+                if kv is None:
+                    self.add_edge_terms(copies, k, p.edges[k].saved)
+                else:
+                    copies[kv] = copies.get(kv, 0.0) + GIB    # k is in GiB already
+                nk += 1
+            total = dict(state)
+            for part in (acts, copies):
+                for v, c in part.items():
+                    total[v] = total.get(v, 0.0) + c
+            rows.append(pulp.LpAffineExpression([(v, c / GIB) for v, c in total.items() if abs(c) > 1e-6]))
+        return rows
 
-    def memory_points(self):
-        return range(len(self.p.live.points)) if self.p.live.points else [-1]
+    def _add_nodes(self, coef: dict, names, sign: float) -> None:
+        for name in sorted(names):
+            d = self.p.decisions[name]
+            for i, c in enumerate(d.act_bytes):
+                if c:
+                    v = self.var(d.leader)[i]
+                    coef[v] = coef.get(v, 0.0) + sign * c
 
     # (D)
     def add_memory(self) -> None:
         if self.budget == float("inf"):
             return
-        for t in self.memory_points():
-            self.lp += self.memory_expr(t) <= self.budget, f"D_memory_{t}"
+        for t, row in enumerate(self.memory_rows()):
+            self.lp += row <= self.budget / GIB, f"D_memory_{t}"
 
     def solve(self, time_limit: float | None = None) -> SolveResult:
         self.add_memory()
@@ -198,13 +224,13 @@ class StrategyILP:
 def min_memory(problem: Problem) -> float:
     """The smallest peak per-device memory any plan reaches (ignoring time)."""
     ilp = StrategyILP(problem, memory_budget=float("inf"))
-    z = ilp.lp.add_variable("peak_bytes", 0)
+    z = ilp.lp.add_variable("peak_gib", 0)
     ilp.lp += z
-    for t in ilp.memory_points():
-        ilp.lp += ilp.memory_expr(t) <= z, f"D_peak_{t}"
+    for t, row in enumerate(ilp.memory_rows()):
+        ilp.lp += row - z <= 0, f"D_peak_{t}"
     solver, _ = pick_solver(None)
     ilp.lp.solve(solver)
-    return float(z.varValue or 0.0)
+    return float(z.varValue or 0.0) * GIB
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None) -> SolveResult:

@@ -1,8 +1,8 @@
 """Repeated layers: the copies of a block share one set of decision variables.
 
 A transformer's 96 blocks are the same computation on the same shapes. Their decisions are
-tied: block i's k-th decision uses block 0's variables, so the ILP is about one block's size
-whatever the depth, while every copy's compute, communication and memory still enter the
+tied: block i's k-th decision uses block 1's variables (blocks 0 and 95, whose neighbours
+differ, stay free), so the ILP is about three blocks' size whatever the depth, while every copy's compute, communication and memory still enter the
 objective and the memory rows (their coefficients add up on the shared variables).
 
 Layers are found from module paths (`blocks.7.attn.qkv` is layer 7 of container `blocks`);
@@ -66,17 +66,22 @@ def repeated_layers(cap: Captured, leaders: Mapping[str, str]) -> dict[str, str]
         index = {n.name: i for i, (n, _) in enumerate(members)}
         sigs[key] = tuple(_signature(n, rest, index) for n, rest in members)
     rep: dict[str, str] = {}
-    first: dict[tuple, tuple[str, int]] = {}
+    classes: dict[tuple, list[tuple[str, int]]] = {}
     for key in sorted(layers, key=lambda k: (k[0], k[1])):
-        canon = first.setdefault((key[0], sigs[key]), key)
-        if canon == key:
-            continue
-        for (n, _), (m, _) in zip(layers[key], layers[canon]):
-            a, b = leaders[n.name] == n.name, leaders[m.name] == m.name
-            if a != b:
-                break
-        else:
-            for (n, _), (m, _) in zip(layers[key], layers[canon]):
-                if leaders[n.name] == n.name:
-                    rep[n.name] = m.name
+        classes.setdefault((key[0], sigs[key]), []).append(key)
+    for members in classes.values():
+        # the first and last copies stay free: their neighbours (embedding, final norm) differ, and
+        # the optimum may treat them differently; the interior copies share the second's variables
+        interior = members[1:-1]
+        for key in interior[1:]:
+            _tie(layers[key], layers[interior[0]], leaders, rep)
     return rep
+
+
+def _tie(layer, canon, leaders, rep) -> None:
+    for (n, _), (m, _) in zip(layer, canon):
+        if (leaders[n.name] == n.name) != (leaders[m.name] == m.name):
+            return
+    for (n, _), (m, _) in zip(layer, canon):
+        if leaders[n.name] == n.name:
+            rep[n.name] = m.name
