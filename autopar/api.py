@@ -19,7 +19,7 @@ def _as_tuple(example_inputs) -> tuple:
 def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: dict | None = None,
          memory_budget: float | None = None, pins: Mapping[str, Sequence[str]] | None = None,
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
-         time_limit: float | None = 60.0) -> Plan:
+         time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -27,9 +27,13 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     pins: {"param.fqn or glob": ("S(0)", "R"), "node_name": (...)} fixes those layouts.
     batch_axes: mesh axes over which inputs arrive already split on dim 0 (a DistributedSampler).
     sharded_outputs: return outputs as DTensors in their planned layout instead of whole.
+    time_limit: solver seconds; at the limit the best plan found is used and its gap reported.
+    progress: print a line every 5 s of solving (default: when stderr is a terminal).
+    cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
     """
     opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
-                       sharded_outputs, optimizer, time_limit)
+                       sharded_outputs, optimizer, time_limit, **({} if progress is None else {"progress": progress}),
+                       cache_dir=cache_dir)
     return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
 
 

@@ -58,6 +58,7 @@ class SolverInfo:
     n_decisions: int              # decisions in the graph
     n_nodes: int
     n_shared: int = 0             # decisions that share a repeated layer's variables
+    gap: float = 0.0              # relative optimality gap at the stop (0: proven optimal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class Timings:
     model, mesh and options (byte-identical when re-planned)."""
     solve_s: float = 0.0
     total_s: float = 0.0
+    cached: bool = False          # taken from the plan cache, not solved
 
 
 @dataclass(slots=True)

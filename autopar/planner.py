@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -15,6 +16,7 @@ from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
 from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo, Timings
+from .plan_cache import PlanCache
 from .solver.ilp import evaluate, solve
 from .solver.problem import Problem, build_problem, grad_layout_in, grad_layout_out
 from .strategies import op_name, rule_for
@@ -28,6 +30,8 @@ class PlanOptions:
     sharded_outputs: bool = False               # leave outputs in their planned layout
     optimizer: str = "adamw"
     time_limit: float | None = 60.0
+    progress: bool = field(default_factory=lambda: sys.stderr.isatty())   # a line every 5 s of solving
+    cache_dir: str | None = None                # reuse plans solved before (see plan_cache.py)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
@@ -52,14 +56,27 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Me
 
 def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None) -> Plan:
     t0 = time.perf_counter() if t0 is None else t0
+    cache = PlanCache.open(opts.cache_dir)
+    key = cache.key(fingerprint(cap), mesh, opts.to_dict()) if cache else None
+    if cache and (hit := cache.get(key)) is not None:
+        hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
+        return hit
+    plan = _solve_captured(cap, mesh, opts, t0)
+    if cache:
+        cache.put(key, plan)
+    return plan
+
+
+def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float) -> Plan:
     infos = annotate(cap.gm)
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
                             batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
-    result = solve(problem, budget, opts.time_limit)
+    result = solve(problem, budget, opts.time_limit, progress=opts.progress)
     plan = assemble(cap, problem, result.choice, mesh, opts)
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
-                             result.objective, len(problem.leaders), len(problem.order), len(problem.rep))
+                             result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
+                             result.gap)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0)
     return plan
 

@@ -54,3 +54,27 @@ def test_same_inputs_same_plan_byte_for_byte():
     one = autopar.plan(model, inputs, mesh).to_json()
     two = autopar.plan(model, inputs, mesh).to_json()
     assert one == two
+
+
+def test_plan_cache_serves_an_unchanged_model(tmp_path):
+    model, inputs = _meta_gpt(layers=2, hidden=256)
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    first = autopar.plan(model, inputs, mesh, cache_dir=str(tmp_path))
+    again = autopar.plan(model, inputs, mesh, cache_dir=str(tmp_path))
+    assert again.timings.cached and not first.timings.cached
+    assert again.to_json() == first.to_json()
+    _, bigger = _meta_gpt(layers=2, hidden=256, batch=16)          # a new batch size is a new problem
+    other = autopar.plan(model, bigger, mesh, cache_dir=str(tmp_path))
+    assert not other.timings.cached
+
+
+def test_time_limit_fallback_is_a_plan_that_fits():
+    from autopar.solver.ilp import StrategyILP
+    model, inputs = _meta_gpt(layers=2, hidden=256)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    cap = capture(model, inputs)
+    problem = build_problem(cap, annotate(cap.gm), mesh)
+    budget = 2 * 2**30
+    r = StrategyILP(problem, budget).fallback("Not Solved", "HiGHS", 0.0)
+    assert r.status.startswith("Heuristic")
+    assert evaluate(problem, r.choice)[2] <= budget

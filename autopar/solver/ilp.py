@@ -22,6 +22,8 @@ is linear in the other side's x and needs no y. Pins remove choices before the I
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ class SolveResult:
     seconds: float
     n_variables: int
     n_constraints: int
+    gap: float = 0.0          # relative MIP gap proven at the stop (0 when optimal)
 
 
 def pick_solver(time_limit: float | None):
@@ -197,28 +200,82 @@ class StrategyILP:
         for t, row in enumerate(self.memory_rows()):
             self.lp += row <= self.budget / GIB, f"D_memory_{t}"
 
-    def solve(self, time_limit: float | None = None) -> SolveResult:
+    def solve(self, time_limit: float | None = None, progress: bool = False) -> SolveResult:
         self.add_memory()
         self.lp.setObjective(self.objective())
         solver, name = pick_solver(time_limit)
         t0 = time.perf_counter()
-        self.lp.solve(solver)
+        with _Progress(progress, f"{self.lp.numVariables()} variables, {self.lp.numConstraints()} constraints",
+                       time_limit):
+            self.lp.solve(solver)
         secs = time.perf_counter() - t0
         status = pulp.LpStatus[self.lp.status]
-        if status != "Optimal" or self.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # pulp's HiGHS wrapper calls a time-limit stop "Optimal": only sol_status tells them apart
+        gap = _mip_gap(self.lp)
+        if status == "Optimal" and self.lp.sol_status == pulp.LpSolutionIntegerFeasible:
+            status = f"Feasible (stopped at the time limit, gap {gap:.2%})"
+        if not status.startswith(("Optimal", "Feasible")) or self.lp.sol_status not in (
+                pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             if status == "Infeasible":
                 need = min_memory(self.p)
                 raise InfeasibleError(
                     f"no plan fits {self.budget / 2**30:.3f} GiB per device on mesh {self.p.mesh.shape}: "
                     f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
                     f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
-            if self.lp.sol_status != pulp.LpSolutionIntegerFeasible:
-                raise InfeasibleError(f"the solver stopped without a plan (status {status}); raise time_limit")
-            status = "Feasible (time limit)"
+            return self.fallback(status, name, secs)
         picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
         choice = {l: picked[self.rep[l]] for l in self.p.leaders}
         return SolveResult(choice, float(pulp.value(self.lp.objective) or 0.0), status, name, secs,
-                           self.lp.numVariables(), self.lp.numConstraints())
+                           self.lp.numVariables(), self.lp.numConstraints(), gap)
+
+    def fallback(self, status: str, name: str, secs: float) -> SolveResult:
+        """The solver stopped with no plan: every decision takes its smallest-memory strategy (the
+        most sharded), so the search always ends with a plan that fits if any simple one does."""
+        p = self.p
+        choice = {}
+        for l in p.leaders:
+            members = [d for d in p.decisions.values() if d.leader == l]
+            mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
+            choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
+        compute, comm, peak, _ = evaluate(p, choice)
+        if peak > self.budget:
+            raise InfeasibleError(f"the solver stopped without a plan (status {status}) and the most sharded "
+                                  f"plan needs {peak / GIB:.2f} GiB per device: raise time_limit or memory_budget")
+        return SolveResult(choice, compute + comm, f"Heuristic (solver: {status})", name, secs,
+                           self.lp.numVariables(), self.lp.numConstraints(), float("nan"))
+
+
+def _mip_gap(lp) -> float:
+    model = getattr(lp, "solverModel", None)
+    try:
+        return float(model.getInfo().mip_gap) if model is not None else 0.0
+    except Exception:  # noqa: BLE001 - CBC, or a HiGHS without the field: no gap to report
+        return 0.0
+
+
+class _Progress:
+    """Prints a line every few seconds while a long solve runs (when asked: planning in a terminal)."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, on: bool, what: str, limit: float | None):
+        self.on, self.what, self.limit = on, what, limit
+        self.done = threading.Event()
+
+    def __enter__(self):
+        if self.on:
+            self.t0 = time.perf_counter()
+            threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self):
+        while not self.done.wait(self.EVERY_S):
+            left = f", stops at {self.limit:.0f} s" if self.limit else ""
+            print(f"autopar: solving the strategy ILP ({self.what}): {time.perf_counter() - self.t0:.0f} s{left}",
+                  file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self.done.set()
 
 
 def min_memory(problem: Problem) -> float:
@@ -233,8 +290,9 @@ def min_memory(problem: Problem) -> float:
     return float(z.varValue or 0.0) * GIB
 
 
-def solve(problem: Problem, memory_budget: float, time_limit: float | None = None) -> SolveResult:
-    return StrategyILP(problem, memory_budget).solve(time_limit)
+def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
+          progress: bool = False) -> SolveResult:
+    return StrategyILP(problem, memory_budget).solve(time_limit, progress)
 
 
 def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float, float, float]:

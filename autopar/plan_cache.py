@@ -1,0 +1,60 @@
+"""A cache of solved plans, keyed by everything a plan is a function of.
+
+Key: the captured graph's fingerprint (ops, shapes, dtypes), the mesh (shape, axis names), the
+device profile's full contents, the planning options, and a hash of autopar's own source (a
+new cost model must not serve old plans). Enabled by `cache_dir=` or `AUTOPAR_CACHE_DIR`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import fields
+from functools import lru_cache
+from pathlib import Path
+
+from .mesh import Mesh
+from .plan import Plan
+
+ENV = "AUTOPAR_CACHE_DIR"
+
+
+@lru_cache(maxsize=1)
+def _code_hash() -> str:
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class PlanCache:
+    def __init__(self, directory: Path):
+        self.dir = directory
+
+    @classmethod
+    def open(cls, directory: str | None) -> PlanCache | None:
+        directory = directory or os.environ.get(ENV)
+        return cls(Path(directory)) if directory else None
+
+    def key(self, fingerprint: str, mesh: Mesh, options: dict) -> str:
+        prof = mesh.profile
+        profile = {f.name: repr(getattr(prof, f.name)) for f in fields(prof) if f.name != "peak_flops"}
+        profile["peak_flops"] = dict(sorted(prof.peak_flops.items()))
+        blob = json.dumps([fingerprint, mesh.to_dict(), profile, options, _code_hash()], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> Plan | None:
+        path = self.dir / f"{key}.json"
+        try:
+            return Plan.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None      # absent or unreadable: solve again
+
+    def put(self, key: str, plan: Plan) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(plan.to_json())
+        tmp.replace(self.dir / f"{key}.json")      # atomic: concurrent ranks never read half a file
