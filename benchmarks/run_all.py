@@ -6,13 +6,21 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PLAN = "bench_plan_gpt.py"
 
-# each in its own process so peak RSS is that benchmark's own
+# each in its own process so that peak RSS is that run's own
 RUNS = [
-    ["bench_plan_gpt.py", "--layers", "24", "--hidden", "2048", "--heads", "16", "--mesh", "8,8"],   # GPT 1.3B
-    ["bench_plan_gpt.py", "--layers", "2", "--hidden", "2048", "--heads", "16", "--mesh", "8,8"],
-    ["bench_plan_gpt.py", "--layers", "4", "--hidden", "1024", "--heads", "16", "--mesh", "2,2,2",
-     "--seq", "1024", "--batch", "16"],
+    # issue 2: GPT 1.3B (24 layers, hidden 2048) on an (8, 8) mesh
+    [PLAN, "--layers", "24", "--hidden", "2048", "--heads", "16", "--mesh", "8,8"],
+    # issue 5 targets: GPT-2 124M on (8,), Llama-3-8B on (8, 8), GPT-3 175B on (16, 8, 8)
+    [PLAN, "--layers", "12", "--hidden", "768", "--heads", "12", "--vocab", "50257", "--seq", "1024",
+     "--batch", "32", "--mesh", "8"],
+    [PLAN, "--model", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+     "--ffn", "14336", "--vocab", "128256", "--seq", "4096", "--batch", "8", "--mesh", "8,8"],
+    [PLAN, "--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048", "--batch", "16",
+     "--mesh", "16,8,8"],
+    # solve time against depth
+    ["bench_scaling.py"],
 ]
 
 

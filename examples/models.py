@@ -84,3 +84,77 @@ def gpt_inputs(batch: int = 4, seq: int = 16, vocab: int = 64, device="cpu", see
     idx = torch.randint(0, vocab, (batch, seq), generator=g)
     tgt = torch.randint(0, vocab, (batch, seq), generator=g)
     return idx.to(device), tgt.to(device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block with RoPE, grouped-query attention and a SwiGLU MLP (Llama-style)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, hidden // heads
+        self.attn_norm = RMSNorm(hidden)
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = RMSNorm(hidden)
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        rep = self.heads // self.kv_heads
+        k = k[:, :, None].expand(B, self.kv_heads, rep, T, self.hd).reshape(B, self.heads, T, self.hd)
+        v = v[:, :, None].expand(B, self.kv_heads, rep, T, self.hd).reshape(B, self.heads, T, self.hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """A Llama-3-style decoder (hand-written: RoPE, RMSNorm, SwiGLU, GQA, SDPA) with its loss."""
+
+    def __init__(self, vocab=128256, hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32, seq=8192,
+                 theta=500000.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(LlamaBlock(hidden, heads, kv_heads, ffn) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        hd = hidden // heads
+        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        t = torch.arange(T, device=idx.device, dtype=torch.float32)
+        freqs = t[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
