@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "to_str", "from_str", "layout_str", "parse_layout",
-           "shard_factor", "local_shape", "is_partial", "R", "P"]
+           "local_shape", "R", "P"]
 
 R = Replicate()
 P = Partial()
@@ -51,19 +51,6 @@ def layout_str(layout: Sequence[Placement]) -> tuple[str, ...]:
 
 def parse_layout(layout: Sequence[str | Placement]) -> tuple[Placement, ...]:
     return tuple(from_str(p) for p in layout)
-
-
-def is_partial(p: Placement) -> bool:
-    return isinstance(p, Partial)
-
-
-def shard_factor(layout: Sequence[Placement], axis_sizes: Sequence[int]) -> int:
-    """How many pieces the tensor is cut into (Partial and Replicate keep it whole)."""
-    f = 1
-    for p, n in zip(layout, axis_sizes):
-        if isinstance(p, Shard):
-            f *= n
-    return f
 
 
 def local_shape(shape: Sequence[int], layout: Sequence[Placement], axis_sizes: Sequence[int]) -> tuple[int, ...]:
