@@ -7,9 +7,11 @@
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import autoparallelize, plan
+from .cost_model.pipeline import Pipeline
 from .errors import AutoparError, CaptureError, InfeasibleError, MeshError, PlanMismatchError, ShardingError
 from .mesh import Mesh
 from .plan import Estimate, Plan
+from .estimate import StepEstimate, estimate  # noqa: E402  (binds the function over the submodule's name)
 
 
 def compile_backend(mesh: Mesh, **options):
@@ -18,6 +20,6 @@ def compile_backend(mesh: Mesh, **options):
     return _cb(mesh, **options)
 
 
-__all__ = ["Mesh", "Plan", "Estimate", "plan", "autoparallelize", "compile_backend", "AutoparError",
-           "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError", "ShardingError", "Replicate",
+__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "Pipeline", "autoparallelize",
+           "compile_backend", "AutoparError", "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError", "ShardingError", "Replicate",
            "Shard", "Partial"]

@@ -6,8 +6,8 @@ process group; `device_mesh()` builds torch.distributed's DeviceMesh when the pl
 Axes are laid out row-major over global ranks (the last axis varies fastest), as torch's
 DeviceMesh does. An axis therefore connects devices `stride = prod(shape[i+1:])` ranks apart;
 it stays inside a node when `stride * size <= devices_per_node`, crosses nodes when
-`stride >= devices_per_node`, and is hierarchical in between (its slowest hop, the
-inter-node link, bounds a ring over it).
+`stride >= devices_per_node`, and is hierarchical in between (collectives run inside each
+node, then across nodes: `cost_model.profiles.HierarchicalLink`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cost_model.comm import reshard_cost
-from .cost_model.profiles import DeviceProfile, Link, load_profile
+from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, load_profile
 from .errors import MeshError
 
 
@@ -25,7 +25,7 @@ from .errors import MeshError
 class AxisInfo:
     name: str
     size: int
-    link: Link
+    link: Link | HierarchicalLink
     scope: str  # "intra-node", "inter-node" or "hierarchical"
 
 
@@ -58,8 +58,12 @@ class Mesh:
             link, scope = self.profile.intra_node, "intra-node"
         elif stride >= per_node:
             link, scope = self.profile.inter_node, "inter-node"
-        else:
-            link, scope = self.profile.inter_node, "hierarchical"
+        else:   # some of the axis's devices share a node: intra-node then inter-node (cost_model.comm)
+            local = per_node // stride
+            link = (HierarchicalLink(self.profile.intra_node, self.profile.inter_node, local, self.shape[i])
+                    if per_node % stride == 0 and local >= 2 and self.shape[i] % local == 0
+                    else self.profile.inter_node)
+            scope = "hierarchical"
         return AxisInfo(self.axis_names[i], self.shape[i], link, scope)
 
     @property

@@ -81,8 +81,39 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
         for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {k:<44} {_ms(v)}")
         lines.append("")
+    lines += _batch_norm_lines(plan)
     if plan.fallbacks:
         lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
     else:
         lines.append("Ops with no sharding rule: none")
     return "\n".join(lines)
+
+
+BATCH_STATS_OP = "autopar.batch_stat_mean"   # BatchNorm's statistics (passes/lowering.py)
+
+
+def batch_norm_decisions(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Per BatchNorm layer (module path), per mesh axis, how the planner computes its batch statistics:
+    "synchronized" (batch split, local means all-reduced: SyncBatchNorm), "channels split" (each device
+    normalizes its channels) or "whole" (the axis holds the whole batch: statistics as on one device)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for n in plan.nodes:
+        if n.op != BATCH_STATS_OP or (n.module or n.name) in out:
+            continue
+        out[n.module or n.name] = tuple(
+            "synchronized" if lab == "sync-stats" else "channels split" if lab == "split" else "whole"
+            for lab in n.labels)
+    return out
+
+
+def _batch_norm_lines(plan: Plan) -> list[str]:
+    decisions = batch_norm_decisions(plan)
+    if not decisions:
+        return []
+    axes = plan.mesh["axis_names"]
+    lines = [f"BatchNorm statistics ({len(decisions)} layers; per mesh axis {_lay(axes)}: synchronized = batch "
+             f"split and the local means all-reduced, as SyncBatchNorm; whole = statistics of the whole batch, "
+             f"as on one device; channels split = each device normalizes its own channels):"]
+    for module, how in decisions.items():
+        lines.append(f"  {module:<48} {_lay(how)}")
+    return lines + [""]

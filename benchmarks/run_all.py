@@ -21,6 +21,14 @@ RUNS = [
      "--mesh", "16,8,8"],
     # solve time against depth
     ["bench_scaling.py"],
+    # issue 4: the cost model against Megatron-LM's Table 1, and against this machine (4 gloo ranks)
+    ["bench_megatron.py"],
+    ["bench_cpu_plans.py"],
+    # issue 3: real models at full size on the meta device, (8, 8) mesh
+    ["bench_models.py", "--models", "llama"],
+    ["bench_models.py", "--models", "gpt2"],
+    ["bench_models.py", "--models", "mixtral"],
+    ["bench_models.py", "--models", "t5"],
 ]
 
 

@@ -6,6 +6,8 @@ import pytest
 # Tests import helpers as top-level modules (`from rank_pool import ...`), and the ranks
 # unpickle task functions by module name, so tests/ must be importable by name.
 sys.path.insert(0, os.path.dirname(__file__))
+# Models are built from local configs (examples/zoo.py): nothing may be downloaded.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rank_pool import get_pool, shutdown_all  # noqa: E402
 
@@ -18,3 +20,21 @@ def rank_pool():
 
 def pytest_sessionfinish(session, exitstatus):
     shutdown_all()
+
+
+@pytest.fixture(scope="session")
+def zoo_small():
+    """{name: (model, args, kwargs, Captured)} for every model of examples/zoo.py, small config,
+    captured once per session (tests/test_rules.py, tests/test_models.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import warnings
+
+    import zoo
+    from autopar.passes.capture import capture
+    out = {}
+    for name in zoo.MODELS:
+        model, args, kwargs, _ = zoo.build(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[name] = (model, args, kwargs, capture(model, args, kwargs))
+    return out

@@ -79,3 +79,27 @@ def _world_mismatch(rank, world_size):
 def test_mesh_size_not_world_size(rank_pool):
     msgs = rank_pool(4).run(_world_mismatch)
     assert all("8 devices" in m and "world size 4" in m for m in msgs), msgs
+
+
+class ClampIfLarge(nn.Module):
+    """A user's activation that branches on a tensor's value, placed inside a Hugging Face model."""
+
+    def forward(self, x):
+        if x.abs().max() > 10:   # data-dependent Python branch: not capturable
+            x = x.clamp(-10, 10)
+        return torch.nn.functional.gelu(x)
+
+
+def test_capture_failure_inside_a_hugging_face_model_names_the_users_line(capsys):
+    from zoo import build
+    model, args, kwargs, _ = build("gpt2")
+    model.transformer.h[0].mlp.act = ClampIfLarge()
+    snap = _snapshot(model)
+    with pytest.raises(autopar.CaptureError) as e:
+        autopar.plan(model, args, autopar.Mesh((2,), ("dp",)), example_kwargs=kwargs)
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "test_errors.py" in msg and "if x.abs().max() > 10:" in msg
+    assert "in submodule: transformer.h.0.mlp.act (ClampIfLarge)" in msg
+    assert "what to do:" in msg and "torch.where" in msg
+    assert "def forward(self" not in capsys.readouterr().err      # no dump of torch's partial graph
+    assert _same(model, snap) and "forward" not in model.__dict__

@@ -39,6 +39,7 @@ CASES = [
     ("gpt", (2, 2), ("dp", "tp"), TP_PINS_GPT),
     ("gpt", (2, 2), ("dp", "tp"), TWO_D_PINS_GPT),
     ("gpt", (2, 2, 2), ("dp", "tp", "sp"), THREE_D_PINS_GPT),
+    ("llama", (2, 2), ("dp", "tp"), None),
 ]
 
 

@@ -1,8 +1,8 @@
-"""Collective and resharding costs over the axes of an N-D mesh (alpha-beta, ring algorithms).
+"""Collective and resharding costs over the axes of an N-D mesh (alpha-beta; ring, tree, hierarchical).
 
 A collective over one mesh axis of n devices, with `nbytes` the FULL buffer on that axis
 (gathered / unreduced size; each device holds nbytes/n of it when sharded), on a Link of
-one-direction bandwidth B and per-step latency alpha:
+one-direction bandwidth B and per-step latency alpha, with the ring algorithm:
 
     all_reduce       2(n-1)/n   * nbytes / B  +  2(n-1) alpha    (reduce-scatter then all-gather)
     all_gather       (n-1)/n    * nbytes / B  +   (n-1) alpha
@@ -11,6 +11,30 @@ one-direction bandwidth B and per-step latency alpha:
                                                                    nbytes/n local buffer, sends the rest)
 
 The first factor is what each device sends (`collective_bytes_on_wire`). Every cost is 0 for n == 1.
+
+Tree all-reduce (NCCL's double binary tree, pipelined: a reduce up the tree then a broadcast
+down, each moving the whole buffer through the slowest link once):
+
+    all_reduce (tree)    2 * nbytes / B  +  2 ceil(log2 n) alpha
+
+It loses to the ring on bandwidth (2 vs 2(n-1)/n) and wins on latency; `algorithm="auto"` takes
+the faster, as NCCL's tuner does. Trees exist only for all-reduce (as in NCCL); the other
+collectives always use rings.
+
+Hierarchical (`profiles.HierarchicalLink`: k devices of the axis in each of m = n/k nodes; each
+of a node's k devices drives its own NIC, on 1/k of the data):
+
+    all_reduce       reduce_scatter(nbytes, k, intra) + all_reduce(nbytes/k, m, inter) + all_gather(nbytes, k, intra)
+    all_gather       all_gather(nbytes/k, m, inter) + all_gather(nbytes, k, intra)          (reduce_scatter mirrored)
+    all_to_all       (k-1) nbytes/n**2 / B_intra + (n-k) nbytes/n**2 / B_inter + (k-1) alpha_intra + (m-1) alpha_inter
+
+Point-to-point and broadcast (pipelined chain; a tree has the same bandwidth term):
+
+    p2p              nbytes / B + alpha
+    broadcast        nbytes / B + (n-1) alpha   (ring)   or   nbytes / B + ceil(log2 n) alpha   (tree)
+
+Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
+one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
 """
 from __future__ import annotations
 
@@ -23,12 +47,15 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .profiles import Link
+from .profiles import HierarchicalLink, Link
 
-__all__ = ["Collective", "collective_bytes_on_wire", "collective_time", "all_reduce_time", "all_gather_time",
-           "reduce_scatter_time", "all_to_all_time", "ReshardCost", "reshard_cost"]
+__all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
+           "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
+           "latency_steps", "bucketed_time", "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+Algorithm = Literal["ring", "tree", "auto"]
+AnyLink = Link | HierarchicalLink
 
 
 def _ring(kind: Collective, n: int) -> tuple[float, int]:
@@ -49,9 +76,70 @@ def collective_bytes_on_wire(kind: Collective, nbytes: float, n: int) -> float:
     return _ring(kind, n)[0] * nbytes
 
 
-def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> float:
+def latency_steps(kind: Collective, n: int, algorithm: Algorithm = "ring") -> int:
+    """Latency-bound steps of one flat collective over n devices."""
+    if algorithm == "tree" and kind == "all_reduce" and n > 1:
+        return 2 * math.ceil(math.log2(n))
+    return _ring(kind, n)[1]
+
+
+def _flat(kind: Collective, nbytes: float, n: int, link: Link, algorithm: Algorithm) -> float:
+    if n <= 1:
+        return 0.0
     fraction, steps = _ring(kind, n)
-    return fraction * nbytes / link.bandwidth + steps * link.latency
+    ring = fraction * nbytes / link.bandwidth + steps * link.latency
+    if kind != "all_reduce" or algorithm == "ring":
+        return ring
+    tree = 2 * nbytes / link.bandwidth + latency_steps("all_reduce", n, "tree") * link.latency
+    return tree if algorithm == "tree" else min(ring, tree)
+
+
+def collective_time(kind: Collective, nbytes: float, n: int, link: AnyLink, algorithm: Algorithm = "ring") -> float:
+    """Seconds for one collective over n devices on a buffer of full size nbytes (see module docstring)."""
+    if algorithm not in ("ring", "tree", "auto"):
+        raise ValueError(f"unknown algorithm {algorithm!r}: use ring, tree or auto")
+    _ring(kind, n)  # validates kind and n
+    if not isinstance(link, HierarchicalLink) or n != link.size:
+        flat = link if isinstance(link, Link) else Link(link.bandwidth, link.latency)
+        return _flat(kind, nbytes, n, flat, algorithm)
+    k, m = link.local, n // link.local
+    if kind == "all_reduce":
+        return (_flat("reduce_scatter", nbytes, k, link.intra, "ring")
+                + _flat("all_reduce", nbytes / k, m, link.inter, algorithm)
+                + _flat("all_gather", nbytes, k, link.intra, "ring"))
+    if kind in ("all_gather", "reduce_scatter"):
+        return _flat(kind, nbytes / k, m, link.inter, "ring") + _flat(kind, nbytes, k, link.intra, "ring")
+    chunk = nbytes / n ** 2                     # all_to_all: what one device sends to one other
+    return ((k - 1) * chunk / link.intra.bandwidth + (n - k) * chunk / link.inter.bandwidth
+            + (k - 1) * link.intra.latency + (m - 1) * link.inter.latency)
+
+
+def p2p_time(nbytes: float, link: AnyLink) -> float:
+    """One point-to-point transfer of nbytes (e.g. activations between pipeline stages)."""
+    if isinstance(link, HierarchicalLink):
+        link = link.inter
+    return nbytes / link.bandwidth + link.latency if nbytes > 0 else 0.0
+
+
+def broadcast_time(nbytes: float, n: int, link: AnyLink, algorithm: Algorithm = "ring") -> float:
+    """Broadcast of nbytes from one device to n (pipelined chain or tree)."""
+    if n <= 1:
+        return 0.0
+    if isinstance(link, HierarchicalLink) and n == link.size:
+        m = n // link.local
+        return (broadcast_time(nbytes, m, link.inter, algorithm)
+                + broadcast_time(nbytes, link.local, link.intra, algorithm))
+    steps = n - 1 if algorithm == "ring" else math.ceil(math.log2(n))
+    return nbytes / link.bandwidth + steps * link.latency
+
+
+def bucketed_time(kind: Collective, nbytes: float, n: int, link: AnyLink, bucket_bytes: float | None,
+                  launch_overhead: float = 0.0, algorithm: Algorithm = "ring") -> float:
+    """`nbytes` of gradients synchronised in buckets of `bucket_bytes` (None: one bucket)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    buckets = 1 if not bucket_bytes else max(1, math.ceil(nbytes / bucket_bytes))
+    return buckets * (collective_time(kind, nbytes / buckets, n, link, algorithm) + launch_overhead)
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

@@ -2,7 +2,10 @@
 
 Parameter state (bytes per element of a stored shard), training with AdamW in one dtype:
 the parameter, its gradient, and AdamW's two moments (exp_avg, exp_avg_sq) in the same
-dtype = 4 copies. (Mixed precision with fp32 master weights is a later refinement.)
+dtype = 4 copies (`param_state_bytes`, what the planner charges). `state_bytes_per_element`
+also knows mixed precision: bf16/fp16 parameter and gradient, fp32 master weight and fp32
+moments = 2 + 2 + 4 + 4 + 4 = 16 bytes (the "16 bytes per parameter" of ZeRO, Rajbhandari et
+al. 2020, section 3.1, and of Megatron-LM's fp16 training).
 
 Activations: forward position t holds every tensor defined at or before t that is still
 needed: by a later forward op, or by the backward (an input an op saves for its gradient).
@@ -24,6 +27,24 @@ OPTIMIZER_STATE_COPIES = {"adamw": ADAMW_STATE_COPIES, "adam": ADAMW_STATE_COPIE
 
 def param_state_bytes(local_param_bytes: float, optimizer: str = "adamw") -> float:
     return local_param_bytes * OPTIMIZER_STATE_COPIES[optimizer]
+
+
+PRECISIONS = ("same", "mixed")
+
+
+def state_bytes_per_element(param_itemsize: int, optimizer: str = "adamw", precision: str = "same") -> float:
+    """Bytes of training state per parameter element.
+
+    same:  every copy (param, grad, optimizer moments) in the parameter's dtype.
+    mixed: param and grad in their (16-bit) dtype, plus an fp32 master copy and fp32 moments.
+    """
+    if optimizer not in OPTIMIZER_STATE_COPIES:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZER_STATE_COPIES)}")
+    if precision == "same":
+        return float(param_itemsize * OPTIMIZER_STATE_COPIES[optimizer])
+    if precision == "mixed":
+        return float(2 * param_itemsize + 4 * (OPTIMIZER_STATE_COPIES[optimizer] - 1))
+    raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
 
 
 @dataclass(frozen=True, slots=True)

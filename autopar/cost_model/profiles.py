@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Link", "DeviceProfile", "load_profile", "save_profile", "known_profiles", "PROFILE_DIR"]
+__all__ = ["Link", "HierarchicalLink", "DeviceProfile", "load_profile", "save_profile", "known_profiles", "PROFILE_DIR"]
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 PEAK_KEYS = ("float32", "tf32", "bfloat16", "float16")
@@ -37,6 +37,38 @@ class Link:
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.latency >= 0:
             raise ValueError(f"{self!r}: bandwidth must be > 0 and latency >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class HierarchicalLink:
+    """The links of a mesh axis of `size` devices spread over nodes, `local` of them per node.
+
+    Collectives over such an axis run in two levels, as NCCL's rings over the NIC rails and
+    hierarchical all-reduces do: inside each node over `intra` (NVLink), and between the
+    `size // local` nodes over `inter`, where each of the `local` devices of a node drives its own
+    NIC on 1/local of the data (`comm.collective_time` has the formulas). `bandwidth` and `latency`
+    are those of a flat ring with the same large-message all-gather time, for code that only
+    needs one number (ordering, reports).
+    """
+    intra: Link
+    inter: Link
+    local: int        # devices of the axis inside one node (>= 2)
+    size: int         # devices on the axis (a multiple of local, > local)
+
+    def __post_init__(self) -> None:
+        if not (2 <= self.local < self.size and self.size % self.local == 0):
+            raise ValueError(f"{self!r}: need 2 <= local < size and size divisible by local")
+
+    @property
+    def bandwidth(self) -> float:
+        k, n = self.local, self.size
+        m = n // k
+        per_byte = (k - 1) / k / self.intra.bandwidth + (m - 1) / m / (k * self.inter.bandwidth)
+        return (n - 1) / n / per_byte
+
+    @property
+    def latency(self) -> float:
+        return self.inter.latency
 
 
 @dataclass(frozen=True, slots=True)

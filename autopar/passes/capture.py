@@ -6,15 +6,27 @@ Python shape arithmetic (`B, T = x.shape`) is specialised to the example's sizes
 
 The captured graph is ATen-level but keeps composite ops whole (`aten.linear`,
 `aten.layer_norm`, `aten.scaled_dot_product_attention`), which is the granularity a
-sharding decision is made at. Parameters, buffers and user inputs are placeholders;
-`Captured.inputs` says which is which. Tied parameters (one tensor, two names) are
-folded onto one placeholder so the planner gives them one placement.
+sharding decision is made at. It is functional: in-place ops (`x[..., 1:] = y`, BatchNorm's
+running statistics) become out-of-place ones, and buffer updates become graph outputs
+(`Captured.outputs`), written back after each step. Regions traced under `torch.no_grad()`
+are inlined with their results detached. Parameters, buffers and user inputs are placeholders;
+`Captured.inputs` says which is which. Tied parameters (one tensor, two names) are folded
+onto one placeholder so the planner gives them one placement.
+
+Hugging Face models run unchanged: a KV cache a forward returns (a transformers `Cache`, as
+`past_key_values`) is returned as None, since a training step has no use for it and a cache
+object is not a graph output.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import linecache
+import operator
 import os
-import traceback
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +35,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ..errors import CaptureError
+from .lowering import DECOMPOSITIONS, drop_assertions, exact_mean_losses, experts_as_one_op
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +57,7 @@ class Captured:
     out_spec: Any
     param_names: dict[str, str] = field(default_factory=dict)   # every param FQN (aliases too) -> canonical FQN
     model_name: str = ""
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # lifted constant tensors by name
 
 
 def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
@@ -54,13 +69,86 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)
     was_training = model.training
+    had_forward = "forward" in model.__dict__
+    own_forward = model.__dict__.get("forward")
+    model.forward = _without_caches(model.forward)
     try:
-        ep = torch.export.export(model, args, kwargs or {}, strict=False)
+        with experts_as_one_op(model), _no_partial_graph_dump():
+            ep = torch.export.export(model, args, kwargs or {}, strict=False)
+        _detach_no_grad_regions(ep.graph_module)
+        with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            # functional (mutations out, no-grad regions inlined), composites kept, BatchNorm lowered
+            ep = ep.run_decompositions(dict(DECOMPOSITIONS))
+        drop_assertions(ep.graph_module)
+        exact_mean_losses(ep.graph_module)
     except Exception as e:  # noqa: BLE001 - every capture failure becomes one actionable error
         raise _capture_error(model, e) from e
     finally:
+        if had_forward:
+            model.forward = own_forward
+        else:
+            del model.forward
         model.train(was_training)
     return _from_exported(model, ep)
+
+
+class _StderrFilter:
+    """sys.stderr, minus the partial graph torch.export prints on a data-dependent failure (our
+    CaptureError names the user's line instead of dumping hundreds of lines of ATen code)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "def forward(self" in text and "torch.ops." in text:
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _no_partial_graph_dump():
+    stream = sys.stderr
+    sys.stderr = _StderrFilter(stream)
+    try:
+        yield
+    finally:
+        sys.stderr = stream
+
+
+def _is_cache(x) -> bool:
+    """A transformers KV cache (by transformers' own rule: a `Cache` subclass or a `*Cache` class)."""
+    return not isinstance(x, torch.Tensor) and any(
+        c.__module__.startswith("transformers") and c.__name__.endswith("Cache")
+        for c in type(x).__mro__)
+
+
+def _without_caches(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return pytree.tree_map(lambda x: None if _is_cache(x) else x, forward(*args, **kwargs))
+    return run
+
+
+def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Results of a `torch.no_grad()` region carry no gradient; decomposition inlines the region,
+    so mark that with a detach on each result (RoPE tables, masks: no-ops on data anyway)."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is not hop or n.args[0] is not False:
+            continue
+        for u in list(n.users):
+            if u.target is not operator.getitem:
+                continue
+            with g.inserting_after(u):
+                d = g.call_function(torch.ops.aten.detach.default, (u,))
+            d.meta = dict(u.meta)
+            u.replace_all_uses_with(d, delete_user_cb=lambda user, d=d: user is not d)
+    gm.recompile()
 
 
 def _from_exported(model: torch.nn.Module, ep) -> Captured:
@@ -102,21 +190,75 @@ def _from_exported(model: torch.nn.Module, ep) -> Captured:
             outputs.append((kind.lower(), spec.target))
     gm.graph.eliminate_dead_code()
     gm.recompile()
+    constants = {slot.target: ep.constants[slot.target] for slot in inputs.values()
+                 if slot.kind == "constant" and slot.target in ep.constants}
     return Captured(gm=gm, inputs=inputs, outputs=outputs, in_spec=ep.call_spec.in_spec,
-                    out_spec=ep.call_spec.out_spec, param_names=param_names, model_name=type(model).__name__)
+                    out_spec=ep.call_spec.out_spec, param_names=param_names, model_name=type(model).__name__,
+                    constants=constants)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def _model_files(model: torch.nn.Module) -> set[str]:
+    """Source files of the model's own module classes (torch.nn's excluded)."""
+    files = set()
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls.__module__.startswith("torch."):
+                continue
+            try:
+                files.add(os.path.abspath(inspect.getsourcefile(cls) or ""))
+            except TypeError:
+                pass
+    return files - {""}
+
+
+def _is_library(filename: str) -> bool:
+    return (filename.startswith(_TORCH_DIR) or filename.startswith(_AUTOPAR_DIR) or filename.startswith("<")
+            or f"{os.sep}transformers{os.sep}utils{os.sep}" in filename)
+
+
+def _advice(e: Exception, first: str) -> str:
+    kind = type(e).__name__
+    if "DataDependent" in kind or "data-dependent" in first or "item()" in first:
+        return ("that line uses the *value* of a tensor (a Python `if` on it, `.item()`, `.tolist()`, a size "
+                "that depends on data): write it with tensor ops instead (`torch.where`, masks, fixed-size "
+                "`topk`), state what holds with `torch._check(...)`, or compute it outside forward")
+    if "not a known type" in first or "pytree" in first:
+        return ("forward returns an object that is not a tensor container: return tensors (tuples, lists, dicts, "
+                "dataclasses), or register its type with torch.utils._pytree.register_pytree_node")
+    if "numpy" in first.lower():
+        return "that line converts a tensor to NumPy or Python data: keep it a tensor during forward"
+    return ("make that code traceable by torch.export (no data-dependent Python control flow, no "
+            "`.item()`/`.tolist()`, no NumPy on tensors), or move it out of forward")
 
 
 def _capture_error(model: torch.nn.Module, e: Exception) -> CaptureError:
-    """Name the line of the user's model that broke tracing, and what to do about it."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_TORCH_DIR)
-              and "/autopar/" not in f.filename]
+    """Name the line of the user's model that broke tracing, the submodule running it, and what to do."""
+    tb_frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        tb_frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    owned = _model_files(model)
+    modules = {id(m): name for name, m in model.named_modules()}
+    mine = [(f, ln) for f, ln in tb_frames if os.path.abspath(f.f_code.co_filename) in owned]
+    if not mine:   # the model's own classes are torch.nn's (e.g. a Sequential): the closest non-library frame
+        mine = [(f, ln) for f, ln in tb_frames if not _is_library(f.f_code.co_filename)]
     where = ""
-    if frames:
-        f = frames[-1]
-        code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
-        where = f"\n  failing line of your model: {f.filename}:{f.lineno} in {f.name}: `{code}`"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if mine:
+        frame, lineno = mine[-1]
+        fn = frame.f_code.co_filename
+        code = linecache.getline(fn, lineno).strip()
+        where = f"\n  failing line of your model: {fn}:{lineno} in {frame.f_code.co_name}: `{code}`"
+        for f, _ in reversed(mine):
+            owner = f.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) in modules:
+                path = modules[id(owner)] or "(the model itself)"
+                where += f"\n  in submodule: {path} ({type(owner).__name__})"
+                break
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
     return CaptureError(
         f"could not capture {type(model).__name__} as a graph: {type(e).__name__}: {first}{where}\n"
-        "  what to do: make that code traceable (no data-dependent Python control flow or .item()/.tolist() "
-        "on tensors), or move it out of forward; your model was not modified")
+        f"  what to do: {_advice(e, first)}; your model was not modified")

@@ -76,7 +76,8 @@ class DistributedModule(torch.nn.Module):
             elif slot.kind == "buffer":
                 values.append(DTensor.from_local(self.get_buffer(slot.target), mesh, self._whole, run_check=False))
             elif slot.kind == "constant":
-                values.append(DTensor.from_local(getattr(cap.gm, slot.target), mesh, self._whole, run_check=False))
+                const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+                values.append(DTensor.from_local(const.to(_device(mesh)), mesh, self._whole, run_check=False))
             else:
                 x = leaves[slot.target]
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):

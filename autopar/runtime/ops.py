@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import layout_str, local_shape
 from .reshard import grad_layout, reshard, to_layout
 
@@ -30,6 +31,23 @@ _SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.d
 # a local shard can be strided where the global tensor was not (a transposed shard): reshape is
 # view where it can be and copies where it must, with the same gradient
 _RESHAPE_FOR = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+
+
+def _moe_first_expert(op: "LocalOp", args, kwargs):
+    """`autopar::moe_experts` on a device holding a slice of the experts: say which ones (mixed
+    radix over the axes that split them, in mesh order, as DTensor chunks a dim)."""
+    coord = op.mesh.get_coordinate()
+    block = 0
+    for a, p in enumerate(op.inputs[3]):
+        if isinstance(p, Shard) and p.dim == 0:
+            block = block * op.mesh.shape[a] + coord[a]
+    args = list(args)
+    args[6] = block * args[3].shape[0]
+    return args, kwargs
+
+
+# Ops whose non-tensor arguments depend on which shard this device holds: target -> fn(op, args, kwargs)
+LOCALIZE = {torch.ops.autopar.moe_experts.default: _moe_first_expert}
 
 
 def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:
@@ -82,6 +100,7 @@ class LocalOp(torch.nn.Module):
         super().__init__()
         self.target, self.mesh = _RESHAPE_FOR.get(target, target), mesh
         self.output = tuple(output)
+        self.inputs = tuple(tuple(i) for i in inputs)
         self.grad_layouts = input_grad_layouts([tuple(i) for i in inputs], self.output)
         self.shape_arg = _SHAPE_ARG.get(self.target)
         self.local_out_shape = (local_shape(global_shape, self.output, mesh.shape)
@@ -98,6 +117,8 @@ class LocalOp(torch.nn.Module):
         if self.local_out_shape is not None:
             args = list(args)
             args[self.shape_arg] = list(self.local_out_shape)
+        if self.target in LOCALIZE:
+            args, kwargs = LOCALIZE[self.target](self, args, kwargs)
         return args, kwargs
 
     def forward(self, *args, **kwargs):

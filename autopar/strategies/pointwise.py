@@ -32,6 +32,13 @@ _POINTWISE = (
     aten.maximum, aten.minimum, aten.reciprocal, aten.erf, aten.square, aten.bitwise_and, aten.bitwise_or,
     aten.leaky_relu, aten.hardtanh, aten.elu, aten.softplus, aten.mish, aten.hardswish, aten.hardsigmoid,
     aten.type_as, aten._to_copy, aten.to, aten.fill, aten.zeros_like, aten.ones_like, aten.full_like,
+    aten.empty_like, aten.__and__, aten.__or__, aten.__xor__, aten.logical_and, aten.logical_or, aten.logical_xor,
+    aten.bitwise_xor, aten.bitwise_not, aten.floor_divide, aten.remainder, aten.fmod, aten.floor, aten.ceil,
+    aten.round, aten.trunc, aten.frac, aten.sign, aten.sgn, aten.log1p, aten.expm1, aten.log2, aten.log10,
+    aten.exp2, aten.isnan, aten.isinf, aten.isfinite, aten.clamp_min, aten.clamp_max, aten.rsub, aten.atan,
+    aten.atan2, aten.tan, aten.asin, aten.acos, aten.erfc, aten.relu6, aten.selu, aten.celu, aten.logit,
+    aten.addcmul, aten.addcdiv, aten.lerp, aten.xlogy, aten.hypot, aten.copysign, aten.nan_to_num,
+    aten.threshold, aten.positive, aten.softshrink, aten.hardshrink, aten.copy,
 )
 
 

@@ -66,6 +66,9 @@ def rule_for(target) -> OpRule | None:
 
 
 def op_name(target) -> str:
+    """'aten.linear' for aten.linear.default and for the packet aten.linear; 'autopar.moe_experts' alike."""
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target.overloadpacket.__name__}" if target.namespace == "aten" else str(target)
+        return f"{target.namespace}.{target.overloadpacket.__name__}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
     return getattr(target, "__name__", str(target))

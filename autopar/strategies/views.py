@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .pointwise import broadcast_options
 from .registry import AxisOption, register
 
 aten = torch.ops.aten
@@ -138,3 +139,7 @@ def getitem_rule(node, ins, outs):
     return [AxisOption((Shard(d),), Shard(d), "item") for d in range(out.ndim)] + [AxisOption((P,), P, "partial")]
 
 
+@register(aten.broadcast_tensors, family="view", saves_inputs=False, is_view=True)
+def broadcast_tensors_rule(node, ins, outs):
+    """Every input expanded to the common shape: a dim an input carries splits with the outputs."""
+    return broadcast_options(ins, outs[0], label="split")

@@ -1,0 +1,97 @@
+"""Pipeline parallelism: the step time of a synchronous (flushing) schedule from per-device costs.
+
+p devices in a pipeline each hold `virtual` model chunks (v = 1: GPipe or 1F1B, which take the
+same time and differ in memory; v > 1: the interleaved 1F1B schedule of Narayanan et al. 2021,
+section 2.2.2). For one microbatch, device d spends f_d in forward and b_d in backward
+(recomputation included), and sends its activations forward and receives gradients back once
+per chunk boundary (c_d). With m microbatches per step:
+
+    t_d = f_d + b_d + c_d,       c_d = v * (p2p_forward + p2p_backward)   (0 when p == 1)
+    T   = m * max_d t_d  +  (sum_d t_d - max_d t_d) / v
+
+For equal devices T = (m + (p - 1) / v) * t: the pipeline bubble (p - 1) / (v m) of the paper.
+For v = 1 it is Alpa's formula sum_d t_d + (m - 1) max_d t_d: the first microbatch fills the
+pipeline, the slowest device paces the other m - 1, the last one drains it. Transfers sit on the
+critical path (Megatron's schedules wait on their send/recv pairs), which is why interleaving,
+with v times more boundaries, pays v times more point-to-point time.
+
+In-flight microbatches (activation memory): 1F1B keeps p - d forward passes in flight on device d,
+GPipe all m; interleaved 1F1B keeps (p - d - 1) * 2 + (v - 1) * p + 1 chunk-forwards of 1/v of
+the device's activations each (Megatron's warm-up count), at most m * v.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches", "SCHEDULES"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """How a model is pipelined: `stages` devices along mesh axis `axis`, `microbatches` per step.
+
+    schedule: "1f1b" (PipeDream-flush, Megatron's default), "gpipe", or "interleaved" with
+    `virtual_stages` chunks per device. `scatter_gather`: a stage boundary tensor that is
+    replicated over other mesh axes is sent 1/r by each of the r replicas and all-gathered on
+    arrival (Megatron's scatter/gather optimisation, section 4.1 of the paper).
+    """
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str | None = "pp"
+    scatter_gather: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.microbatches < 1 or self.virtual_stages < 1:
+            raise ValueError(f"{self!r}: stages, microbatches and virtual_stages must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        if self.stages > 1 and self.axis is None:
+            raise ValueError("a pipeline of several stages needs the mesh axis it runs along (axis=...)")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineTime:
+    total_s: float                 # T
+    busy_s: float                  # m * max_d t_d (the pace-setting device's own work)
+    bubble_s: float                # T - busy_s: fill and drain
+    p2p_s: float                   # point-to-point time on the critical path (inside busy and bubble)
+    per_device_s: tuple[float, ...]  # t_d, one microbatch
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.busy_s if self.busy_s else 0.0
+
+
+def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], microbatches: int, *, virtual_stages: int = 1,
+                  p2p_forward: float = 0.0, p2p_backward: float = 0.0) -> PipelineTime:
+    """Step time of m microbatches through devices with per-microbatch times fwd[d], bwd[d]."""
+    p = len(fwd)
+    if p < 1 or len(bwd) != p:
+        raise ValueError("pipeline_time: fwd and bwd need one entry per device (at least one)")
+    v, m = virtual_stages, microbatches
+    c = v * (p2p_forward + p2p_backward) if p > 1 else 0.0
+    t = [f + b + c for f, b in zip(fwd, bwd)]
+    t_max = max(t)
+    total = m * t_max + (sum(t) - t_max) / v
+    busy = m * t_max
+    p2p = c * (m + (p - 1) / v)
+    return PipelineTime(total, busy, total - busy, p2p, tuple(t))
+
+
+def in_flight_microbatches(device: int, stages: int, microbatches: int, schedule: str = "1f1b",
+                           virtual_stages: int = 1) -> float:
+    """Microbatches' worth of forward activations device `device` holds at its peak."""
+    p, m, v, d = stages, microbatches, virtual_stages, device
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and v > 1:
+        chunks = min((p - d - 1) * 2 + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return float(min(p - d, m))

@@ -1,0 +1,270 @@
+"""Lowering at capture: ops whose shape in torch's graph hides how they may be sharded.
+
+* BatchNorm in training mode (`_native_batch_norm_legit_functional`, one op with five outputs
+  of two ranks) becomes its statistics and its normalization, written with ordinary ops plus
+  `autopar::batch_stat_mean` (a mean over the batch and spatial dims, marked so the report can
+  name it). Sharding then follows from the ordinary rules: a batch-split input gives each
+  device the mean of its samples, a partial average, which the planner all-reduces before
+  use; that is SyncBatchNorm, and it is the solver's choice against gathering the input
+  whole or splitting channels (`report.py` says which it took per layer). Two passes (mean,
+  then the mean of squared deviations) keep the variance as accurate as one device's.
+  Eval-mode BatchNorm becomes the per-channel affine map it is.
+* A Hugging Face MoE experts module (`@use_experts_implementation`: Mixtral, Qwen-MoE, ...)
+  is captured as one op, `autopar::moe_experts`, instead of its data-dependent dispatch (sort
+  by expert, gather, grouped matmul, scatter back), which no per-op rule can split exactly.
+  Its rule splits tokens, or experts (each device runs its experts on every token routed to
+  them and the results are partial sums).
+* Assertions that output nothing (`_assert_tensor_metadata`, ...) are dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
+
+aten = torch.ops.aten
+
+
+# -- autopar::batch_stat_mean -------------------------------------------------------------------
+
+@torch.library.custom_op("autopar::batch_stat_mean", mutates_args=())
+def batch_stat_mean(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """Mean over `dims`, kept as size-1 dims: the statistics of a BatchNorm."""
+    return x.mean(dims, keepdim=True)
+
+
+@batch_stat_mean.register_fake
+def _batch_stat_mean_fake(x, dims):
+    return x.mean(dims, keepdim=True)
+
+
+def _batch_stat_mean_setup(ctx, inputs, output):
+    x, dims = inputs
+    ctx.shape = x.shape
+    ctx.count = math.prod(x.shape[d] for d in dims)
+
+
+def _batch_stat_mean_backward(ctx, grad):
+    return grad.expand(ctx.shape) / ctx.count, None
+
+
+batch_stat_mean.register_autograd(_batch_stat_mean_backward, setup_context=_batch_stat_mean_setup)
+
+
+def _channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view([1, -1] + [1] * (ndim - 2))
+
+
+def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
+    dims = [0] + list(range(2, x.ndim))
+    n = x.numel() // x.shape[1]
+    mean = torch.ops.autopar.batch_stat_mean(x, dims)
+    centered = x - mean
+    var = torch.ops.autopar.batch_stat_mean(centered * centered, dims)
+    rstd = torch.rsqrt(var + eps)
+    y = centered * rstd
+    if weight is not None:
+        y = y * _channel(weight, x.ndim)
+    if bias is not None:
+        y = y + _channel(bias, x.ndim)
+    stats = (mean.detach().view(-1), var.detach().view(-1))
+    if running_mean is None:
+        return y, mean.view(-1), rstd.view(-1), stats
+    new_mean = running_mean * (1 - momentum) + stats[0] * momentum
+    new_var = running_var * (1 - momentum) + stats[1] * (n / max(n - 1, 1)) * momentum
+    return y, mean.view(-1), rstd.view(-1), (new_mean, new_var)
+
+
+def _bn_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        return _bn_eval(x, weight, bias, running_mean, running_var, momentum, eps) + (running_mean, running_var)
+    y, mean, rstd, (new_mean, new_var) = _bn_train(x, weight, bias, running_mean, running_var, momentum, eps)
+    return y, mean, rstd, new_mean, new_var
+
+
+def _bn_no_stats(x, weight, bias, training, momentum, eps):
+    y, mean, rstd, _ = _bn_train(x, weight, bias, None, None, momentum, eps)
+    return y, mean, rstd
+
+
+def _bn_eval(x, weight, bias, running_mean, running_var, momentum, eps):
+    y = (x - _channel(running_mean, x.ndim)) * _channel(torch.rsqrt(running_var + eps), x.ndim)
+    if weight is not None:
+        y = y * _channel(weight, x.ndim)
+    if bias is not None:
+        y = y + _channel(bias, x.ndim)
+    empty = x.new_zeros((0,))
+    return y, empty, empty
+
+
+DECOMPOSITIONS = {
+    aten._native_batch_norm_legit_functional.default: _bn_functional,
+    aten._native_batch_norm_legit.no_stats: _bn_no_stats,
+    aten._native_batch_norm_legit_no_training.default: _bn_eval,
+}
+
+
+# -- autopar::moe_experts -----------------------------------------------------------------------
+
+_ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+         "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+         "gelu_new": functools.partial(F.gelu, approximate="tanh")}
+
+
+def moe_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str, first_expert: int):
+    """Experts [first_expert, first_expert + E_local) applied to the tokens routed to them.
+
+    hidden [T, H]; top_k_index/top_k_weights [T, k]; gate_up_proj [E_local, 2I, H] (gate rows
+    first); down_proj [E_local, H, I]. Tokens routed elsewhere contribute zero, so summing the
+    results of devices holding disjoint experts gives the whole layer."""
+    T, k = top_k_index.shape
+    out = hidden.new_zeros(T, k, hidden.shape[-1])
+    fn = _ACTS[act]
+    for e in range(gate_up_proj.shape[0]):
+        tok, slot = torch.where(top_k_index == first_expert + e)
+        if tok.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(fn(gate) * up, down_proj[e]) * top_k_weights[tok, slot, None]
+        out = out.index_put((tok, slot), y.to(out.dtype))
+    return out.sum(dim=1)
+
+
+@torch.library.custom_op("autopar::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str, first_expert: int) -> torch.Tensor:
+    return moe_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, first_expert)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, first_expert):
+    return torch.empty_like(hidden)
+
+
+def _moe_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.args = inputs[5:]
+
+
+def _moe_backward(ctx, grad):
+    """Recompute the forward under autograd and differentiate it (exact; one extra forward)."""
+    hidden, idx, weights, gate_up, down = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_(True) for t in (hidden, weights, gate_up, down)]
+    with torch.enable_grad():
+        out = moe_reference(leaves[0], idx, leaves[1], leaves[2], leaves[3], *ctx.args)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True, materialize_grads=True)
+    return grads[0], None, grads[1], grads[2], grads[3], None, None
+
+
+moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)
+
+
+def _moe_flops(hidden_shape, index_shape, weights_shape, gate_up_shape, down_shape, *args, **kwargs) -> int:
+    routed = index_shape[0] * index_shape[1]
+    return 2 * routed * (gate_up_shape[1] * gate_up_shape[2] + down_shape[1] * down_shape[2])
+
+
+register_flop_formula(torch.ops.autopar.moe_experts)(_moe_flops)
+
+
+def _moe_act(module) -> str | None:
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_act", None)
+    return act if act in _ACTS else None
+
+
+def _is_plain_hf_experts(module: torch.nn.Module) -> bool:
+    """Experts in transformers' standard layout: gate_up_proj [E, 2I, H] (gate rows first),
+    down_proj [E, H, I], no bias, no post-norm, a known activation."""
+    return (type(module).__name__.endswith("Experts") and hasattr(module, "_apply_gate")
+            and getattr(module, "has_gate", False) and not getattr(module, "has_bias", True)
+            and not getattr(module, "is_transposed", True) and getattr(module, "is_concatenated", False)
+            and not getattr(module, "has_post_expert_norm", True)
+            and type(module)._apply_gate.__name__ == "_default_apply_gate"
+            and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+            and module.gate_up_proj.ndim == 3 and module.down_proj.ndim == 3 and _moe_act(module) is not None)
+
+
+@contextlib.contextmanager
+def experts_as_one_op(model: torch.nn.Module):
+    """While tracing, run each standard HF experts module as `autopar::moe_experts` (the model's
+    own modules are restored afterwards; nothing else changes)."""
+    patched = []
+    for m in model.modules():
+        if _is_plain_hf_experts(m) and "forward" not in m.__dict__:
+            act = _moe_act(m)
+
+            def forward(hidden_states, top_k_index, top_k_weights, _m=m, _act=act):
+                return torch.ops.autopar.moe_experts(hidden_states, top_k_index, top_k_weights, _m.gate_up_proj,
+                                                     _m.down_proj, _act, 0)
+            m.forward = forward
+            patched.append(m)
+    try:
+        yield patched
+    finally:
+        for m in patched:
+            del m.forward
+
+
+# -- mean losses ---------------------------------------------------------------------------------
+
+_MEAN_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
+                aten.nll_loss2d.default)
+_LOSS_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+
+
+def exact_mean_losses(gm: fx.GraphModule) -> None:
+    """A mean over counted targets (`ignore_index` excluded) as sum / count.
+
+    Each device's mean over its slice of the batch is only a partial average of the whole when
+    every slice counts as many targets; padded or masked labels (-100: a causal LM's last token,
+    a masked LM's unmasked ones) break that. The sum and the count are exact partial sums under
+    any split, reduced before the division."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target not in _MEAN_LOSSES:
+            continue
+        a = dict(zip(_LOSS_ARGS, node.args))
+        a.update(node.kwargs)
+        if a.get("weight") is not None or a.get("reduction", 1) != 1:
+            continue
+        ignore = a.get("ignore_index", -100)
+        target = a["target"]
+        fake = node.meta["val"]
+        with g.inserting_before(node):
+            new_args = list(node.args) + [None] * max(0, 4 - len(node.args))
+            new_args[2], new_args[3] = a.get("weight"), 2          # reduction="sum"
+            total = g.call_function(node.target, tuple(new_args[:max(4, len(node.args))]),
+                                    {k: v for k, v in node.kwargs.items() if k not in ("reduction", "weight")})
+            valid = g.call_function(aten.ne.Scalar, (target, ignore))
+            count = g.call_function(aten.sum.default, (valid,))
+            mean = g.call_function(aten.div.Tensor, (total, count))
+        with fake.fake_mode:
+            tval = target.meta["val"]
+            vals = (fake, torch.empty(tval.shape, dtype=torch.bool), torch.empty((), dtype=torch.int64), fake)
+        for n, v in zip((total, valid, count, mean), vals):
+            n.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack")
+                      if k in node.meta}
+            n.meta["val"] = v
+        node.replace_all_uses_with(mean)
+        g.erase_node(node)
+    gm.recompile()
+
+
+# -- assertion ops ------------------------------------------------------------------------------
+
+_ASSERTS = tuple(getattr(aten, n).default for n in ("_assert_tensor_metadata", "_assert_async", "_assert_scalar",
+                                                     "sym_constrain_range_for_size", "sym_constrain_range")
+                 if hasattr(aten, n) and hasattr(getattr(aten, n), "default"))
+
+
+def drop_assertions(gm: fx.GraphModule) -> None:
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _ASSERTS and not n.users:
+            gm.graph.erase_node(n)

@@ -1,0 +1,112 @@
+"""Cost-model pieces behind autopar.estimate: collectives (tree, hierarchical, p2p, buckets),
+per-op backward factors, mixed-precision state, the optimizer step, and `autopar calibrate`."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost_model import Link, load_profile
+from autopar.cost_model.comm import (all_gather_time, all_reduce_time, broadcast_time, bucketed_time,
+                                     collective_time, p2p_time, reduce_scatter_time)
+from autopar.cost_model.compute import backward_factor, compute_time, op_times, optimizer_step_time
+from autopar.cost_model.memory import state_bytes_per_element
+from autopar.cost_model.profiles import HierarchicalLink
+
+NV = Link(235e9, 1e-6)
+IB = Link(22.5e9, 5e-6)
+
+
+def test_tree_all_reduce_wins_small_messages_ring_wins_large():
+    n = 64
+    small, large = 4096.0, 1e9
+    tree_small = 2 * small / IB.bandwidth + 2 * math.ceil(math.log2(n)) * IB.latency
+    assert collective_time("all_reduce", small, n, IB, "tree") == pytest.approx(tree_small)
+    assert collective_time("all_reduce", small, n, IB, "auto") == pytest.approx(tree_small)
+    assert collective_time("all_reduce", large, n, IB, "auto") == pytest.approx(all_reduce_time(large, n, IB))
+    # trees exist only for all-reduce
+    assert collective_time("all_gather", large, n, IB, "tree") == all_gather_time(large, n, IB)
+    with pytest.raises(ValueError, match="algorithm"):
+        collective_time("all_reduce", 1.0, 2, IB, "butterfly")
+
+
+def test_hierarchical_all_reduce_is_intra_then_inter_then_intra():
+    link = HierarchicalLink(NV, IB, local=8, size=32)
+    s = 3.4e9
+    expected = reduce_scatter_time(s, 8, NV) + all_reduce_time(s / 8, 4, IB) + all_gather_time(s, 8, NV)
+    assert collective_time("all_reduce", s, 32, link) == pytest.approx(expected)
+    # far faster than a flat ring over the network link, slower than NVLink alone
+    assert all_reduce_time(s, 32, NV) < collective_time("all_reduce", s, 32, link) < all_reduce_time(s, 32, IB) / 4
+    assert collective_time("all_gather", s, 32, link) == pytest.approx(
+        all_gather_time(s / 8, 4, IB) + all_gather_time(s, 8, NV))
+    # the flat-ring-equivalent bandwidth reproduces the large-message all-gather time
+    assert (31 / 32) * s / link.bandwidth == pytest.approx(all_gather_time(s, 32, link) - 3 * 5e-6 - 7 * 1e-6,
+                                                           rel=1e-6)
+    with pytest.raises(ValueError):
+        HierarchicalLink(NV, IB, local=8, size=12)
+
+
+def test_mesh_axis_spanning_nodes_is_hierarchical():
+    mesh = autopar.Mesh((1, 32, 1), ("pp", "dp", "tp"), device="a100")
+    link = mesh.axes[1].link
+    assert mesh.axes[1].scope == "hierarchical" and isinstance(link, HierarchicalLink)
+    assert (link.local, link.size) == (8, 32)
+    mesh = autopar.Mesh((4, 4), ("a", "b"), device="a100")
+    assert mesh.axes[0].link.local == 2                     # 2 of the axis's 4 devices per node
+    assert "GB/s" in mesh.describe()
+
+
+def test_p2p_broadcast_and_buckets():
+    assert p2p_time(1e9, IB) == pytest.approx(1e9 / 22.5e9 + 5e-6)
+    assert p2p_time(0, IB) == 0.0
+    assert broadcast_time(1e9, 8, NV) == pytest.approx(1e9 / 235e9 + 7e-6)
+    assert broadcast_time(1e9, 8, NV, "tree") == pytest.approx(1e9 / 235e9 + 3e-6)
+    assert broadcast_time(1e9, 1, NV) == 0.0
+    one = bucketed_time("all_reduce", 100e6, 8, NV, None, 5e-6)
+    assert one == pytest.approx(all_reduce_time(100e6, 8, NV) + 5e-6)
+    four = bucketed_time("all_reduce", 100e6, 8, NV, 25e6, 5e-6)
+    assert four == pytest.approx(4 * (all_reduce_time(25e6, 8, NV) + 5e-6))   # same bytes, 4x the latency
+
+
+def test_backward_factors_per_op():
+    assert backward_factor("aten.linear", "matmul") == 2.0
+    assert backward_factor("aten.scaled_dot_product_attention", "attention") == 2.5
+    assert backward_factor("aten.add", "pointwise") == 0.0          # the gradient passes through
+    assert backward_factor("aten.gelu", "pointwise") == 1.5
+    assert backward_factor("aten.layer_norm", "norm") == 2.5
+    assert backward_factor("aten.whatever", None) == 1.0
+    h100 = load_profile("h100")
+    f, b = op_times(1e12, 1e6, torch.bfloat16, h100, family="attention")
+    assert f == pytest.approx(compute_time(1e12, 1e6, torch.bfloat16, h100, is_matmul=True))   # on tensor cores
+    assert b == pytest.approx(2.5 * f)
+
+
+def test_mixed_precision_state_and_optimizer_step():
+    assert state_bytes_per_element(2, "adamw", "mixed") == 16     # bf16 param + grad, fp32 master + 2 moments
+    assert state_bytes_per_element(4, "adamw", "same") == 16
+    assert state_bytes_per_element(2, "adamw", "same") == 8
+    assert state_bytes_per_element(2, "sgd", "mixed") == 8
+    with pytest.raises(ValueError):
+        state_bytes_per_element(2, "adamw", "fp8")
+    a100 = load_profile("a100")
+    assert optimizer_step_time(1e9, a100) == pytest.approx(28e9 / (2.039e12 * 0.9) + 5e-6)
+
+
+def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
+    out = tmp_path / "me.json"
+    r = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(out), "--world-size", "2",
+                        "--quick", "--name", "test-machine"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+    mesh = autopar.Mesh((2,), ("dp",), device=str(out))
+    p = mesh.profile
+    assert p.name == "test-machine" and p.device_type == "cpu" and p.backend == "gloo"
+    assert p.peak_flops["float32"] > 1e8 and p.memory_bandwidth > 1e8
+    assert p.intra_node.bandwidth > 1e6 and p.intra_node.latency >= 0 and p.kernel_overhead > 0
+    raw = json.loads(out.read_text())
+    assert raw["_measured"]["axes"]["axis0"]["size"] == 2 and len(raw["_measured"]["per_rank"]) == 2
