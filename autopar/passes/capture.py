@@ -78,8 +78,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         _detach_no_grad_regions(ep.graph_module)
         with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            # functional (mutations out, no-grad regions inlined), composites kept, BatchNorm lowered
-            ep = ep.run_decompositions(dict(DECOMPOSITIONS))
+            # functional (mutations out, no-grad regions inlined), composites kept, BatchNorm lowered;
+            # a graph that needs none of that skips the re-trace (3 s of an 8B model's capture)
+            if _needs_decomposition(ep.graph_module):
+                ep = ep.run_decompositions(dict(DECOMPOSITIONS))
         drop_assertions(ep.graph_module)
         exact_mean_losses(ep.graph_module)
     except Exception as e:  # noqa: BLE001 - every capture failure becomes one actionable error
@@ -131,6 +133,22 @@ def _without_caches(forward):
     def run(*args, **kwargs):
         return pytree.tree_map(lambda x: None if _is_cache(x) else x, forward(*args, **kwargs))
     return run
+
+
+def _needs_decomposition(gm: fx.GraphModule) -> bool:
+    """In-place ops, higher-order regions, batch norms or dropouts (lowered to `native_dropout`,
+    whose mask the cost model counts) present: `run_decompositions` must run."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if not isinstance(t, torch._ops.OpOverload):
+            if isinstance(t, torch._ops.HigherOrderOperator):
+                return True
+            continue
+        if t._schema.is_mutable or "batch_norm" in t.name() or "dropout" in t.name():
+            return True
+    return False
 
 
 def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
