@@ -64,7 +64,7 @@ from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
 from .plan import Plan
 from .solver.ilp import solve
-from .solver.problem import build_problem, grad_layout_in, grad_layout_out
+from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out
 from .strategies import op_name, rule_for
 from .strategies.strategy import parallel_count, shard_count
 
@@ -384,26 +384,18 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             seg.bwd_compute += bwd
 
     # resharding, per edge; gradient sync of parameters, per parameter and axis
-    whole = tuple(Replicate() for _ in shape)
     grad_wire: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)   # param -> (axis, kind) -> bytes
     param_segs: dict[str, set] = defaultdict(set)
     per_axis_step = dict.fromkeys(mesh.axis_names, 0.0)
     per_axis_micro: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: dict.fromkeys(mesh.axis_names, 0.0))
-    for e in problem.edges:
+    for c in chosen_edges(problem, choice, cap):
+        e, meta, a = c.edge, c.meta, c.src
         src = problem.decisions[e.src]
-        a = chosen[e.src].output
-        meta = tensor_meta(by_name[e.src].meta.get("val"))[0]
-        if e.dst == "output":
-            b = gb = whole
-            dst_seg = POST if layer_segs else PRE
-        else:
-            t = chosen[e.dst]
-            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
-            dst_seg = seg_of[e.dst]
+        dst_seg = (POST if layer_segs else PRE) if e.dst == "output" else seg_of[e.dst]
         seg = segs[dst_seg]
-        fwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b)
+        fwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, c.dst)
         grad = ng.get(e.src, False) and meta.dtype.is_floating_point
-        bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a)) if grad else None
+        bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst) if grad else None
         seg.fwd_comm += fwd.seconds
         for ax, nb in zip(smesh.axis_names, fwd.bytes_per_axis):
             per_axis_micro[(dst_seg, "fwd")][ax] += nb
@@ -449,7 +441,6 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     for s_ in layer_segs:
         layer.add(segs[s_], 1.0 / k)
     pre, post = segs[PRE], segs[POST]
-    layer_param_elems = sum(state_elems[f] for f, ss in param_segs.items() if ss <= set(layer_segs)) / max(k, 1)
 
     # layers -> devices (chunk j on device j mod p)
     chunks = p * v

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Replicate
 
 from .errors import InfeasibleError
 from .mesh import Mesh
@@ -18,7 +17,7 @@ from .placement import layout_str
 from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo, Timings
 from .plan_cache import PlanCache
 from .solver.ilp import evaluate, solve
-from .solver.problem import Problem, build_problem, grad_layout_in, grad_layout_out
+from .solver.problem import Problem, build_problem, chosen_edges
 from .strategies import op_name, rule_for
 
 
@@ -86,23 +85,14 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
     compute, comm, peak, state = evaluate(problem, choice)
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
-    whole = tuple(Replicate() for _ in mesh.shape)
     collectives: dict[str, list[Collective]] = {}
     per_axis = dict.fromkeys(mesh.axis_names, 0.0)
-    for e in problem.edges:
+    for c in chosen_edges(problem, choice, cap):
+        e, meta = c.edge, c.meta
         src = problem.decisions[e.src]
-        a = chosen[e.src].output
-        meta = tensor_meta(by_name[e.src].meta.get("val"))[0]
-        if e.dst == "output":
-            b = gb = whole
-        else:
-            t = chosen[e.dst]
-            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
-        fwd = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b)
-        legs = [("forward", fwd)]
-        needs_grad = meta.dtype.is_floating_point and src.kind != "input"
-        if needs_grad:
-            legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a))))
+        legs = [("forward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.src, c.dst))]
+        if meta.dtype.is_floating_point and src.kind != "input":
+            legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst)))
         for phase, rc in legs:
             for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax] += nbytes

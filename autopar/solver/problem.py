@@ -18,7 +18,6 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -101,6 +100,32 @@ def grad_layout_in(s: Strategy, slot: int) -> tuple:
 def grad_layout_out(layout) -> tuple:
     """The gradient arriving for an output: whole where the output was a partial sum."""
     return tuple(R if isinstance(p, Partial) else p for p in layout)
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenEdge:
+    """One edge under a chosen plan: the tensor, its layout out of the producer, the layout the
+    consumer wants, and the layouts its gradient leaves the consumer in and must arrive in."""
+    edge: EdgeTable
+    meta: TensorMeta
+    src: tuple                 # producer's output layout
+    dst: tuple                 # consumer's input layout
+    grad_src: tuple            # gradient as the consumer sends it back
+    grad_dst: tuple            # gradient as the producer needs it
+
+
+def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured):
+    """Every edge of the problem with its layouts under `choice` (for reports and estimates)."""
+    whole = tuple(R for _ in problem.mesh.shape)
+    vals = {n.name: n.meta.get("val") for n in cap.gm.graph.nodes}
+    for e in problem.edges:
+        a = problem.decisions[e.src].strategies[choice[problem.decisions[e.src].leader]].output
+        if e.dst == "output":
+            b = gb = whole
+        else:
+            t = problem.decisions[e.dst].strategies[choice[problem.decisions[e.dst].leader]]
+            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
+        yield ChosenEdge(e, tensor_meta(vals[e.src])[0], a, b, gb, grad_layout_out(a))
 
 
 def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool]) -> bool:
