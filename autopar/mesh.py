@@ -121,6 +121,17 @@ class Mesh:
         m._device_mesh = device_mesh
         return m
 
+    def local_batch(self, tensors, batch_axes):
+        """This rank's slice of global-batch `tensors`, split on dim 0 over `batch_axes` in the order
+        the runtime reads inputs planned with `batch_axes=` (row-major over those axes), i.e. what a
+        DistributedSampler over those axes would hand this rank."""
+        coord = self.device_mesh().get_coordinate()
+        n, idx = 1, 0
+        for ax in batch_axes:
+            i = self.axis_index(ax)
+            idx, n = idx * self.shape[i] + coord[i], n * self.shape[i]
+        return tuple(t.chunk(n)[idx] for t in tensors)
+
     def device_mesh(self):
         """torch.distributed's DeviceMesh for this mesh (process groups are created once, then cached)."""
         dm = getattr(self, "_device_mesh", None)

@@ -82,13 +82,7 @@ def _train(rank, world_size, plan, profile_path, steps):
     batch_axes = plan.options.get("batch_axes") or []
     local = batch
     if batch_axes:
-        dm = mesh.device_mesh()
-        n, idx = 1, 0
-        for ax in batch_axes:
-            i = mesh.axis_index(ax)
-            idx = idx * mesh.shape[i] + dm.get_coordinate()[i]
-            n *= mesh.shape[i]
-        local = tuple(t.chunk(n)[idx] for t in batch)
+        local = mesh.local_batch(batch, batch_axes)
     dmodel = autopar.autoparallelize(model, mesh, batch, plan=plan)
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)
     times = []

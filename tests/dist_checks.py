@@ -76,13 +76,7 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     before = {k: v.clone() for k, v in model.state_dict().items()}
     local_inputs = inputs
     if batch_axes:   # this rank's slice of the batch, as a DistributedSampler would give
-        dm = mesh.device_mesh()
-        n, idx = 1, 0
-        for ax in batch_axes:
-            i = mesh.axis_index(ax)
-            idx = idx * mesh.shape[i] + dm.get_coordinate()[i]
-            n *= mesh.shape[i]
-        local_inputs = tuple(t.chunk(n)[idx] for t in inputs)
+        local_inputs = mesh.local_batch(inputs, batch_axes)
     if pins:
         # the saved-plan path: plan once (rank 0, as offline), ship the JSON, apply without solving
         import torch.distributed as dist

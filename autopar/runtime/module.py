@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..errors import AutoparError
-from ..passes.capture import Captured
+from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
@@ -68,7 +68,7 @@ class DistributedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         cap, mesh = self._autopar["cap"], self._autopar["mesh"]
-        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        leaves = flatten_inputs(args, kwargs)
         values = []
         for name, slot in cap.inputs.items():
             if slot.kind == "param":
