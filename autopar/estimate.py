@@ -54,7 +54,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .cost_model.comm import bucketed_time, collective_bytes_on_wire
-from .cost_model.compute import backward_time, compute_time, op_times, optimizer_step_time
+from .cost_model.compute import (MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, op_times,
+                                 optimizer_step_time)
 from .cost_model.memory import state_bytes_per_element
 from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
 from .errors import PlanMismatchError
@@ -304,7 +305,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
              pipeline: Pipeline | None = None, recompute: bool = False, grad_overlap: float = 0.0,
              num_layers: int | None = None, layers: str | None = None, optimizer: str = "adamw",
              precision: str = "auto", bucket_bytes: float | None = DDP_BUCKET_BYTES,
-             grad_sync_algorithm: str = "ring", planner_compute: bool = False,
+             grad_sync_algorithm: str = "ring",
              time_limit: float | None = 60.0) -> StepEstimate:
     """Price one training step of `model` on `mesh` under `plan` (see the module docstring).
 
@@ -320,8 +321,6 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     precision: "mixed", "same" or "auto" (mixed for 16-bit parameters).
     bucket_bytes: gradient bucket size (None: one bucket, as a contiguous gradient buffer; 0: one
       collective per parameter, as the planner prices them).
-    planner_compute: price ops with the planner's v1 rule (backward = 2x forward for matmuls, 1x
-      otherwise; attention on the vector units) instead of `cost_model.compute.op_times`.
     """
     pipe = pipeline or Pipeline(stages=1, microbatches=1, axis=None)
     if not 0.0 <= grad_overlap <= 1.0:
@@ -375,10 +374,6 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         pf = parallel_count(s, shape)
         fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, profile,
                             family=rule.family if rule else None, op=op_name(node.target))
-        if planner_compute:    # the planner's two-factor rule (for comparisons with plan.estimate)
-            is_mm = bool(rule and rule.family == "matmul")
-            fwd = compute_time(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, profile, is_matmul=is_mm)
-            bwd = backward_time(fwd, is_mm)
         seg.fwd_compute += fwd
         if ng[name]:
             seg.bwd_compute += bwd
@@ -466,6 +461,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     p2p = 0.0
     if p > 1:
         p2p = _p2p_time(problem, chosen, by_name, seg_of, layer_segs, mesh, smesh, pipe)
+    # gradient accumulation: microbatches 2..m add their parameter gradients into the accumulated
+    # ones, on the device's critical path (spread over the m microbatches' backwards)
+    if m > 1:
+        for d in range(p):
+            mults = [(_param_multiplicity(ss, layer_segs, n_dev[d], k, d, p), f) for f, ss in param_segs.items()]
+            nbytes = sum(x * state_elems[f] * param_itemsize[f] for x, f in mults)
+            bwd_d[d] += (m - 1) / m * grad_accumulation_time(nbytes, sum(x for x, _ in mults), profile)
     pt = pipeline_time(fwd_d, bwd_d, m, virtual_stages=v, p2p_forward=p2p, p2p_backward=p2p)
 
     # gradient sync per device, bucketed per (axis, collective)
@@ -508,7 +510,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             tied = sum(state_elems[f] * param_itemsize[f] for f in first_last)
             t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, profile.kernel_overhead)
         sync_d.append(t_sync)
-        opt_d.append(optimizer_step_time(elems, profile, optimizer))
+        extra = MIXED_PRECISION_STEP_EXTRA_BYTES if precision == "mixed" else 0.0
+        opt_d.append(optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra))
         state_d.append(state)
 
     # exposed sync: hidden behind grad_overlap of the device's last backward, never the last bucket

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_model import (Link, all_gather_time, all_reduce_time, all_to_all_time,
-                                backward_time, collective_bytes_on_wire, compute_time, known_profiles,
-                                load_profile, matmul_efficiency_at, reduce_scatter_time, reshard_cost,
+                                collective_bytes_on_wire, compute_time, known_profiles,
+                                load_profile, matmul_efficiency_at, op_times, reduce_scatter_time, reshard_cost,
                                 save_profile)
 
 R, S, P = Replicate(), Shard, Partial()
@@ -124,8 +124,11 @@ def test_small_matmul_efficiency_curve_is_monotone():
 
 
 def test_backward_factors():
-    assert backward_time(1.5, is_matmul=True) == 3.0
-    assert backward_time(1.5, is_matmul=False) == 1.5
+    p = load_profile("h100")
+    f, b = op_times(1e12, 1e6, torch.bfloat16, p, family="matmul", op="aten.mm")
+    assert b == pytest.approx(2.0 * f)                 # dX and dW
+    f, b = op_times(0, 1e9, torch.bfloat16, p, family="pointwise", op="aten.add")
+    assert f > 0 and b == 0.0                         # the gradient passes through
 
 
 # -- collectives ---------------------------------------------------------------------------

@@ -53,12 +53,12 @@ def test_estimate_of_a_plan_equals_the_planners_own_estimate():
     x = torch.randn(64, 64)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     plan = autopar.plan(model, (x,), mesh)
-    est = estimate(model, (x,), mesh, plan, bucket_bytes=0, planner_compute=True)
+    est = estimate(model, (x,), mesh, plan, bucket_bytes=0)
     assert est.compute_s + est.comm_s + est.grad_sync_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s + est.optimizer_s, rel=1e-9)
     assert est.layout_summary == plan.placements
     # pins give the same plan back when they pin what the planner chose
-    again = estimate(model, (x,), mesh, dict(plan.placements), bucket_bytes=0, planner_compute=True)
+    again = estimate(model, (x,), mesh, dict(plan.placements), bucket_bytes=0)
     assert again.step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
 
 
@@ -131,10 +131,12 @@ def test_pipeline_arithmetic():
 
 
 # -- Megatron-LM Table 1, first rows (the full table: benchmarks/bench_megatron.py) ---------------------
-@pytest.mark.parametrize("row", [0, 4])
-def test_megatron_rows_are_priced_with_megatrons_own_flop_count(row):
+# The target is every row within 15% (docs/cost_model.md). Row 5 (39.1B, +8%) meets it; row 1 (1.7B)
+# does not (+21%: the residual that follows the memory-bound share of the step, see the doc), so
+# its test holds it where it is: a change in either direction fails it.
+@pytest.mark.parametrize("row,low,high", [(0, 0.17, 0.25), (4, -0.15, 0.15)])
+def test_megatron_rows_are_priced_with_megatrons_own_flop_count(row, low, high):
     import bench_megatron as bm
     r = bm.price_row(bm.ROWS[row])
     assert r["graph_flops_ratio"] == pytest.approx(1.0, abs=1e-3)   # our graph's FLOPs = the paper's formula
-    # see docs/cost_model.md: datasheet rates predict 10-22% above the published TFLOP/s
-    assert 0.0 < r["error"] < 0.25
+    assert low <= r["error"] <= high

@@ -11,12 +11,12 @@ pipeline  step time of a pipeline schedule (1F1B, GPipe, interleaved) from per-d
 """
 from .comm import (ReshardCost, all_gather_time, all_reduce_time, all_to_all_time, broadcast_time, bucketed_time,
                    collective_bytes_on_wire, collective_time, p2p_time, reduce_scatter_time, reshard_cost)
-from .compute import backward_time, compute_time, matmul_efficiency_at, op_times, optimizer_step_time
+from .compute import compute_time, matmul_efficiency_at, op_times, optimizer_step_time
 from .pipeline import Pipeline, PipelineTime, in_flight_microbatches, pipeline_time
 from .profiles import DeviceProfile, HierarchicalLink, Link, known_profiles, load_profile, save_profile
 
 __all__ = ["Link", "HierarchicalLink", "DeviceProfile", "load_profile", "save_profile", "known_profiles",
-           "compute_time", "backward_time", "op_times", "optimizer_step_time", "matmul_efficiency_at",
+           "compute_time", "op_times", "optimizer_step_time", "matmul_efficiency_at",
            "ReshardCost", "reshard_cost", "collective_time", "collective_bytes_on_wire", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "bucketed_time", "Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches"]

@@ -18,7 +18,7 @@ compute in fp32 internally), times POINTWISE_EFFICIENCY; nearly always their mem
 on the matrix units like a matmul, and each backward is its forward time times the factor of
 BACKWARD_FACTORS, the ratio of the work (FLOPs for matmuls, bytes for memory-bound kernels) the
 backward kernels do to the forward's; the table says where each factor comes from.
-`backward_time` keeps the two-factor v1 rule the planner uses.
+The planner (`solver.problem.build_problem`) and `autopar.estimate` both price ops with it.
 """
 from __future__ import annotations
 
@@ -26,19 +26,14 @@ import torch
 
 from .profiles import DeviceProfile
 
-__all__ = ["compute_time", "backward_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "TENSOR_CORE_FAMILIES",
+__all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "TENSOR_CORE_FAMILIES",
            "matmul_efficiency_at", "optimizer_step_time", "POINTWISE_EFFICIENCY",
-           "OPTIMIZER_STEP_BYTES",
-           "BACKWARD_FLOPS_FACTOR_MATMUL", "BACKWARD_FLOPS_FACTOR_OTHER"]
+           "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
+           "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time"]
 
 # Pointwise and reduction kernels mix non-FMA work (exp, div, compares, index math) and reach
 # about half the vector FMA peak at best. v1 guess; it seldom matters since they are memory-bound.
 POINTWISE_EFFICIENCY = 0.5
-# Y = X W: the backward computes dX = dY W^T and dW = X^T dY, each a matmul of the forward's size.
-BACKWARD_FLOPS_FACTOR_MATMUL = 2.0
-# A pointwise/normalisation backward reads the saved input and the output gradient and writes one
-# gradient: about the forward's traffic (it is memory-bound), hence about its time.
-BACKWARD_FLOPS_FACTOR_OTHER = 1.0
 
 
 # Families whose FLOPs run on the matrix units (tensor cores) at the matmul rate and curve.
@@ -108,21 +103,37 @@ def compute_time(flops: float, bytes_moved: float, dtype: torch.dtype, profile: 
     return max(t_flops, t_memory) + profile.kernel_overhead
 
 
-def backward_time(fwd_time: float, is_matmul: bool) -> float:
-    """Seconds of the op's backward, scaled from its forward time."""
-    return fwd_time * (BACKWARD_FLOPS_FACTOR_MATMUL if is_matmul else BACKWARD_FLOPS_FACTOR_OTHER)
-
-
 # Bytes an AdamW step moves per parameter element (a fused / foreach kernel, memory-bound):
 # fp32: read param, grad, exp_avg, exp_avg_sq (16), write param, exp_avg, exp_avg_sq (12) = 28;
 # mixed: read the 16-bit grad (2) and the fp32 master, exp_avg, exp_avg_sq (12), write those three
 # (12) and the 16-bit parameter copy (2) = 28 as well. SGD: read param and grad, write param = 12.
 OPTIMIZER_STEP_BYTES = {"adamw": 28.0, "adam": 28.0, "sgd": 12.0}
+# fp16 mixed precision with loss scaling and gradient clipping, as Megatron-LM's
+# Float16OptimizerWithFloat16Params runs it (megatron/optimizer/optimizer.py, 2021): besides the
+# fp32 Adam kernel above (28), separate passes per element: 16-bit model grad -> fp32 main grad
+# (read 2, write 4), unscale by the loss scale with the inf/nan check (read 4, write 4), the
+# gradient's L2 norm for clipping (read 4), fp32 main param -> 16-bit model param (read 4, write 2).
+MIXED_PRECISION_STEP_EXTRA_BYTES = 6.0 + 8.0 + 4.0 + 6.0
+# Accumulating a parameter's gradient over microbatches: every microbatch after the first adds its
+# gradient into the accumulated one in the parameter's dtype (read both, write the sum): PyTorch's
+# AccumulateGrad (`grad += new_grad`), Megatron-LM's local DDP hook (`main_grad.add_(grad)`).
+GRAD_ACCUMULATION_PASSES = 3.0
 
 
-def optimizer_step_time(local_elements: float, profile: DeviceProfile, optimizer: str = "adamw") -> float:
-    """Seconds of the optimizer step over `local_elements` parameter elements on one device."""
+def optimizer_step_time(local_elements: float, profile: DeviceProfile, optimizer: str = "adamw", *,
+                        extra_bytes_per_element: float = 0.0) -> float:
+    """Seconds of the optimizer step over `local_elements` parameter elements on one device
+    (`extra_bytes_per_element`: further passes, e.g. MIXED_PRECISION_STEP_EXTRA_BYTES)."""
     if local_elements <= 0:
         return 0.0
-    nbytes = local_elements * OPTIMIZER_STEP_BYTES[optimizer]
+    nbytes = local_elements * (OPTIMIZER_STEP_BYTES[optimizer] + extra_bytes_per_element)
     return nbytes / (profile.memory_bandwidth * profile.memory_efficiency) + profile.kernel_overhead
+
+
+def grad_accumulation_time(grad_bytes: float, tensors: float, profile: DeviceProfile) -> float:
+    """Seconds to add one microbatch's parameter gradients (`grad_bytes` in `tensors` tensors, one
+    kernel each) into the accumulated gradients on one device."""
+    if grad_bytes <= 0:
+        return 0.0
+    return (GRAD_ACCUMULATION_PASSES * grad_bytes / (profile.memory_bandwidth * profile.memory_efficiency)
+            + tensors * profile.kernel_overhead)

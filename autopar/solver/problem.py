@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..cost_model import backward_time, compute_time
+from ..cost_model import op_times
 from ..cost_model.memory import Liveness, liveness, param_state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
 from ..placement import parse_layout, to_str
-from ..strategies import Strategy, rule_for
+from ..strategies import Strategy, op_name, rule_for
 from .layers import repeated_layers
 from ..strategies.strategy import axis_options, layout_space, node_strategies, parallel_count, shard_count
 
@@ -212,9 +212,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute = []
         for s in ([] if is_view[node.name] else strategies):
             pf = parallel_count(s, shape)
-            fwd = compute_time(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, mesh.profile,
-                               is_matmul=bool(rule and rule.family == "matmul"))
-            compute.append(fwd + (backward_time(fwd, bool(rule and rule.family == "matmul")) if ng[node.name] else 0.0))
+            fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, mesh.profile,
+                                family=rule.family if rule else None, op=op_name(node.target))
+            compute.append(fwd + (bwd if ng[node.name] else 0.0))
         compute = compute or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
                for s in strategies]
