@@ -19,7 +19,8 @@ def _as_tuple(example_inputs) -> tuple:
 def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: dict | None = None,
          memory_budget: float | None = None, pins: Mapping[str, Sequence[str]] | None = None,
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
-         time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None) -> Plan:
+         time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
+         symbolic: bool = True) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -30,10 +31,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     time_limit: solver seconds; at the limit the best plan found is used and its gap reported.
     progress: print a line every 5 s of solving (default: when stderr is a terminal).
     cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
+    symbolic: also price the plan as a function of batch size and sequence length (`plan.estimate_at`,
+        `plan.largest_batch`, the report's scaling table); costs one more trace of the model.
     """
     opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
                        sharded_outputs, optimizer, time_limit, **({} if progress is None else {"progress": progress}),
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, symbolic=symbolic)
     return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
 
 

@@ -70,6 +70,23 @@ class Timings:
     cached: bool = False          # taken from the plan cache, not solved
 
 
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """The plan's costs as expressions in the batch size B and sequence length S (sympy text),
+    so that it can be priced at other sizes without tracing again (`Plan.estimate_at`).
+    Built by `autopar.scaling`; `unavailable` says why a plan has none."""
+    batch: int = 0                                # the sizes the plan was made at
+    seq: int | None = None
+    fixed: tuple[str, ...] = ()                   # "batch"/"seq": sizes the model's code fixes
+    compute_s: str = "0"
+    comm_s: str = "0"
+    state_bytes: str = "0"
+    memory_points: tuple[str, ...] = ()           # bytes at each liveness point that can be the peak
+    divisible: tuple[tuple[str, int], ...] = ()   # (size expression, n): a split dim must divide evenly
+    memory_budget: float = 0.0                    # bytes per device the plan was made to fit
+    unavailable: str = ""
+
+
 @dataclass(slots=True)
 class Plan:
     model: str
@@ -82,6 +99,7 @@ class Plan:
     solver: SolverInfo
     fallbacks: list[str] = field(default_factory=list)   # "node (op)" replicated because no rule knows the op
     version: int = PLAN_FORMAT_VERSION
+    scaling: Scaling = field(default_factory=lambda: Scaling(unavailable="not computed"))
     timings: Timings = field(default_factory=Timings, compare=False)
 
     # -- lookups -------------------------------------------------------------------------
@@ -90,6 +108,17 @@ class Plan:
             if n.name == name:
                 return n
         raise KeyError(f"no node {name!r} in this plan")
+
+    def estimate_at(self, batch: int | None = None, seq: int | None = None) -> Estimate:
+        """This plan's step time and memory per device at another batch size / sequence length,
+        from its symbolic costs (no tracing, no solving). The layouts stay as planned."""
+        from .scaling import estimate_at
+        return estimate_at(self.scaling, batch, seq)
+
+    def largest_batch(self, seq: int | None = None, memory_budget: float | None = None) -> int:
+        """The largest global batch whose peak memory fits (default: the budget it was planned for)."""
+        from .scaling import largest_batch
+        return largest_batch(self.scaling, seq, memory_budget)
 
     def report(self, **kw) -> str:
         from .report import render_report
@@ -133,7 +162,8 @@ class Plan:
         return cls(model=d["model"], fingerprint=d["fingerprint"], mesh=d["mesh"], options=d["options"], nodes=nodes,
                    placements={k: tuple(v) for k, v in d["placements"].items()},
                    estimate=Estimate(**d["estimate"]), solver=SolverInfo(**d["solver"]),
-                   fallbacks=list(d["fallbacks"]), version=d["version"])
+                   fallbacks=list(d["fallbacks"]), version=d["version"],
+                   scaling=_scaling_from(d.get("scaling")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -142,6 +172,13 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
+
+
+def _scaling_from(d: dict | None) -> Scaling:
+    if d is None:   # saved before plans carried their scaling
+        return Scaling(unavailable="not in this saved plan: re-plan to get it")
+    return Scaling(**{**d, "fixed": tuple(d["fixed"]), "memory_points": tuple(d["memory_points"]),
+                      "divisible": tuple((e, int(n)) for e, n in d["divisible"])})
 
 
 def _lay(layout) -> str:

@@ -14,8 +14,10 @@ from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
-from .plan import Collective, Estimate, NodePlan, Plan, SolverInfo, Timings
+from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
+from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .plan_cache import PlanCache
+from .scaling import build_scaling
 from .solver.ilp import evaluate, solve
 from .solver.problem import Problem, build_problem, chosen_edges
 from .strategies import op_name, rule_for
@@ -31,12 +33,13 @@ class PlanOptions:
     time_limit: float | None = 60.0
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())   # a line every 5 s of solving
     cache_dir: str | None = None                # reuse plans solved before (see plan_cache.py)
+    symbolic: bool = True                       # price the plan in B and S too (Plan.estimate_at; scaling.py)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
                 "pins": {k: list(v) for k, v in sorted((self.pins or {}).items())},
                 "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "symbolic": self.symbolic}
 
 
 def fingerprint(cap: Captured) -> str:
@@ -50,29 +53,32 @@ def fingerprint(cap: Captured) -> str:
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
-    return plan_captured(capture(model, args, kwargs), mesh, opts, t0)
+    return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
 
 
-def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None) -> Plan:
+def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None,
+                  source: tuple | None = None) -> Plan:
+    """Plan a captured graph; `source` = (model, args, kwargs) it came from, for symbolic costs."""
     t0 = time.perf_counter() if t0 is None else t0
     cache = PlanCache.open(opts.cache_dir)
     key = cache.key(fingerprint(cap), mesh, opts.to_dict()) if cache else None
     if cache and (hit := cache.get(key)) is not None:
         hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
         return hit
-    plan = _solve_captured(cap, mesh, opts, t0)
+    plan = _solve_captured(cap, mesh, opts, t0, source)
     if cache:
         cache.put(key, plan)
     return plan
 
 
-def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float) -> Plan:
+def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
     infos = annotate(cap.gm)
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
                             batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     result = solve(problem, budget, opts.time_limit, progress=opts.progress)
     plan = assemble(cap, problem, result.choice, mesh, opts)
+    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source)
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
@@ -130,6 +136,18 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
     return Plan(cap.model_name, fingerprint(cap), mesh.to_dict(), opts.to_dict(), nodes, placements, estimate,
                 SolverInfo("none", "unsolved", 0, 0, compute + comm, len(problem.leaders), len(problem.order)),
                 fallbacks)
+
+
+def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source) -> Scaling:
+    if not opts.symbolic:
+        return Scaling(unavailable="not asked for (symbolic=False)")
+    if source is None:
+        return Scaling(unavailable="the graph was given without its model (torch.compile)")
+    try:
+        sym = symbolic_graph(*source, cap, infos)
+    except SymbolicUnavailable as e:
+        return Scaling(unavailable=str(e))
+    return build_scaling(cap, problem, choice, sym, opts, budget)
 
 
 def _module_path(node) -> str:

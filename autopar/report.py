@@ -82,6 +82,7 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
             lines.append(f"  {k:<44} {_ms(v)}")
         lines.append("")
     lines += _batch_norm_lines(plan)
+    lines += _scaling_lines(plan)
     if plan.fallbacks:
         lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
     else:
@@ -116,4 +117,37 @@ def _batch_norm_lines(plan: Plan) -> list[str]:
              f"as on one device; channels split = each device normalizes its own channels):"]
     for module, how in decisions.items():
         lines.append(f"  {module:<48} {_lay(how)}")
+    return lines + [""]
+
+
+def _scaling_lines(plan: Plan) -> list[str]:
+    """How step time and memory scale with the batch (this plan's layouts, its symbolic costs)."""
+    from .errors import PlanMismatchError
+    from .scaling import scaling_rows
+    sc = plan.scaling
+    if sc.unavailable:
+        return [f"Scaling: not available ({sc.unavailable})", ""]
+    seq = f", sequence {sc.seq}" if sc.seq else ""
+    lines = [f"Scaling with the global batch (these layouts{seq}; planned at batch {sc.batch}):",
+             f"  {'batch':>8} {'step':>12} {'samples/s':>12} {'peak memory':>14}  fits {_gib(sc.memory_budget)}"]
+    for b, e in scaling_rows(sc):
+        lines.append(f"  {b:>8} {_ms(e.step_time_s):>12} {b / e.step_time_s:>12.1f} {_gib(e.peak_memory_bytes):>14}  "
+                     f"{'yes' if e.peak_memory_bytes <= sc.memory_budget else 'no'}")
+    try:
+        lines.append(f"  largest batch that fits: {plan.largest_batch()}")
+    except PlanMismatchError as e:
+        lines.append(f"  largest batch that fits: unknown ({e})")
+    if sc.seq and "seq" not in sc.fixed:
+        cells = []
+        for f in (0.5, 2, 4):
+            s = max(1, int(sc.seq * f))
+            try:
+                e = plan.estimate_at(seq=s)
+                cells.append(f"seq {s}: {_ms(e.step_time_s)}, {_gib(e.peak_memory_bytes)}")
+            except PlanMismatchError:
+                continue
+        if cells:
+            lines.append(f"  at batch {sc.batch}: " + "; ".join(cells))
+    if sc.fixed:
+        lines.append(f"  fixed by the model: {', '.join(sc.fixed)}")
     return lines + [""]

@@ -48,6 +48,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .profiles import HierarchicalLink, Link
+from .symbolic import ceil_div, smin, to_float
 
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
@@ -194,8 +195,8 @@ def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Placement
     s = list(shape)
     for p, n in zip(layout, sizes):
         if isinstance(p, Shard):
-            s[p.dim] = -(-s[p.dim] // n)
-    return float(math.prod(s) * itemsize)
+            s[p.dim] = ceil_div(s[p.dim], n)
+    return to_float(math.prod(s) * itemsize)
 
 
 def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
@@ -242,7 +243,7 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, .
         if kind is None or sizes[i] == 1:
             continue
         after = _local_bytes(shape, itemsize, cur, sizes)
-        full = before if kind == "all_reduce" else sizes[i] * min(before, after)
+        full = before if kind == "all_reduce" else sizes[i] * smin(before, after)
         seconds += collective_time(kind, full, sizes[i], links[i])
         sent[i] += collective_bytes_on_wire(kind, full, sizes[i])
         names_out.append(f"{kind}@{names[i]}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .profiles import DeviceProfile
+from .symbolic import is_zero, smax
 
 __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "TENSOR_CORE_FAMILIES",
            "matmul_efficiency_at", "optimizer_step_time", "POINTWISE_EFFICIENCY",
@@ -92,15 +93,15 @@ def matmul_efficiency_at(flops: float, dtype: torch.dtype, profile: DeviceProfil
 def compute_time(flops: float, bytes_moved: float, dtype: torch.dtype, profile: DeviceProfile, *,
                  is_matmul: bool) -> float:
     """Seconds for one op on one device: roofline of its FLOPs and memory traffic, plus launch cost."""
-    if flops <= 0 and bytes_moved <= 0:
+    if is_zero(flops) and is_zero(bytes_moved):
         return 0.0  # views and metadata ops launch no kernel
     if is_matmul:
         rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
     else:
         rate = profile.peak_flops["float32"] * POINTWISE_EFFICIENCY
-    t_flops = flops / rate if flops > 0 else 0.0
+    t_flops = 0.0 if is_zero(flops) else flops / rate
     t_memory = bytes_moved / (profile.memory_bandwidth * profile.memory_efficiency)
-    return max(t_flops, t_memory) + profile.kernel_overhead
+    return smax(t_flops, t_memory) + profile.kernel_overhead
 
 
 # Bytes an AdamW step moves per parameter element (a fused / foreach kernel, memory-bound):

@@ -64,7 +64,8 @@ def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
     return pytree.tree_leaves((tuple(args), dict(kwargs or {})))
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_shapes=None) -> Captured:
+    """`dynamic_shapes` (torch.export's argument) leaves marked sizes symbolic: see symbolic_shapes.py."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)
@@ -74,7 +75,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     model.forward = _without_caches(model.forward)
     try:
         with experts_as_one_op(model), _no_partial_graph_dump():
-            ep = torch.export.export(model, args, kwargs or {}, strict=False)
+            ep = torch.export.export(model, args, kwargs or {}, strict=False, dynamic_shapes=dynamic_shapes)
         _detach_no_grad_regions(ep.graph_module)
         with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

@@ -64,21 +64,31 @@ def _sdpa_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta) -> float:
     return 2.0 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
-def _to_meta(x):
+def _to_meta(x, shapes=None):
     if isinstance(x, fx.Node):
         val = x.meta.get("val")
+        if shapes is not None and x.name in shapes:   # the same tensors at other sizes
+            sizes = iter(shapes[x.name])
+            return pytree.tree_map(
+                lambda t: torch.empty(next(sizes), dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+                else t, val)
         return pytree.tree_map(
             lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t, val)
     return x
 
 
 def count_flops(node: fx.Node) -> float:
+    return count_flops_at(node, None)
+
+
+def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]] | None) -> float:
+    """FLOPs of a node, its tensor inputs at their captured shapes or at `shapes` (name -> shapes)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
+    args, kwargs = pytree.tree_map(lambda x: _to_meta(x, shapes), (node.args, node.kwargs))
     if node.target is aten.scaled_dot_product_attention.default:
-        q, k, v = (tensor_meta(a.meta["val"])[0] for a in node.args[:3])
+        q, k, v = (TensorMeta(tuple(t.shape), t.dtype) for t in args[:3])
         return _sdpa_flops(q, k, v)
-    args, kwargs = pytree.tree_map(_to_meta, (node.args, node.kwargs))
     try:
         with FlopCounterMode(display=False) as fc:
             node.target(*args, **kwargs)
@@ -88,11 +98,12 @@ def count_flops(node: fx.Node) -> float:
 
 
 def annotate(gm: fx.GraphModule) -> dict[str, NodeInfo]:
-    infos: dict[str, NodeInfo] = {}
-    for node in gm.graph.nodes:
-        out = tensor_meta(node.meta.get("val")) if node.op != "output" else ()
-        ins = tensor_inputs(node)
-        nbytes = sum(m.nbytes for m in out) + sum(tensor_meta(a.meta["val"])[0].nbytes for a in ins
-                                                  if node.op == "call_function")
-        infos[node.name] = NodeInfo(node.name, out, ins, count_flops(node), float(nbytes))
-    return infos
+    return {node.name: annotate_node(node) for node in gm.graph.nodes}
+
+
+def annotate_node(node: fx.Node) -> NodeInfo:
+    out = tensor_meta(node.meta.get("val")) if node.op != "output" else ()
+    ins = tensor_inputs(node)
+    nbytes = sum(m.nbytes for m in out) + sum(tensor_meta(a.meta["val"])[0].nbytes for a in ins
+                                              if node.op == "call_function")
+    return NodeInfo(node.name, out, ins, count_flops(node), float(nbytes))

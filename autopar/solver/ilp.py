@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import pulp
 
 from ..errors import InfeasibleError
+from ..cost_model.symbolic import smax, ssum
 from .problem import Problem
 
 GIB = float(2**30)
@@ -296,20 +297,34 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
 
 
 def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float, float, float]:
-    """(compute_s, comm_s, peak_bytes, state_bytes) of a choice, from the same tables the ILP uses."""
-    p = problem
-    compute = sum(d.compute_s[choice[d.leader]] for d in p.decisions.values())
-    comm = 0.0
-    picked = []
+    """(compute_s, comm_s, peak_bytes, state_bytes) of a choice, from the same tables the ILP uses.
+    Works on numbers and on sympy expressions alike (a problem priced at symbolic sizes)."""
+    state, points = memory_points(problem, choice)
+    return compute_total(problem, choice), comm_total(problem, choice), smax(state, *points), state
+
+
+def compute_total(p: Problem, choice: Mapping[str, int]):
+    return ssum(d.compute_s[choice[d.leader]] for d in p.decisions.values())
+
+
+def comm_total(p: Problem, choice: Mapping[str, int]):
+    return ssum(e.cost[a][b] for e, a, b in _picked(p, choice))
+
+
+def _picked(p: Problem, choice: Mapping[str, int]):
     for e in p.edges:
         a = e.a_of[choice[p.decisions[e.src].leader]]
         b = 0 if e.dst == "output" else e.b_of[choice[p.decisions[e.dst].leader]]
-        comm += e.cost[a][b]
-        picked.append((e.dst_pos, e.saved[a][b]))
-    state = sum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
-    peak = state
+        yield e, a, b
+
+
+def memory_points(p: Problem, choice: Mapping[str, int]):
+    """(parameter state bytes, total bytes at each liveness point) under a choice."""
+    picked = [(e.dst_pos, e.saved[a][b]) for e, a, b in _picked(p, choice)]
+    state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
+    points = []
     for live, where in zip(p.live.points, p.live.positions):
-        acts = sum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
-        copies = sum(b for pos, b in picked if pos <= where)
-        peak = max(peak, state + acts + copies)
-    return compute, comm, peak, state
+        acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
+        copies = ssum(b for pos, b in picked if pos <= where)
+        points.append(state + acts + copies)
+    return state, points

@@ -142,8 +142,15 @@ def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool])
 def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                   pins: Mapping[str, Sequence[str]] | None = None, optimizer: str = "adamw",
                   batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False,
-                  link_layers: bool = True) -> Problem:
+                  link_layers: bool = True, only: Mapping[str, Strategy] | None = None) -> Problem:
+    """The planning problem of a captured graph.
+
+    `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
+    how a chosen plan is re-priced at symbolic sizes (`autopar.scaling`), where `infos` hold
+    sympy shapes and FLOPs. Pins, merging and layer tying are then moot and skipped."""
     shape = mesh.shape
+    if only is not None:
+        pins, link_layers = None, False
     nodes = list(cap.gm.graph.nodes)
     kinds = {name: slot.kind for name, slot in cap.inputs.items()}
     pins = dict(pins or {})
@@ -170,7 +177,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 continue
             meta = info.out[0]
             if slot.kind == "param":
-                layouts = layout_space(meta, shape)
+                layouts = [only[node.name].output] if only is not None else layout_space(meta, shape)
                 pat, want = pinned([slot.target, node.name])
                 if want is not None:
                     _check_pin(want, meta, mesh, slot.target)
@@ -182,7 +189,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
-                if slot.kind == "input" and batch_idx:
+                if slot.kind == "input" and batch_idx and only is None:
                     _check_pin(L, meta, mesh, f"input {slot.target} ({node.name})")
                 decisions[node.name] = Decision(node.name, "input", node.name, [Strategy((), L)], [0.0], [0.0],
                                                 [0.0], fqn=str(slot.target))
@@ -197,8 +204,10 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             fallbacks.append(node.name)
         is_view[node.name] = bool(rule and rule.is_view)
         saves[node.name] = rule.saves_inputs if rule else True
-        opts = axis_options(rule, node, ins_meta, info.out)
-        own = node_strategies(opts, ins_meta, info.out, shape)
+        if only is not None:
+            own = [only[node.name]]
+        else:
+            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape)
         pat, want = pinned([node.name])
         if want is not None:
             own = [s for s in own if s.output == want] or _bad_pin(node.name, want)
@@ -281,7 +290,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             if src.name not in decisions:
                 continue
             u = decisions[src.name]
-            meta = tensor_meta(src.meta["val"])[0]
+            meta = infos[src.name].out[0]
             grad = ng.get(src.name, False) and meta.dtype.is_floating_point
             a_keys, a_of = classes([s.output for s in u.strategies])
             if slot is None:

@@ -1,0 +1,124 @@
+"""Costs as sympy expressions in the batch size `B` and sequence length `S`.
+
+The cost functions (`compute.py`, `comm.py`, `memory.py`, the planner's tables) are written once
+and take either numbers or sympy expressions: a tensor whose shape is `(B, S, 4096)` costs
+`max(2*4096*4096*B*S / rate + ramp, bytes / bandwidth)` seconds, as an expression, through the
+same code that prices the captured sizes. These helpers are the few places where numbers and
+expressions need different handling (`max`, `min`, zero tests, ceiling division).
+
+Symbolic sizes assume shards split evenly (the planner only splits evenly at the captured sizes;
+`Plan.estimate_at` checks that a new size still divides, see `Scaling.divisible`).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from numbers import Number
+
+import numpy as np
+import sympy
+
+__all__ = ["BATCH", "SEQ", "is_symbolic", "smax", "smin", "ssum", "is_zero", "ceil_div", "to_float", "parse", "compile_expr", "Poly2"]
+
+# Positive integers: lets sympy decide e.g. Max(2*B*S, B*S) = 2*B*S and drop dominated terms.
+BATCH = sympy.Symbol("B", positive=True, integer=True)
+SEQ = sympy.Symbol("S", positive=True, integer=True)
+_SYMBOLS = {"B": BATCH, "S": SEQ}
+
+
+def is_symbolic(x) -> bool:
+    return isinstance(x, sympy.Basic) and not x.is_number
+
+
+def smax(*xs):
+    """max() of numbers, or sympy.Max when any argument is an expression."""
+    return sympy.Max(*xs) if any(is_symbolic(x) for x in xs) else max(xs)
+
+
+def ssum(xs):
+    """sum() of numbers; one sympy.Add of expressions (adding them one by one is quadratic)."""
+    xs = list(xs)
+    return sympy.Add(*xs) if any(is_symbolic(x) for x in xs) else sum(xs)
+
+
+def smin(*xs):
+    return sympy.Min(*xs) if any(is_symbolic(x) for x in xs) else min(xs)
+
+
+def is_zero(x) -> bool:
+    """x <= 0 for numbers; for an expression, whether it is identically zero (sizes are positive)."""
+    if is_symbolic(x):
+        return bool(x.is_zero)
+    return x <= 0
+
+
+def ceil_div(a, n: int):
+    """ceil(a / n): exact division for an expression (even splits, see module docstring)."""
+    if is_symbolic(a):
+        return a / n
+    return -(-a // n)
+
+
+def to_float(x):
+    """float() of a number; an expression stays an expression."""
+    return x if is_symbolic(x) else float(x)
+
+
+def parse(text: str) -> sympy.Expr:
+    """An expression saved with str() (plans keep expressions as text)."""
+    return sympy.sympify(text, locals=_SYMBOLS)
+
+
+@lru_cache(maxsize=256)
+def compile_expr(text: str):
+    """A fast numeric function f(B, S) of a saved expression."""
+    fn = sympy.lambdify((BATCH, SEQ), parse(text), modules=[{"ceiling": math.ceil, "floor": math.floor}, "math"])
+    return lambda b, s: float(fn(b, s))
+
+
+def as_number(x) -> bool:
+    return isinstance(x, Number) or (isinstance(x, sympy.Basic) and x.is_number)
+
+
+class Poly2:
+    """A polynomial in B and S of degree <= 2 in each, as a 3x3 array of coefficients of B^i S^j.
+
+    Memory is such a polynomial (bytes of tensors whose dims are B, S or constants; attention
+    scores are B*S^2): summing thousands of them per liveness point is array arithmetic, and
+    `p <= q` for every B, S > 0 whenever every coefficient of q - p is >= 0 (`dominated_by`)."""
+    __slots__ = ("c",)
+    DEGREE = 2
+
+    def __init__(self, c: np.ndarray):
+        self.c = c
+
+    @classmethod
+    def of(cls, x) -> Poly2:
+        c = np.zeros((cls.DEGREE + 1, cls.DEGREE + 1))
+        if not is_symbolic(x):
+            c[0, 0] = float(x)
+            return cls(c)
+        for (i, j), v in sympy.Poly(x, BATCH, SEQ).terms():
+            if i > cls.DEGREE or j > cls.DEGREE:
+                raise ValueError(f"{x} has degree above {cls.DEGREE} in B or S")
+            c[i, j] = float(v)
+        return cls(c)
+
+    def __add__(self, other):
+        if isinstance(other, Poly2):
+            return Poly2(self.c + other.c)
+        out = self.c.copy()
+        out[0, 0] += float(other)
+        return Poly2(out)
+
+    __radd__ = __add__
+
+    def at(self, b: float, s: float) -> float:
+        return float(np.array([1, b, b * b]) @ self.c @ np.array([1, s, s * s]))
+
+    def dominated_by(self, other: Poly2) -> bool:
+        return bool(np.all(self.c <= other.c))
+
+    def to_expr(self) -> sympy.Expr:
+        return sympy.Add(*[sympy.Float(v) * BATCH ** i * SEQ ** j if v != int(v) else int(v) * BATCH ** i * SEQ ** j
+                           for (i, j), v in np.ndenumerate(self.c) if v])

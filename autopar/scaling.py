@@ -1,0 +1,163 @@
+"""A plan's costs as functions of batch size and sequence length.
+
+The chosen layouts are priced once more with the graph's sizes as sympy expressions in `B` and
+`S` (`passes/symbolic_shapes.py`): `build_problem(..., only=chosen)` prices the one chosen
+strategy per node through the planner's own code, and `solver.ilp.evaluate`'s pieces sum it, so
+at the captured sizes the expressions give exactly the plan's estimate. The results are saved in
+the plan (`Plan.scaling`) as text:
+
+    compute_s(B, S), comm_s(B, S)     sums over ops and edges (roofline maxima stay `Max(...)`)
+    state_bytes                       parameters, gradients, optimizer state (no B or S)
+    memory_points(B, S)               bytes at each liveness point that can be the peak: a point
+                                      whose polynomial is <= another's in every coefficient is
+                                      never above it (B, S > 0) and is dropped
+
+`Plan.estimate_at(batch=, seq=)` evaluates them; `Plan.largest_batch()` searches the batch sizes
+that keep every split even for the largest whose peak fits the budget.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+
+from torch.distributed.tensor import Shard
+
+from .cost_model.symbolic import Poly2, compile_expr
+from .errors import PlanMismatchError
+from .plan import Estimate, Scaling
+from .solver.ilp import comm_total, compute_total, memory_points
+from .solver.problem import Problem, build_problem
+
+__all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]
+
+
+def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float) -> Scaling:
+    """Scaling of the plan `choice` on `problem`, from the symbolic graph `sym` (SymbolicGraph)."""
+    only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
+    sp = build_problem(cap, sym.infos, problem.mesh, only=only, optimizer=opts.optimizer,
+                       batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
+    one = {name: 0 for name in sp.decisions}
+    compute, comm = compute_total(sp, one), comm_total(sp, one)
+    # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
+    poly = functools.lru_cache(maxsize=None)(Poly2.of)
+    for d in sp.decisions.values():
+        d.act_bytes, d.state_bytes = [poly(x) for x in d.act_bytes], [poly(x) for x in d.state_bytes]
+    for e in sp.edges:
+        e.saved = [[poly(x) for x in row] for row in e.saved]
+    state, points = memory_points(sp, one)
+    return Scaling(sym.batch, sym.seq, sym.fixed, str(compute), str(comm), str(state.to_expr()),
+                   tuple(str(p.to_expr()) for p in _undominated(points, sym)), _divisibility(sp, only, sym),
+                   float(budget))
+
+
+def _undominated(points: list[Poly2], sym) -> list[Poly2]:
+    """Memory points that some sizes can make the peak (see the module docstring)."""
+    b0, s0 = sym.batch, sym.seq or 1
+    kept: list[Poly2] = []
+    for p in sorted(points, key=lambda p: -p.at(b0, s0)):
+        if not any(p.dominated_by(k) for k in kept):
+            kept.append(p)
+    return kept
+
+
+def _divisibility(sp: Problem, only, sym) -> tuple[tuple[str, int], ...]:
+    """(size expression, parts) for every split dim whose size varies with B or S."""
+    sizes = sp.mesh.shape
+    conds = set()
+    for name, s in only.items():
+        metas = [sym.infos[name].out[0]] if sym.infos[name].out else []
+        metas += [sym.infos[a.name].out[0] for a in sym.infos[name].ins if a.name in sym.infos]
+        layouts = [s.output] + list(s.inputs)
+        for meta, layout in zip(metas, layouts):
+            parts: dict[int, int] = {}
+            for p, n in zip(layout, sizes):
+                if isinstance(p, Shard):
+                    parts[p.dim] = parts.get(p.dim, 1) * n
+            for d, n in parts.items():
+                e = meta.shape[d]
+                if n > 1 and getattr(e, "free_symbols", None):
+                    conds.add((str(e), n))
+    return tuple(sorted(conds))
+
+
+def _sizes(sc: Scaling, batch: int | None, seq: int | None) -> tuple[int, int]:
+    if sc.unavailable:
+        raise PlanMismatchError(f"this plan has no symbolic costs ({sc.unavailable}): re-plan at the sizes you "
+                                f"want instead")
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and name in sc.fixed:
+            raise PlanMismatchError(f"the model fixes its {name} size at capture (a size in its code is a "
+                                    f"constant, or it has no {name} dim): plan at {name}={value} instead")
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    b = sc.batch if batch is None else batch
+    s = (sc.seq or 1) if seq is None else seq
+    for expr, n in sc.divisible:
+        v = compile_expr(expr)(b, s)
+        if round(v) % n:
+            raise PlanMismatchError(f"at batch={b}, seq={s} a dim of size {expr} = {round(v)} that this plan splits "
+                                    f"{n} ways does not divide evenly: choose sizes that keep {expr} a multiple "
+                                    f"of {n}, or re-plan at those sizes")
+    return b, s
+
+
+def estimate_at(sc: Scaling, batch: int | None = None, seq: int | None = None) -> Estimate:
+    b, s = _sizes(sc, batch, seq)
+    compute = compile_expr(sc.compute_s)(b, s)
+    comm = compile_expr(sc.comm_s)(b, s)
+    state = compile_expr(sc.state_bytes)(b, s)
+    peak = max([state] + [compile_expr(p)(b, s) for p in sc.memory_points])
+    return Estimate(compute + comm, compute, comm, peak, state, max(peak - state, 0.0))
+
+
+def _batch_step(sc: Scaling, seq: int) -> int:
+    """The smallest batch that keeps every split even at this sequence length; its multiples do too
+    (a split dim's size is B times something: 8*B, B*S)."""
+    conds = [(compile_expr(e), n) for e, n in sc.divisible]
+    limit = math.lcm(*[n for _, n in conds]) if conds else 1
+    for b in range(1, limit + 1):
+        if all(round(f(b, seq)) % n == 0 for f, n in conds):
+            return b
+    raise PlanMismatchError(f"no batch size splits evenly under this plan at seq={seq}: its splits need "
+                            + ", ".join(f"{e} divisible by {n}" for e, n in sc.divisible))
+
+
+def largest_batch(sc: Scaling, seq: int | None = None, memory_budget: float | None = None) -> int:
+    """Largest batch (a multiple of the split step) whose peak fits; 0 if none does."""
+    budget = sc.memory_budget if memory_budget is None else memory_budget
+    s = (sc.seq or 1) if seq is None else seq
+    if "batch" in sc.fixed:
+        raise PlanMismatchError("the model fixes its batch size at capture: its memory does not scale with a batch")
+    step = _batch_step(sc, s)
+
+    def fits(k: int) -> bool:
+        return estimate_at(sc, k * step, seq).peak_memory_bytes <= budget
+
+    if not fits(1):
+        return 0
+    hi = 1
+    while fits(hi * 2) and hi < 2 ** 40:
+        hi *= 2
+    lo, hi = hi, hi * 2          # fits(lo), not fits(hi): memory grows with the batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def scaling_rows(sc: Scaling, seq: int | None = None):
+    """(batch, Estimate) at 1/4x .. 8x the planned batch (sizes that split evenly), for the report."""
+    s = (sc.seq or 1) if seq is None else seq
+    step = _batch_step(sc, s)
+    seen, rows = set(), []
+    for f in (0.25, 0.5, 1, 2, 4, 8):
+        b = max(step, round(sc.batch * f / step) * step)
+        if b in seen:
+            continue
+        seen.add(b)
+        try:
+            rows.append((b, estimate_at(sc, b, seq)))
+        except PlanMismatchError:
+            continue
+    return rows

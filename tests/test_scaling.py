@@ -1,0 +1,116 @@
+"""Symbolic costs: a plan priced at other batch sizes / sequence lengths without tracing again
+(`Plan.estimate_at`) equals the same layouts priced on a graph captured at those sizes."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import autopar  # noqa: E402
+from autopar.errors import PlanMismatchError  # noqa: E402
+from autopar.passes.capture import capture  # noqa: E402
+from autopar.passes.shape_prop import annotate  # noqa: E402
+from autopar.placement import parse_layout  # noqa: E402
+from autopar.plan import Plan  # noqa: E402
+from autopar.scaling import _batch_step  # noqa: E402
+from autopar.solver.ilp import evaluate  # noqa: E402
+from autopar.solver.problem import build_problem  # noqa: E402
+from autopar.strategies.strategy import Strategy  # noqa: E402
+from dist_checks import shard_happy_profile  # noqa: E402
+from models import GPT, Llama, gpt_inputs  # noqa: E402
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def price_layouts_at(plan: Plan, model, inputs, mesh, batch_axes=None):
+    """The plan's layouts priced by the planner's own tables on a graph captured at `inputs`' sizes."""
+    cap = capture(model, inputs)
+    only = {}
+    for n in plan.nodes:
+        if n.executor == "output":
+            continue
+        only[n.name] = Strategy(tuple(parse_layout(i) for i in n.inputs), parse_layout(n.output), n.labels)
+    p = build_problem(cap, annotate(cap.gm), mesh, only=only, batch_axes=batch_axes)
+    compute, comm, peak, state = evaluate(p, {k: 0 for k in p.decisions})
+    return compute, comm, peak, state
+
+
+CASES = [
+    # name, model builder, (batch, seq) planned, (batch, seq) re-priced, mesh, batch_axes
+    ("gpt-dp-tp", lambda: GPT(vocab=64, seq=32, hidden=32, heads=4, layers=3), (8, 16), [(16, 16), (8, 32), (24, 8)],
+     ((2, 2), ("dp", "tp")), ("dp",)),
+    ("llama-3d", lambda: Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=3, seq=32), (8, 16),
+     [(16, 32), (32, 8)], ((2, 2, 2), ("a", "b", "c")), ("a",)),
+]
+
+
+@pytest.mark.parametrize("name,build,planned,others,mesh_spec,batch_axes", CASES, ids=[c[0] for c in CASES])
+def test_estimate_at_equals_repricing_at_new_sizes(name, build, planned, others, mesh_spec, batch_axes):
+    torch.manual_seed(0)
+    model = build()
+    mesh = autopar.Mesh(mesh_spec[0], mesh_spec[1], device=shard_happy_profile() if len(mesh_spec[0]) < 3 else "cpu")
+    b0, s0 = planned
+    plan = autopar.plan(model, gpt_inputs(batch=b0, seq=s0, vocab=64), mesh, batch_axes=batch_axes,
+                        time_limit=10)   # any plan will do: the test compares two ways of pricing it
+    assert not plan.scaling.unavailable, plan.scaling.unavailable
+    # splits really vary with the sizes (the test would be weak on an all-replicated plan)
+    assert plan.scaling.divisible, "expected a plan that splits a batch or sequence dim"
+    at0 = plan.estimate_at()
+    est = plan.estimate
+    for a, b in ((at0.compute_s, est.compute_s), (at0.comm_s, est.comm_s),
+                 (at0.peak_memory_bytes, est.peak_memory_bytes), (at0.param_state_bytes, est.param_state_bytes)):
+        assert _same(a, b), (a, b)
+    for b, s in others:
+        got = plan.estimate_at(batch=b, seq=s)
+        compute, comm, peak, state = price_layouts_at(plan, model, gpt_inputs(batch=b, seq=s, vocab=64), mesh,
+                                                      batch_axes)
+        assert _same(got.compute_s, compute) and _same(got.comm_s, comm), (b, s, got, compute, comm)
+        assert _same(got.peak_memory_bytes, peak) and _same(got.param_state_bytes, state), (b, s, got, peak)
+        assert got.step_time_s != est.step_time_s
+
+
+def test_scaling_survives_json_and_reports_a_table(tmp_path):
+    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=2)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
+    plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",),
+                        memory_budget=2**30)
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.estimate_at(batch=32, seq=8) == plan.estimate_at(batch=32, seq=8)
+    # largest batch: fits at the answer, not at the next size that splits evenly
+    budget = plan.estimate_at(batch=64).peak_memory_bytes * 1.01
+    n = loaded.largest_batch(memory_budget=budget)
+    assert n >= 64 and loaded.estimate_at(batch=n).peak_memory_bytes <= budget
+    step = _batch_step(loaded.scaling, 16)    # B is split at least over dp (2)
+    assert step % 2 == 0 and n % step == 0 and loaded.estimate_at(batch=n + step).peak_memory_bytes > budget
+    text = loaded.report()
+    assert "Scaling" in text and "largest batch" in text
+
+
+def test_estimate_at_rejects_sizes_the_plan_cannot_split():
+    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=2)
+    mesh = autopar.Mesh((4,), ("dp",), device=shard_happy_profile())
+    plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",))
+    with pytest.raises(PlanMismatchError, match="divide evenly"):
+        plan.estimate_at(batch=6)
+    with pytest.raises(ValueError):
+        plan.estimate_at(batch=0)
+
+
+def test_fixed_sizes_and_symbolic_off_are_explained():
+    mlp_plan = autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), autopar.Mesh((2,), ("dp",)))
+    assert mlp_plan.scaling.fixed == ("seq",)          # no sequence dim: only the batch varies
+    assert mlp_plan.estimate_at(batch=16).step_time_s > 0
+    with pytest.raises(PlanMismatchError, match="seq"):
+        mlp_plan.estimate_at(seq=16)
+    off = autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), autopar.Mesh((2,), ("dp",)), symbolic=False)
+    with pytest.raises(PlanMismatchError, match="symbolic=False"):
+        off.estimate_at(batch=8)
