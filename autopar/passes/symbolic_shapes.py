@@ -103,14 +103,19 @@ def _align(static: list[fx.Node], dynamic: list[fx.Node]):
         return "placeholder" if n.op == "placeholder" else n.target
 
     j = 0
+    twin: dict[str, fx.Node] = {}
     for s in static:
         while j < len(dynamic) and key(dynamic[j]) != key(s) and _is_identity(dynamic[j]):
             j += 1
-        if j == len(dynamic) or key(dynamic[j]) != key(s):
+        if j < len(dynamic) and key(dynamic[j]) == key(s):
+            twin[s.name] = dynamic[j]
+            j += 1
+        elif _is_identity(s) and s.all_input_nodes[0].name in twin:   # an identity only the static trace has
+            twin[s.name] = twin[s.all_input_nodes[0].name]
+        else:
             raise SymbolicUnavailable(f"tracing with variable sizes gave a different graph at node {s.name} "
                                       f"(the model's code branches on a size)")
-        yield s, dynamic[j]
-        j += 1
+        yield s, twin[s.name]
 
 
 def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap: Captured,
