@@ -67,6 +67,7 @@ class Timings:
     model, mesh and options (byte-identical when re-planned)."""
     solve_s: float = 0.0
     total_s: float = 0.0
+    scaling_s: float = 0.0        # pricing the plan symbolically (part of total_s)
     cached: bool = False          # taken from the plan cache, not solved
 
 

@@ -78,11 +78,13 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     result = solve(problem, budget, opts.time_limit, progress=opts.progress)
     plan = assemble(cap, problem, result.choice, mesh, opts)
+    t_scaling = time.perf_counter()
     plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source)
+    t_scaling = time.perf_counter() - t_scaling
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
-    plan.timings = Timings(result.seconds, time.perf_counter() - t0)
+    plan.timings = Timings(result.seconds, time.perf_counter() - t0, scaling_s=t_scaling)
     return plan
 
 

@@ -45,6 +45,7 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float) -> Sc
         d.act_bytes, d.state_bytes = [poly(x) for x in d.act_bytes], [poly(x) for x in d.state_bytes]
     for e in sp.edges:
         e.saved = [[poly(x) for x in row] for row in e.saved]
+        e.temp = [[poly(x) for x in row] for row in e.temp] if e.temp else None
     state, points = memory_points(sp, one)
     return Scaling(sym.batch, sym.seq, sym.fixed, str(compute), str(comm), str(state.to_expr()),
                    tuple(str(p.to_expr()) for p in _undominated(points, sym)), _divisibility(sp, only, sym),

@@ -57,7 +57,8 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t0
     out = {"model": f"{a.model} {n_params / 1e9:.2f}B ({a.layers} layers, hidden {a.hidden})", "mesh": shape,
            "device": a.device, "wall_s": round(wall, 2), "solve_s": round(plan.timings.solve_s, 2),
-           "plan_s": round(plan.timings.total_s, 2), "shared_decisions": plan.solver.n_shared,
+           "plan_s": round(plan.timings.total_s, 2), "scaling_s": round(plan.timings.scaling_s, 2),
+           "scaling": plan.scaling.unavailable or "available", "shared_decisions": plan.solver.n_shared,
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
            "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,
            "decisions": plan.solver.n_decisions, "nodes": plan.solver.n_nodes, "status": plan.solver.status,

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -123,3 +124,39 @@ def test_peak_memory_comes_from_liveness():
     assert plan.estimate.param_state_bytes == state
     # at most the input's successor and the next result live at once (the input itself is data)
     assert plan.estimate.peak_memory_bytes == state + 2 * act
+
+
+def test_collective_output_counts_while_its_consumer_runs():
+    """A resharded copy the consumer does not keep (here: the batch-split output gathered whole
+    for the caller) is a temporary: it adds its bytes at the consumer's liveness point only."""
+    from autopar.solver.ilp import memory_points
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    cap = capture(model, (torch.randn(64, 64),))
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    p = build_problem(cap, annotate(cap.gm), mesh, batch_axes=("dp",))
+    choice = {name: 0 for name in p.leaders}
+    for name, d in p.decisions.items():   # parameters whole, every op on its batch shard
+        if d.leader == name:
+            choice[name] = next(i for i, s in enumerate(d.strategies)
+                                if s.output == ((Shard(0),) if d.kind != "param" else (Replicate(),)))
+    out_edge = next(e for e in p.edges if e.dst == "output")
+    assert any(any(row) for row in out_edge.temp)
+    _, with_temp = memory_points(p, choice)
+    saved, out_edge.temp = out_edge.temp, None
+    _, without = memory_points(p, choice)
+    out_edge.temp = saved
+    assert with_temp[-1] - without[-1] == 64 * 64 * 4           # the whole output, at the end of the forward
+    assert with_temp[:-1] == without[:-1]
+    peak = max(with_temp)
+    assert math.isclose(evaluate(p, choice)[2], peak, rel_tol=1e-12)
+    # the ILP's memory rows count it too: with every layout pinned to this plan, a budget half the
+    # temporary below its peak (above the peak without it) is infeasible, one at the peak is not
+    pins = {n.name: ("S(0)",) for n in cap.gm.graph.nodes if n.op == "call_function"}
+    pins.update({"*.weight": ("R",), "*.bias": ("R",)})
+    inputs = (torch.randn(64, 64),)
+    ok = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pins=pins, memory_budget=peak * (1 + 1e-6),
+                      symbolic=False)
+    assert math.isclose(ok.estimate.peak_memory_bytes, peak, rel_tol=1e-12)
+    with pytest.raises(autopar.InfeasibleError):
+        autopar.plan(model, inputs, mesh, batch_axes=("dp",), pins=pins, memory_budget=peak - 64 * 64 * 4 / 2,
+                     symbolic=False)

@@ -8,14 +8,17 @@ classes a and destination classes b; liveness points t.
     (A) one_choice[l]:     sum_i x[l,i] = 1
     (B) edge_src[e,a]:     sum_b y[e,a,b] = sum_{i: a_e(i) = a} x[src(e), i]
     (C) edge_dst[e,b]:     sum_a y[e,a,b] = sum_{j: b_e(j) = b} x[dst(e), j]
-    (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i] + sum_{e: pos(dst e) <= t} k[e]  <= M
+    (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i] + sum_{e: pos(dst e) <= t} k[e]
+                           + sum_{e: pos(dst e) = t} sum_{a,b} T_e[a,b] y[e,a,b]  <= M
     (E) copy_bytes[e]:     k[e] = sum_{a,b} K_e[a,b] y[e,a,b]
         x binary, 0 <= y <= 1, k >= 0
 
 C[l,i]: compute seconds (forward + backward) of every node merged into l when l picks i;
 c_e[a,b]: seconds to reshard forward plus to return the gradient; S: parameter, gradient and
 optimizer bytes; A_t: bytes of the activations live at point t; K_e: bytes of the resharded
-copy a consumer keeps for its backward (a weight gathered for use); M: the per-device budget.
+copy a consumer keeps for its backward (a weight gathered for use); T_e: bytes of a resharded
+copy it does not keep (a collective's output), alive while the consumer runs; M: the per-device
+budget.
 (B) and (C) make y the product x[src,i] x[dst,j] aggregated over layout classes, which
 linearises the edge cost exactly when x is integral. An edge with one class on either side
 is linear in the other side's x and needs no y. Pins remove choices before the ILP.
@@ -164,6 +167,10 @@ class StrategyILP:
         live: set[str] = set()
         kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
         copies: dict = {}
+        temps_at: dict[int, list[int]] = {}
+        for k, e in enumerate(p.edges):
+            if e.temp and any(any(row) for row in e.temp):
+                temps_at.setdefault(e.dst_pos, []).append(k)
         nk = 0
         rows = []
         for members, where in zip(p.live.points, p.live.positions):
@@ -179,8 +186,11 @@ class StrategyILP:
                 else:
                     copies[kv] = copies.get(kv, 0.0) + GIB    # k is in GiB already
                 nk += 1
+            temps: dict = {}
+            for k in temps_at.get(where, ()):
+                self.add_edge_terms(temps, k, p.edges[k].temp)
             total = dict(state)
-            for part in (acts, copies):
+            for part in (acts, copies, temps):
                 for v, c in part.items():
                     total[v] = total.get(v, 0.0) + c
             rows.append(pulp.LpAffineExpression([(v, c / GIB) for v, c in total.items() if abs(c) > 1e-6]))
@@ -320,11 +330,12 @@ def _picked(p: Problem, choice: Mapping[str, int]):
 
 def memory_points(p: Problem, choice: Mapping[str, int]):
     """(parameter state bytes, total bytes at each liveness point) under a choice."""
-    picked = [(e.dst_pos, e.saved[a][b]) for e, a, b in _picked(p, choice)]
+    picked = [(e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in _picked(p, choice)]
     state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
     points = []
     for live, where in zip(p.live.points, p.live.positions):
         acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
-        copies = ssum(b for pos, b in picked if pos <= where)
-        points.append(state + acts + copies)
+        copies = ssum(b for pos, b, _ in picked if pos <= where)
+        temps = ssum(t for pos, _, t in picked if pos == where)
+        points.append(state + acts + copies + temps)
     return state, points

@@ -58,6 +58,7 @@ class EdgeTable:
     cost: list[list[float]]            # [a][b] seconds
     saved: list[list[float]]           # [a][b] bytes of a resharded copy the consumer keeps for backward
     dst_pos: int = -1                  # consumer's position in the forward (for liveness)
+    temp: list[list[float]] | None = None   # [a][b] bytes of a resharded copy alive only while the consumer runs
 
     @property
     def keeps_copy(self) -> bool:
@@ -221,8 +222,11 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute = []
         for s in ([] if is_view[node.name] else strategies):
             pf = parallel_count(s, shape)
+            out_b = info.out[0].nbytes / shard_count(s.output, shape)    # a partial output is whole on each device
+            in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
             fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, mesh.profile,
-                                family=rule.family if rule else None, op=op_name(node.target))
+                                family=rule.family if rule else None, op=op_name(node.target),
+                                in_bytes=in_b, out_bytes=out_b)
             compute.append(fwd + (bwd if ng[node.name] else 0.0))
         compute = compute or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
@@ -268,7 +272,10 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # stored sharded and gathered whole for use): that copy lives until the backward
             saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
                      for a in a_keys]
-            tables[key] = (cost, saved)
+            # otherwise the collective's output is a temporary: it lives while the consumer runs
+            temp = [[meta.nbytes / shard_count(b, shape) if not keeps and a != b else 0.0 for (b, _) in b_keys]
+                    for a in a_keys]
+            tables[key] = (cost, saved, temp)
         return tables[key]
 
     def classes(keys):
@@ -304,8 +311,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved = table_for(meta, a_keys, b_keys, grad, keeps)
-            edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved))
+            table, saved, temp = table_for(meta, a_keys, b_keys, grad, keeps)
+            edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
+                                   temp=temp))
     return edges
 
 
