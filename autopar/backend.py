@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate
 
+from .compat import pytree
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture
 from .passes.rewrite import rewrite

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from ..compat import HigherOrderOperator, OpOverload, is_mutable, pytree
 from ..errors import CaptureError
 from .lowering import DECOMPOSITIONS, drop_assertions, exact_mean_losses, experts_as_one_op
 
@@ -143,11 +143,11 @@ def _needs_decomposition(gm: fx.GraphModule) -> bool:
         if n.op != "call_function":
             continue
         t = n.target
-        if not isinstance(t, torch._ops.OpOverload):
-            if isinstance(t, torch._ops.HigherOrderOperator):
+        if not isinstance(t, OpOverload):
+            if isinstance(t, HigherOrderOperator):
                 return True
             continue
-        if t._schema.is_mutable or "batch_norm" in t.name() or "dropout" in t.name():
+        if is_mutable(t) or "batch_norm" in t.name() or "dropout" in t.name():
             return True
     return False
 

@@ -15,8 +15,8 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from ..placement import parse_layout
 from ..plan import Plan
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
+
+from ..compat import OpOverload, pytree
 
 aten = torch.ops.aten
 
@@ -83,7 +84,7 @@ def count_flops(node: fx.Node) -> float:
 
 def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]] | None) -> float:
     """FLOPs of a node, its tensor inputs at their captured shapes or at `shapes` (name -> shapes)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return 0.0
     args, kwargs = pytree.tree_map(lambda x: _to_meta(x, shapes), (node.args, node.kwargs))
     if node.target is aten.scaled_dot_product_attention.default:

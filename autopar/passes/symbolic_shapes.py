@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from ..compat import pytree, sym_expr, sym_hint
 from ..cost_model.symbolic import BATCH, SEQ
 from ..solver.layers import _module_path, layer_of
 from .capture import Captured, capture
@@ -71,8 +71,6 @@ def _marked_dims(args: tuple, kwargs: dict):
     return tuple(a) + tuple(k.values()), marks, int(batch), (int(seq) if seq is not None else None)
 
 
-def _expr(size) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
 
 
 def _tensor_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -90,10 +88,8 @@ def _is_identity(n: fx.Node) -> bool:
     expand to the same size): static tracing drops these; with variable sizes they stay."""
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     val = n.meta.get("val")
-    return bool(ins) and isinstance(val, torch.Tensor) and all(
-        int(getattr(x, "node", None).hint if isinstance(x, torch.SymInt) else x) ==
-        int(getattr(y, "node", None).hint if isinstance(y, torch.SymInt) else y)
-        for x, y in zip(val.shape, ins[0].meta["val"].shape)) and val.ndim == ins[0].meta["val"].ndim
+    return (bool(ins) and isinstance(val, torch.Tensor) and val.ndim == ins[0].meta["val"].ndim
+            and all(sym_hint(x) == sym_hint(y) for x, y in zip(val.shape, ins[0].meta["val"].shape)))
 
 
 def _align(static: list[fx.Node], dynamic: list[fx.Node]):
@@ -219,7 +215,7 @@ def _build(cap: Captured, static_infos, dcap: Captured, marks, batch: int, seq: 
         for dim in (0, 1):
             want = marks.get((dcap.inputs[n.name].target, dim))
             if want is not None and isinstance(val.shape[dim], torch.SymInt):
-                e = _expr(val.shape[dim])
+                e = sym_expr(val.shape[dim])
                 if isinstance(e, sympy.Symbol):
                     subs.setdefault(e, want)
     fixed = tuple(name for name, sym in (("batch", BATCH), ("seq", SEQ))
@@ -255,7 +251,7 @@ def _metas(d: fx.Node, subs) -> tuple[TensorMeta, ...]:
     for t in pytree.tree_leaves(d.meta.get("val")):
         if not isinstance(t, torch.Tensor):
             continue
-        shape = tuple(sympy.expand(_expr(x).xreplace(subs)) for x in t.shape)
+        shape = tuple(sympy.expand(sym_expr(x).xreplace(subs)) for x in t.shape)
         unknown = set().union(*(x.free_symbols for x in shape)) - {BATCH, SEQ}
         if unknown:
             raise SymbolicUnavailable(f"node {d.name}: a size depends on data or on another input "

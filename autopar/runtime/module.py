@@ -8,9 +8,9 @@ Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ..compat import pytree
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import layout_str, local_shape
 from .reshard import grad_layout, reshard, to_layout

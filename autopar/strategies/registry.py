@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
+
+from ..compat import OpOverload, OpOverloadPacket
 
 from ..passes.shape_prop import TensorMeta
 
@@ -67,8 +68,8 @@ def rule_for(target) -> OpRule | None:
 
 def op_name(target) -> str:
     """'aten.linear' for aten.linear.default and for the packet aten.linear; 'autopar.moe_experts' alike."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return f"{target.namespace}.{target.overloadpacket.__name__}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name.replace("::", ".")
     return getattr(target, "__name__", str(target))

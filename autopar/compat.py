@@ -1,0 +1,37 @@
+"""Every private torch API autopar uses, in one place (torch 2.11 - 2.13).
+
+Anything reached through a leading underscore, or through an object's internals, is imported or
+wrapped here and nowhere else, so a torch upgrade that moves one breaks this file only.
+
+* `pytree`: torch.utils._pytree, torch's tree utilities (no public equivalent; torch.export and
+  DTensor use it, and its registered node types - tuples, dicts, dataclasses, HF outputs - are
+  the ones a forward returns).
+* `OpOverload`, `OpOverloadPacket`, `HigherOrderOperator`: the types of graph call targets
+  (torch._ops), to tell an ATen op from a Python function or a higher-order region.
+* `is_mutable(op)`: whether an ATen op writes an input (its schema, torch._ops internals).
+* `sym_expr(size)`, `sym_hint(size)`: the sympy expression and the example value behind a
+  symbolic size of a traced tensor (torch.SymInt's node).
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.utils._pytree as pytree  # noqa: F401 - re-exported
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+
+__all__ = ["pytree", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
+           "sym_hint"]
+
+
+def is_mutable(op: OpOverload) -> bool:
+    return bool(op._schema.is_mutable)
+
+
+def sym_expr(size) -> sympy.Expr:
+    """The expression of a size: a symbol or formula for a SymInt, an Integer for an int."""
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def sym_hint(size) -> int | None:
+    """The example's value of a size (None for a size only known at run time)."""
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
