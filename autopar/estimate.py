@@ -372,8 +372,11 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         if rule is not None and rule.is_view:
             continue
         pf = parallel_count(s, shape)
+        out_b = info.out[0].nbytes / shard_count(s.output, shape)    # a partial output is whole on each device
+        in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
         fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, profile,
-                            family=rule.family if rule else None, op=op_name(node.target))
+                            family=rule.family if rule else None, op=op_name(node.target),
+                            in_bytes=in_b, out_bytes=out_b)
         seg.fwd_compute += fwd
         if ng[name]:
             seg.bwd_compute += bwd

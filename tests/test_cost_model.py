@@ -131,6 +131,41 @@ def test_backward_factors():
     assert f > 0 and b == 0.0                         # the gradient passes through
 
 
+
+def test_matmul_output_store_follows_the_main_loop():
+    """With its reads and writes known, a matmul pays its output store after the K loop: a short-K
+    product with a big output (attention scores, K = head_dim) falls well below the roofline, a
+    long-K GEMM stays within a few percent of it (compute.matmul_time)."""
+    import sympy
+    p = load_profile("a100")
+    bw = p.memory_bandwidth * p.memory_efficiency
+
+    def fwd(m, n, k, batch=1):
+        flops, ins, out = 2.0 * batch * m * n * k, 2.0 * batch * (m * k + k * n), 2.0 * batch * m * n
+        return op_times(flops, ins + out, torch.float16, p, family="matmul", in_bytes=ins, out_bytes=out), flops
+
+    (scores, _), flops = fwd(2048, 2048, 96, batch=32)                 # QK^T of Korthikanti's 22B layer
+    roofline = compute_time(flops, 2.0 * 32 * (2 * 2048 * 96 + 2048**2), torch.float16, p, is_matmul=True)
+    assert scores == pytest.approx(flops / (312e12 * matmul_efficiency_at(flops, torch.float16, p))
+                                   + 2.0 * 32 * 2048**2 / bw + p.kernel_overhead)
+    assert scores > 1.5 * roofline
+    (big, big_b), flops = fwd(8192, 2304, 6144)                        # the 22B layer's QKV GEMM
+    assert big == pytest.approx(compute_time(flops, 0, torch.float16, p, is_matmul=True), rel=0.03)
+    assert big_b == pytest.approx(2 * big, rel=0.03)                   # dX and dW, stores of X and W
+    # efficiency vs K at a large output: K / (K + K0), K0 = rate * 2 bytes / (2 * bandwidth), 136 here
+    for k in (64, 256, 1024, 8192):
+        (t, _), flops = fwd(16384, 16384, k)
+        rate = 312e12 * matmul_efficiency_at(flops, torch.float16, p)
+        k0 = rate / bw
+        assert (flops / rate) / (t - p.kernel_overhead) == pytest.approx(k / (k + k0), rel=0.02)
+    # FLOPs-only callers keep the roofline; symbolic sizes go through the same code
+    f, b = op_times(1e12, 1e6, torch.float16, p, family="matmul")
+    assert b == pytest.approx(2.0 * f)
+    B = sympy.Symbol("B", positive=True)
+    f, b = op_times(2 * B * 2048 * 96 * 2048, 4 * B * 2048 * 96, torch.float16, p, family="matmul",
+                    in_bytes=4 * B * 2048 * 96, out_bytes=2 * B * 2048**2)
+    assert float(f.subs(B, 32)) == pytest.approx(scores)
+
 # -- collectives ---------------------------------------------------------------------------
 def test_all_reduce_8_devices_1GB_nvlink():
     expected = 2 * 7 / 8 * 1e9 / 300e9 + 2 * 7 * 2e-6

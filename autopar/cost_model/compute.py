@@ -14,6 +14,17 @@ figure in seconds rather than FLOPs so that slower dtypes (fp32) get the same ra
 Other ops (pointwise, reductions, softmax) run on the vector units at the fp32 rate (they
 compute in fp32 internally), times POINTWISE_EFFICIENCY; nearly always their memory term binds.
 
+Matmuls whose caller gives the bytes they read (`in_bytes`) and write (`out_bytes`) are priced with
+the output store after the main loop (`matmul_time`): a GEMM kernel computes each output tile over the
+whole K loop, then writes it (its epilogue), so the store adds to the time rather than hiding under it:
+
+    time = max(flops / rate, in_bytes / bandwidth) + out_bytes / bandwidth
+
+Per output element that is 2K FLOPs plus `itemsize` bytes: the efficiency falls as K / (K + K0) with
+K0 = rate * itemsize / (2 * bandwidth) (136 for fp16 on the A100 profile), which is what sinks the
+attention score product QK^T (K = head_dim, an s x s output). Its backward is priced per product
+(`matmul_backward_time`). Without in/out bytes (callers with FLOPs only), the roofline above.
+
 `op_times` prices one op's forward and backward together, per op: attention (SDPA, flash) runs
 on the matrix units like a matmul, and each backward is its forward time times the factor of
 BACKWARD_FACTORS, the ratio of the work (FLOPs for matmuls, bytes for memory-bound kernels) the
@@ -28,7 +39,7 @@ from .profiles import DeviceProfile
 from .symbolic import is_zero, smax
 
 __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "TENSOR_CORE_FAMILIES",
-           "matmul_efficiency_at", "optimizer_step_time", "POINTWISE_EFFICIENCY",
+           "matmul_efficiency_at", "matmul_time", "matmul_backward_time", "optimizer_step_time", "POINTWISE_EFFICIENCY",
            "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
            "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time"]
 
@@ -78,10 +89,35 @@ def backward_factor(op: str | None, family: str | None) -> float:
 
 
 def op_times(flops: float, bytes_moved: float, dtype: torch.dtype, profile: DeviceProfile, *,
-             family: str | None, op: str | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds of one op's share of work on one device."""
+             family: str | None, op: str | None = None, in_bytes: float | None = None,
+             out_bytes: float | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one op's share of work on one device. `in_bytes`/`out_bytes`:
+    what the op reads and writes on this device; with them a matmul is priced with its output store
+    after the main loop (`matmul_time`), forward and backward."""
+    if family == "matmul" and in_bytes is not None and out_bytes is not None and not is_zero(flops):
+        return (matmul_time(flops, in_bytes, out_bytes, dtype, profile),
+                matmul_backward_time(flops, in_bytes, out_bytes, dtype, profile))
     fwd = compute_time(flops, bytes_moved, dtype, profile, is_matmul=family in TENSOR_CORE_FAMILIES)
     return fwd, fwd * backward_factor(op, family)
+
+
+def matmul_time(flops: float, in_bytes: float, out_bytes: float, dtype: torch.dtype,
+                profile: DeviceProfile) -> float:
+    """Seconds of one matmul (Y = X W, or a batch of them): the main loop, bound by the tensor cores or
+    by reading the operands, then the store of the output tiles (module docstring)."""
+    rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
+    bw = profile.memory_bandwidth * profile.memory_efficiency
+    return smax(flops / rate, in_bytes / bw) + out_bytes / bw + profile.kernel_overhead
+
+
+def matmul_backward_time(flops: float, in_bytes: float, out_bytes: float, dtype: torch.dtype,
+                         profile: DeviceProfile) -> float:
+    """Seconds of a matmul's backward: dX = dY W^T and dW = X^T dY, each as many FLOPs as the forward,
+    reading dY twice and X, W once; their outputs are the forward's inputs, stored after the loop."""
+    rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
+    bw = profile.memory_bandwidth * profile.memory_efficiency
+    return (smax(2 * flops / rate, (in_bytes + 2 * out_bytes) / bw) + in_bytes / bw
+            + 2 * profile.kernel_overhead)
 
 
 def matmul_efficiency_at(flops: float, dtype: torch.dtype, profile: DeviceProfile) -> float:
