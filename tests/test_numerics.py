@@ -18,7 +18,11 @@ TOL = 1e-5
 TP_PINS_MLP = {"layers.0.*": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)"), "layers.1.bias": ("R", "R"),
                "linear_1": ("S(0)", "P")}     # the op itself: batch over dp, row-parallel over tp
 TP_PINS_GPT = {"blocks.*.attn.qkv.*": ("R", "S(0)"), "blocks.*.fc.*": ("R", "S(0)"),
-               "blocks.*.attn.proj.weight": ("R", "S(1)"), "blocks.*.fc2.weight": ("R", "S(1)")}
+               "blocks.*.attn.proj.weight": ("R", "S(1)"), "blocks.*.fc2.weight": ("R", "S(1)"),
+               # the proj and fc2 ops themselves: batch over dp, row-parallel (partial sums) over tp (with
+               # the test profile's free links, weight pins alone leave the ops free to gather the weights)
+               "linear_1": ("S(0)", "P"), "linear_3": ("S(0)", "P"), "linear_5": ("S(0)", "P"),
+               "linear_7": ("S(0)", "P")}
 # 2-D: weights split over both axes (rows over one, columns over the other).
 TWO_D_PINS_MLP = {"layers.*.weight": ("S(0)", "S(1)"), "head.weight": ("S(1)", "S(0)")}
 TWO_D_PINS_GPT = {"blocks.*.fc.weight": ("S(0)", "S(1)"), "blocks.*.fc2.weight": ("S(1)", "S(0)"),
