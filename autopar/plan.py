@@ -84,6 +84,7 @@ class Scaling:
     state_bytes: str = "0"
     memory_points: tuple[str, ...] = ()           # bytes at each liveness point that can be the peak
     divisible: tuple[tuple[str, int], ...] = ()   # (size expression, n): a split dim must divide evenly
+    comm_bytes_per_axis: dict[str, str] = field(default_factory=dict)   # mesh axis -> bytes sent per device
     memory_budget: float = 0.0                    # bytes per device the plan was made to fit
     unavailable: str = ""
 
@@ -179,7 +180,8 @@ def _scaling_from(d: dict | None) -> Scaling:
     if d is None:   # saved before plans carried their scaling
         return Scaling(unavailable="not in this saved plan: re-plan to get it")
     return Scaling(**{**d, "fixed": tuple(d["fixed"]), "memory_points": tuple(d["memory_points"]),
-                      "divisible": tuple((e, int(n)) for e, n in d["divisible"])})
+                      "divisible": tuple((e, int(n)) for e, n in d["divisible"]),
+                      "comm_bytes_per_axis": dict(d.get("comm_bytes_per_axis", {}))})
 
 
 def _lay(layout) -> str:

@@ -19,7 +19,7 @@ from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Tim
 from .plan_cache import PlanCache
 from .scaling import build_scaling
 from .solver.ilp import evaluate, solve
-from .solver.problem import Problem, build_problem, chosen_edges
+from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 from .strategies import op_name, rule_for
 
 
@@ -96,12 +96,8 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
     collectives: dict[str, list[Collective]] = {}
     per_axis = dict.fromkeys(mesh.axis_names, 0.0)
     for c in chosen_edges(problem, choice, cap):
-        e, meta = c.edge, c.meta
-        src = problem.decisions[e.src]
-        legs = [("forward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.src, c.dst))]
-        if meta.dtype.is_floating_point and src.kind != "input":
-            legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst)))
-        for phase, rc in legs:
+        e = c.edge
+        for phase, rc in edge_legs(problem, c):
             for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax] += nbytes
             if rc.seconds > 0 or rc.collectives:

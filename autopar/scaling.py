@@ -23,11 +23,11 @@ import math
 
 from torch.distributed.tensor import Shard
 
-from .cost_model.symbolic import Poly2, compile_expr
+from .cost_model.symbolic import Poly2, compile_expr, ssum
 from .errors import PlanMismatchError
 from .plan import Estimate, Scaling
 from .solver.ilp import comm_total, compute_total, memory_points
-from .solver.problem import Problem, build_problem
+from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 
 __all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]
 
@@ -47,9 +47,18 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float) -> Sc
         e.saved = [[poly(x) for x in row] for row in e.saved]
         e.temp = [[poly(x) for x in row] for row in e.temp] if e.temp else None
     state, points = memory_points(sp, one)
-    return Scaling(sym.batch, sym.seq, sym.fixed, str(compute), str(comm), str(state.to_expr()),
-                   tuple(str(p.to_expr()) for p in _undominated(points, sym)), _divisibility(sp, only, sym),
-                   float(budget))
+    per_axis = {ax: [] for ax in problem.mesh.axis_names}
+    metas = {name: info.out[0] for name, info in sym.infos.items() if info.out}
+    for c in chosen_edges(sp, one, cap, metas):
+        for _, rc in edge_legs(sp, c):
+            for ax, nbytes in zip(problem.mesh.axis_names, rc.bytes_per_axis):
+                per_axis[ax].append(nbytes)
+    return Scaling(batch=sym.batch, seq=sym.seq, fixed=sym.fixed, compute_s=str(compute), comm_s=str(comm),
+                   state_bytes=str(state.to_expr()),
+                   memory_points=tuple(str(p.to_expr()) for p in _undominated(points, sym)),
+                   divisible=_divisibility(sp, only, sym),
+                   comm_bytes_per_axis={ax: str(ssum(v)) for ax, v in per_axis.items()},
+                   memory_budget=float(budget))
 
 
 def _undominated(points: list[Poly2], sym) -> list[Poly2]:
@@ -109,7 +118,8 @@ def estimate_at(sc: Scaling, batch: int | None = None, seq: int | None = None) -
     comm = compile_expr(sc.comm_s)(b, s)
     state = compile_expr(sc.state_bytes)(b, s)
     peak = max([state] + [compile_expr(p)(b, s) for p in sc.memory_points])
-    return Estimate(compute + comm, compute, comm, peak, state, max(peak - state, 0.0))
+    per_axis = {ax: compile_expr(e)(b, s) for ax, e in sc.comm_bytes_per_axis.items()}
+    return Estimate(compute + comm, compute, comm, peak, state, max(peak - state, 0.0), per_axis)
 
 
 def _batch_step(sc: Scaling, seq: int) -> int:

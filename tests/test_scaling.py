@@ -68,6 +68,8 @@ def test_estimate_at_equals_repricing_at_new_sizes(name, build, planned, others,
     for a, b in ((at0.compute_s, est.compute_s), (at0.comm_s, est.comm_s),
                  (at0.peak_memory_bytes, est.peak_memory_bytes), (at0.param_state_bytes, est.param_state_bytes)):
         assert _same(a, b), (a, b)
+    assert at0.comm_bytes_per_axis.keys() == est.comm_bytes_per_axis.keys()
+    assert all(_same(at0.comm_bytes_per_axis[k], v) for k, v in est.comm_bytes_per_axis.items())
     for b, s in others:
         got = plan.estimate_at(batch=b, seq=s)
         compute, comm, peak, state = price_layouts_at(plan, model, gpt_inputs(batch=b, seq=s, vocab=64), mesh,

@@ -115,8 +115,10 @@ class ChosenEdge:
     grad_dst: tuple            # gradient as the producer needs it
 
 
-def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured):
-    """Every edge of the problem with its layouts under `choice` (for reports and estimates)."""
+def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured,
+                 metas: Mapping[str, TensorMeta] | None = None):
+    """Every edge of the problem with its layouts under `choice` (for reports and estimates);
+    `metas` (node -> output meta) overrides the captured shapes (symbolic sizes)."""
     whole = tuple(R for _ in problem.mesh.shape)
     vals = {n.name: n.meta.get("val") for n in cap.gm.graph.nodes}
     for e in problem.edges:
@@ -126,7 +128,18 @@ def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured):
         else:
             t = problem.decisions[e.dst].strategies[choice[problem.decisions[e.dst].leader]]
             b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
-        yield ChosenEdge(e, tensor_meta(vals[e.src])[0], a, b, gb, grad_layout_out(a))
+        meta = metas[e.src] if metas is not None else tensor_meta(vals[e.src])[0]
+        yield ChosenEdge(e, meta, a, b, gb, grad_layout_out(a))
+
+
+def edge_legs(problem: Problem, c: ChosenEdge):
+    """(phase, ReshardCost) of an edge under a plan: the forward reshard, and the gradient's way
+    back for a floating-point tensor that is not an input."""
+    mesh, meta = problem.mesh, c.meta
+    legs = [("forward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.src, c.dst))]
+    if meta.dtype.is_floating_point and problem.decisions[c.edge.src].kind != "input":
+        legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst)))
+    return legs
 
 
 def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool]) -> bool:
