@@ -138,6 +138,155 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
     return out
 
 
+# A compute burst between two collectives, as a training step has (a matmul of 128x512x512, 67
+# MFLOP: ~0.7 ms on one core of this class of CPU, ~1.4 ms with two ranks per core; about the
+# backward compute between two gradient all-reduces of a small transformer layer): collectives are
+# timed after it so that ranks arrive at each collective as they do in training, not in lockstep.
+BURST_SHAPE = (128, 512, 512)
+# The graph that measures autopar's runtime overhead: TINY_DEPTH transformer blocks (layer norm,
+# qkv projection, heads split by view/transpose, scaled dot-product attention, output projection,
+# residual adds, GELU MLP) of width TINY_WIDTH: the op mix of the models autopar runs, at sizes
+# where kernels cost microseconds and the per-node cost dominates.
+TINY_WIDTH, TINY_DEPTH = 16, 2
+
+
+def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> dict:
+    """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
+    with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
+    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once. The effective cost
+    of a collective = (burst + collective) - burst alone, medians of `reps` iterations: it counts
+    DTensor's Python, gloo, and waiting for the peers to be scheduled (with more ranks than cores,
+    the peers are often descheduled when a rank arrives)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from .mesh import Mesh
+    from .runtime.reshard import to_layout
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dmesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100").device_mesh()
+    m_, k_, n_ = BURST_SHAPE
+    a, b = torch.randn(m_, k_, device=device), torch.randn(k_, n_, device=device)
+    burst = lambda: torch.mm(a, b)  # noqa: E731
+    reps = 9 if quick else 41
+    sizes = (4096, (256 * 2 ** 10) if quick else 2 * 2 ** 20)
+    dist.barrier()
+    out = {"burst_s": _timeit(burst, reps * 4, sync), "axes": {}}
+    # every axis at once, as a gradient partial over all axes is reduced (one all_reduce per axis,
+    # back to back: DTensor redistribute on a 2-D mesh), small message
+    split = [i for i, n in enumerate(mesh_shape) if n > 1]
+    if len(split) > 1:
+        local = torch.ones(sizes[0] // 4, device=device)
+        src = tuple(Partial() for _ in names)
+        dst = tuple(Replicate() for _ in names)
+
+        def fn_all():
+            burst()
+            to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
+        dist.barrier()
+        t = _timeit(fn_all, reps, sync)
+        dist.barrier()
+        base = _timeit(burst, reps, sync)
+        out["all_axes_all_reduce"] = {"nbytes": float(sizes[0]), "collectives": len(split),
+                                      "sizes": [mesh_shape[i] for i in split], "seconds": max(t - base, 0.0)}
+    for i, name in enumerate(names):
+        n = mesh_shape[i]
+        if n == 1:
+            continue
+        res = {}
+        for kind, src_p in (("all_reduce", Partial()), ("all_gather", Shard(0))):
+            src = tuple(src_p if j == i else Replicate() for j in range(len(names)))
+            dst = tuple(Replicate() for _ in names)
+            pts = []
+            for nbytes in sizes:
+                numel = nbytes // 4 if kind == "all_reduce" else nbytes // 4 // n
+                local = torch.ones(numel, device=device)
+
+                def fn():
+                    burst()
+                    to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
+                dist.barrier()
+                t = _timeit(fn, reps, sync)
+                dist.barrier()
+                base = _timeit(burst, reps, sync)           # burst alone, just after, same conditions
+                pts.append((float(nbytes), max(t - base, 0.0)))
+            res[kind] = pts
+        out["axes"][name] = {"size": n, "points": res}
+    return out
+
+
+def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
+    """autopar's runtime against eager PyTorch on a tiny graph, all ranks at once: the extra cost per
+    node of the rank's graph (LocalOp: unwrap and rewrap DTensors in autograd functions; Reshard),
+    forward + backward; and torch.optim.AdamW's step per DTensor parameter."""
+    import torch
+    from torch import nn
+
+    from .api import autoparallelize
+    from .api import plan as make_plan
+    from .mesh import Mesh
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = TINY_WIDTH
+            self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+                ln1=nn.LayerNorm(w), qkv=nn.Linear(w, 3 * w), proj=nn.Linear(w, w), ln2=nn.LayerNorm(w),
+                fc=nn.Linear(w, 4 * w), fc2=nn.Linear(4 * w, w))) for _ in range(TINY_DEPTH))
+
+        def forward(self, x):
+            b, t, w = x.shape
+            for blk in self.blocks:
+                q, k, v = blk["qkv"](blk["ln1"](x)).split(w, dim=-1)
+                q, k, v = (z.view(b, t, 2, w // 2).transpose(1, 2) for z in (q, k, v))
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + blk["proj"](y.transpose(1, 2).reshape(b, t, w))
+                x = x + blk["fc2"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+            return x.square().mean()
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = Tiny().to(device)
+    x = torch.randn(2, 8, TINY_WIDTH, device=device)
+    mesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100")
+    whole = tuple("R" for _ in mesh_shape)        # no split: no collective, only the runtime's own cost
+    plan = make_plan(model, (x,), mesh, pins={n: whole for n, _ in model.named_parameters()}, batch_axes=None,
+                     memory_budget=float("inf"))
+    dmodel = autoparallelize(model, mesh, (x,), plan=plan)
+    g = dmodel.graph_module
+    nodes = sum(1 for nd in g.graph.nodes if nd.op == "call_module")
+    reps = 15 if quick else 61
+
+    def run(mod):
+        out = mod(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.backward()
+    t_rt = _timeit(lambda: run(dmodel), reps, sync)
+    t_eager = _timeit(lambda: run(model), reps, sync)
+    opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-6)
+    run(dmodel)                                   # gradients stay: step() alone is timed
+    n_params = sum(1 for _ in dmodel.parameters())
+    t_opt = _timeit(opt.step, reps, sync)
+    return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
+            "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
+            "optimizer_param_overhead": t_opt / n_params}
+
+
+def _fit_overhead(n: int, small: dict[str, float]) -> tuple[float, float]:
+    """(per-collective cost c, per-ring-step latency alpha) from the small-message times left after
+    the bandwidth term, all_reduce = c + 2(n-1) alpha and all_gather = c + (n-1) alpha (clamped >= 0)."""
+    from .cost_model.comm import _ring
+    s_ar, s_ag = _ring("all_reduce", n)[1], _ring("all_gather", n)[1]
+    t_ar, t_ag = small["all_reduce"], small["all_gather"]
+    alpha = (t_ar - t_ag) / (s_ar - s_ag)
+    c = t_ag - s_ag * alpha
+    if alpha < 0:
+        alpha, c = 0.0, (t_ar + t_ag) / 2
+    elif c < 0:
+        c, alpha = 0.0, (t_ar / s_ar + t_ag / s_ag) / 2
+    return c, alpha
+
+
 def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device: str, quick: bool, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -151,6 +300,11 @@ def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device:
         compute = _measure_compute(device, quick)      # every rank at once: shared cores, as in training
         dist.barrier()
         axes = _measure_axes(rank, world, mesh_shape, names, device, quick)
+        dist.barrier()
+        compute["step_collectives"] = _measure_step_collectives(mesh_shape, names, device, quick)
+        dist.barrier()
+        compute["runtime"] = _measure_runtime(mesh_shape, names, device, quick)
+        dist.barrier()
         queue.put((rank, compute, axes))
     finally:
         dist.destroy_process_group()
@@ -171,6 +325,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     names = tuple(f"axis{i}" for i in range(len(mesh)))
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autopar_calibrate_") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_file, mesh, names, device, quick, queue))
@@ -179,31 +334,71 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
             p.start()
         results = []
         try:
-            for _ in procs:
-                results.append(queue.get(timeout=600))
+            import queue as queue_mod
+            deadline = time.monotonic() + 600
+            while len(results) < len(procs) and time.monotonic() < deadline:
+                try:
+                    results.append(queue.get(timeout=1.0))
+                except queue_mod.Empty:
+                    if any(p.exitcode not in (0, None) for p in procs):   # a rank died: do not wait for it
+                        break
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.terminate()
-        if any(p.exitcode not in (0, None) for p in procs):
+        if any(p.exitcode not in (0, None) for p in procs) or len(results) < len(procs):
             raise SystemExit("autopar calibrate: a measuring rank failed (see its traceback above)")
     results.sort(key=lambda r: r[0])
+    # the figures hold for this launch: with more ranks than cores, each rank gets a share of a core
+    launch = {"ranks": world_size, "mesh": list(mesh), "cores": os.cpu_count(), "ranks_per_core":
+              world_size / (os.cpu_count() or 1), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     comp = [r[1] for r in results]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     flops = {k: med([c["matmul_flops"][k] for c in comp]) for k in comp[0]["matmul_flops"]}
     bw = med([c["memory_bandwidth"] for c in comp])
     base_p = load_profile(base)
-    axes_fit, links = {}, []
+    from .cost_model.comm import _ring
+    kernel_overhead = med([c["kernel_overhead"] for c in comp])
+    # isolated collectives (back to back, raw torch.distributed): recorded for comparison only
+    isolated = {}
     for ax_name, info in results[0][2].items():
         n = info["size"]
         fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
-        bandwidth = min(b for b, _ in fits.values())
-        latency = max(l for _, l in fits.values())
-        axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency,
-                             "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
+        isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
                              "points_s": info["points"]}
+    # collectives as a training step issues them (_measure_step_collectives), median over ranks:
+    # bandwidth from the slope between the two sizes (the lower of all_reduce's and all_gather's),
+    # then the small message's remainder split into a per-collective cost and a per-ring-step latency
+    axes_fit, links, overheads = {}, [], []
+    for ax_name, info in comp[0]["step_collectives"]["axes"].items():
+        n = info["size"]
+        pts = {kind: [(sz, med([c["step_collectives"]["axes"][ax_name]["points"][kind][j][1] for c in comp]))
+                      for j, (sz, _) in enumerate(p)] for kind, p in info["points"].items()}
+        # a step cannot move bytes faster than back-to-back collectives do: where the slope between the
+        # two sizes is lost in scheduling noise, the isolated fit's bandwidth bounds it
+        bandwidth = min(min(_fit_ring(kind, n, *p)[0], isolated[ax_name]["fits"][kind]["bandwidth"])
+                        for kind, p in pts.items())
+        small = {kind: max(p[0][1] - _ring(kind, n)[0] * p[0][0] / bandwidth, 0.0) for kind, p in pts.items()}
+        per_coll, latency = _fit_overhead(n, small)
+        axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "per_collective": per_coll,
+                             "points_s": pts, "isolated": isolated.get(ax_name)}
         links.append(Link(bandwidth, latency))
+        overheads.append(per_coll)
+    # every axis at once: per collective, what is left after each axis's ring terms
+    both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
+    if both[0] is not None:
+        nb = both[0]["nbytes"]
+        ring = sum(2 * (axes_fit[a]["size"] - 1) / axes_fit[a]["size"] * nb / axes_fit[a]["bandwidth"]
+                   + 2 * (axes_fit[a]["size"] - 1) * axes_fit[a]["latency"] for a in axes_fit)
+        per_coll = max(med([x["seconds"] for x in both]) - ring, 0.0) / both[0]["collectives"]
+        axes_fit["all_axes_all_reduce"] = {**both[0], "seconds": med([x["seconds"] for x in both]),
+                                           "per_collective": per_coll}
+        overheads.append(per_coll)
+    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective: the largest
+    # per-collective remainder of the fits (the slowest case, as intra_node takes the slowest axis)
+    collective_overhead = max(max(overheads) - kernel_overhead, 0.0) if overheads else 0.0
+    rt = [c["runtime"] for c in comp]
     intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
     inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
     host = (Link(bw / 2, base_p.host_link.latency) if device == "cpu"
@@ -213,7 +408,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         backend="nccl" if device == "cuda" else "gloo", peak_flops=flops, memory_bandwidth=bw, host_link=host,
         intra_node=intra, inter_node=inter, matmul_efficiency=1.0, memory_efficiency=1.0,
         matmul_ramp_time=med([c["matmul_ramp_time"] for c in comp]),
-        kernel_overhead=med([c["kernel_overhead"] for c in comp]),
+        kernel_overhead=kernel_overhead, collective_overhead=collective_overhead,
+        runtime_op_overhead=med([r["runtime_op_overhead"] for r in rt]),
+        optimizer_param_overhead=med([r["optimizer_param_overhead"] for r in rt]),
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -223,10 +420,23 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         "peak_flops": f"torch.mm of square matrices (n={comp[0]['matmul_n']}, smaller for dtypes without a fast "
                       "kernel), median over ranks: achieved rates, hence matmul_efficiency = 1",
         "memory_bandwidth": "y.copy_(x), read + write bytes, median over ranks",
-        "links": "ring alpha-beta fits of all_reduce and all_gather per mesh axis (see _measured); intra_node is "
-                 "the slowest axis; not measured figures come from the base profile " + base_p.name,
+        "links": "ring alpha-beta fits per mesh axis of all_reduce and all_gather issued as a training step issues "
+                 "them (a compute burst, then DTensor redistribute; minus the burst alone), median over ranks: "
+                 "bandwidth from the slope between the two sizes, then the small message's remainder split into "
+                 "latency per ring step and collective_overhead (see _measured.axes; the isolated back-to-back "
+                 "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
+                 "come from the base profile " + base_p.name,
+        "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
+        "collective_overhead": "per collective beyond the ring terms and kernel_overhead: DTensor's redistribute and "
+                               "waiting for the peers to be scheduled; holds for the launch in _measured.launch",
+        "runtime_op_overhead": f"per node of the rank's graph (LocalOp, Reshard, ToLocal), forward + backward: a "
+                               f"{TINY_DEPTH}-block transformer (attention, MLP) of width {TINY_WIDTH} through "
+                               "autoparallelize (all replicated: no collective) minus the same model in eager "
+                               "PyTorch, divided by the graph's nodes; median over ranks",
+        "optimizer_param_overhead": "torch.optim.AdamW().step() on that graph's DTensor parameters, divided by their "
+                                    "number (their bytes are negligible); median over ranks",
     }
-    d["_measured"] = {"axes": axes_fit, "per_rank": comp}
+    d["_measured"] = {"launch": launch, "axes": axes_fit, "per_rank": comp}
     path.write_text(json.dumps(d, indent=2) + "\n")
     return path
 

@@ -45,14 +45,15 @@ How a step is composed, from the same per-op and per-edge prices the planner use
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .compat import pytree
 from .cost_model.comm import bucketed_time, collective_bytes_on_wire
 from .cost_model.compute import (MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, op_times,
                                  optimizer_step_time)
@@ -86,11 +87,12 @@ class _Seg:
     train_flops: float = 0.0         # forward + backward FLOPs, global
     saved_bytes: float = 0.0         # activations kept for the backward, per device
     input_bytes: float = 0.0         # the largest activation entering the segment, per device
+    runtime: float = 0.0             # autopar runtime's per-node cost (profile.runtime_op_overhead), fwd + bwd
     params: set = field(default_factory=set)
 
     def add(self, other: _Seg, k: float = 1.0) -> None:
         for f in ("fwd_compute", "bwd_compute", "fwd_comm", "bwd_comm", "flops", "train_flops", "saved_bytes",
-                  "input_bytes"):
+                  "input_bytes", "runtime"):
             setattr(self, f, getattr(self, f) + k * getattr(other, f))
 
 
@@ -121,6 +123,8 @@ class StepEstimate:
     per_device_s: tuple[float, ...]   # per pipeline device: one microbatch's forward + backward + p2p
     comm_bytes_per_axis: dict[str, float] = field(default_factory=dict)   # per device per step
     layout_summary: dict[str, tuple[str, ...]] = field(default_factory=dict)   # parameter -> layout
+    runtime_s: float = 0.0            # autopar runtime's per-node cost on the slowest device (in pipeline_s)
+    graph_nodes: int = 0              # nodes of the rank's graph (LocalOp + Reshard), one microbatch
 
     @property
     def tflops_per_device(self) -> float:
@@ -358,6 +362,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     ng = _needs_grad(cap, nodes)
     profile, shape = smesh.profile, smesh.shape
     segs: dict[str, _Seg] = defaultdict(_Seg)
+    n_nodes = 0
 
     # compute, per node
     for name, d in problem.decisions.items():
@@ -369,6 +374,9 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         seg = segs[seg_of[name]]
         seg.flops += info.flops
         seg.train_flops += info.flops * (3.0 if ng[name] else 1.0)
+        if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
+            seg.runtime += profile.runtime_op_overhead
+            n_nodes += 1
         if rule is not None and rule.is_view:
             continue
         pf = parallel_count(s, shape)
@@ -395,6 +403,11 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         grad = ng.get(e.src, False) and meta.dtype.is_floating_point
         bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst) if grad else None
         seg.fwd_comm += fwd.seconds
+        if src.kind != "op" or e.dst == "output" or tuple(a) != tuple(c.dst):
+            # the rewrite puts a Reshard node on every parameter and input edge, the output, and
+            # every edge whose layouts differ (passes/rewrite.py)
+            seg.runtime += profile.runtime_op_overhead
+            n_nodes += 1
         for ax, nb in zip(smesh.axis_names, fwd.bytes_per_axis):
             per_axis_micro[(dst_seg, "fwd")][ax] += nb
         if src.kind == "param":
@@ -455,7 +468,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             x += getattr(post, attr)
         return x
 
-    fwd_d = [dev_total(d, "fwd_compute") + dev_total(d, "fwd_comm") for d in range(p)]
+    fwd_d = [dev_total(d, "fwd_compute") + dev_total(d, "fwd_comm") + dev_total(d, "runtime") for d in range(p)]
     bwd_d = [dev_total(d, "bwd_compute") + dev_total(d, "bwd_comm") for d in range(p)]
     if recompute:
         bwd_d = [b + n_dev[d] * (layer.fwd_compute + layer.fwd_comm) for d, b in enumerate(bwd_d)]
@@ -477,14 +490,16 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     ax_index = {n: i for i, n in enumerate(smesh.axis_names)}
     pp_link = mesh.axes[mesh.axis_index(pipe.axis)].link if p > 1 else None
     sync_d, opt_d, state_d, buckets_d = [], [], [], []
+    launch = profile.kernel_overhead + profile.collective_overhead     # per collective, as Mesh.reshard_cost
     first_last = {f for f, ss in param_segs.items() if p > 1 and PRE in ss and POST in ss}
     for d in range(p):
         wire: dict[tuple[str, str], float] = defaultdict(float)
-        elems, state = 0.0, 0.0
+        elems, state, tensors = 0.0, 0.0, 0.0
         for fqn, ss in param_segs.items():
             mult = _param_multiplicity(ss, layer_segs, n_dev[d], k, d, p)
             if not mult:
                 continue
+            tensors += mult
             for key, nb in grad_wire[fqn].items():
                 wire[key] += mult * nb
             elems += mult * state_elems[fqn]
@@ -498,12 +513,12 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                     i = ax_index[ax]
                     n = smesh.shape[i]
                     full = nb / (collective_bytes_on_wire(kind, 1.0, n) or 1.0)
-                    t_sync += mult * bucketed_time(kind, full, n, smesh.axes[i].link, None, profile.kernel_overhead)
+                    t_sync += mult * bucketed_time(kind, full, n, smesh.axes[i].link, None, launch)
         for (ax, kind), nb in (wire.items() if bucket_bytes != 0 else ()):
             i = ax_index[ax]
             n = smesh.shape[i]
             full = nb / (collective_bytes_on_wire(kind, 1.0, n) or 1.0)
-            t_sync += bucketed_time(kind, full, n, smesh.axes[i].link, bucket_bytes, profile.kernel_overhead,
+            t_sync += bucketed_time(kind, full, n, smesh.axes[i].link, bucket_bytes, launch,
                                     grad_sync_algorithm)
             sync_bytes = max(sync_bytes, full)
             if d == 0:
@@ -511,10 +526,11 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         buckets_d.append(1 if not bucket_bytes else max(1, math.ceil(sync_bytes / bucket_bytes)))
         if first_last and d in (0, p - 1):
             tied = sum(state_elems[f] * param_itemsize[f] for f in first_last)
-            t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, profile.kernel_overhead)
+            t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, launch)
         sync_d.append(t_sync)
         extra = MIXED_PRECISION_STEP_EXTRA_BYTES if precision == "mixed" else 0.0
-        opt_d.append(optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra))
+        opt_d.append(optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra)
+                     + tensors * profile.optimizer_param_overhead)
         state_d.append(state)
 
     # exposed sync: hidden behind grad_overlap of the device's last backward, never the last bucket
@@ -560,7 +576,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         microbatches=m, stages=p, virtual_stages=v, layers=n_layers, recompute=recompute,
         grad_overlap=grad_overlap, per_device_s=pt.per_device_s, comm_bytes_per_axis=per_axis,
         layout_summary={problem.decisions[n].fqn: layout_str(chosen[n].output) for n in problem.decisions
-                        if problem.decisions[n].kind == "param"})
+                        if problem.decisions[n].kind == "param"},
+        runtime_s=m * dev_total(slow, "runtime"), graph_nodes=n_nodes)
 
 
 def _param_multiplicity(segments: set, layer_segs: list[str], n_layers_here: int, k: int, d: int, p: int) -> float:

@@ -90,7 +90,7 @@ class Mesh:
     def reshard_cost(self, shape, itemsize: int, src, dst):
         """Seconds and bytes to move a tensor between layouts on this mesh (see cost_model.comm)."""
         return reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
-                            launch_overhead=self.profile.kernel_overhead)
+                            launch_overhead=self.profile.kernel_overhead + self.profile.collective_overhead)
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Predicted vs measured step time of the demo GPT on 4 gloo ranks (this machine), four plans.
 
-    python benchmarks/bench_cpu_plans.py [--steps 8] [--profile calibrated.json] [--quick]
+    python benchmarks/bench_cpu_plans.py [--steps 10] [--rounds 2] [--profile calibrated.json] [--quick]
 
 1. `autopar calibrate --world-size 4 --mesh 2,2` measures this machine with 4 ranks at once
    (unless --profile gives a profile already measured).
@@ -13,10 +13,22 @@
    Hand-written plans are pins; the ops between pinned parameters take the planner's fastest
    consistent layouts (autopar.plan with those pins).
 3. `autopar.estimate` prices each plan (one microbatch, gradient sync after the backward, one
-   collective per parameter as the runtime issues them); the plan then trains on 4 forked gloo
-   ranks (AdamW); the median step (forward, backward, optimizer; barrier to barrier; the
-   slowest rank's time) is the measurement, as calibration takes medians too.
-Prints one JSON line per plan and a summary with the ranking check.
+   collective per parameter as the runtime issues them; the profile's runtime_op_overhead per
+   node of the rank's graph, collective_overhead per collective, optimizer_param_overhead per
+   parameter); the plan then trains on 4 forked gloo ranks (AdamW); the median step (forward,
+   backward, optimizer; barrier to barrier; the slowest rank's time) is the measurement, as
+   calibration takes medians too. Plans are measured `--rounds` times round-robin (plan A, B, C,
+   D, A, B, ...) so a change of load hits every plan alike; the measurement is the median over
+   all rounds' steps.
+Hygiene: the machine is shared. Before calibration and before each measurement the benchmark waits
+(up to --wait seconds) until other processes use less than --max-busy cores (sampled from
+/proc/stat over 2 s while our ranks idle) and the 1-minute load average is below --max-load, and
+records both, and the load average after.
+Checks, stated up front: every prediction within 25% of its measurement; ranking: for every pair
+of plans whose measured medians differ by more than --tie (default 5%, about the spread of one
+plan's medians between rounds), the faster measured plan is also predicted faster (pairs within
+the tie are reported as ties, not ranked).
+Prints one JSON line per plan and round, and a summary with the table and the checks.
 """
 from __future__ import annotations
 
@@ -100,52 +112,130 @@ def _train(rank, world_size, plan, profile_path, steps):
     return times
 
 
+def _busy_cores(seconds: float = 2.0) -> float:
+    """Cores busy (all processes) over `seconds`, from /proc/stat; our ranks idle meanwhile."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                   # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return (1 - (i1 - i0) / max(t1 - t0, 1)) * (os.cpu_count() or 1)
+
+
+def wait_for_quiet(max_busy: float, max_load: float, wait_s: float) -> dict:
+    """Wait until other jobs use < max_busy cores and the 1-min load average is < max_load (or
+    wait_s passes); return what was seen."""
+    t0 = time.perf_counter()
+    while True:
+        busy, load = _busy_cores(), os.getloadavg()[0]
+        if (busy < max_busy and load < max_load) or time.perf_counter() - t0 > wait_s:
+            return {"busy_cores_before": round(busy, 2), "loadavg_before": round(load, 2),
+                    "waited_s": round(time.perf_counter() - t0, 1), "quiet": busy < max_busy and load < max_load}
+        time.sleep(5)
+
+
+def ranking_check(results: list[dict], tie: float) -> dict:
+    """Pairs whose measured medians differ by more than `tie` (relative to the faster) must be
+    predicted in the same order; closer pairs are ties."""
+    ranked, ties, wrong = [], [], []
+    for i, a in enumerate(results):
+        for b in results[i + 1:]:
+            fast, slow = (a, b) if a["measured_ms"] <= b["measured_ms"] else (b, a)
+            pair = f"{fast['plan']} < {slow['plan']}"
+            if slow["measured_ms"] / fast["measured_ms"] - 1 <= tie:
+                ties.append(pair.replace("<", "~"))
+            elif fast["predicted_ms"] < slow["predicted_ms"]:
+                ranked.append(pair)
+            else:
+                wrong.append(pair)
+    return {"tie_tolerance": tie, "ranked_pairs_ok": ranked, "ties": ties, "ranked_pairs_wrong": wrong,
+            "ranking_matches": not wrong}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per plan and round (after 2 warm-up)")
+    ap.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of the four measurements")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now)")
-    ap.add_argument("--quick", action="store_true", help="quick calibration and 3 steps (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="quick calibration, 3 steps, 1 round (smoke test)")
+    ap.add_argument("--max-busy", type=float, default=0.5, help="wait while other jobs use this many cores")
+    ap.add_argument("--max-load", type=float, default=2.0, help="wait while the 1-min load average is above")
+    ap.add_argument("--wait", type=float, default=300.0, help="seconds to wait for a quiet machine, each time")
+    ap.add_argument("--tie", type=float, default=0.05, help="measured medians closer than this are a tie")
     a = ap.parse_args(argv)
-    steps = 3 if a.quick else a.steps
+    steps, rounds = (3, 1) if a.quick else (a.steps, a.rounds)
     tmp = tempfile.mkdtemp(prefix="autopar_bench_cpu_")
     profile = a.profile
+    quiet = lambda: wait_for_quiet(a.max_busy, a.max_load, 0 if a.quick else a.wait)  # noqa: E731
     if profile is None:
         from autopar.cli import calibrate
+        q = quiet()
         t0 = time.perf_counter()
         profile = str(calibrate(os.path.join(tmp, "calibrated.json"), world_size=4, mesh=(2, 2), base="cpu",
                                 quick=a.quick, name="this-machine-4-ranks"))
-        print(json.dumps({"calibration_s": round(time.perf_counter() - t0, 1), "profile": profile}), flush=True)
+        print(json.dumps({"calibration_s": round(time.perf_counter() - t0, 1), "profile": profile, **q,
+                          "loadavg_after": round(os.getloadavg()[0], 2)}), flush=True)
+    from autopar.cost_model.profiles import load_profile
+    p = load_profile(profile)
+    print(json.dumps({"profile": {k: getattr(p, k) for k in (
+        "kernel_overhead", "runtime_op_overhead", "collective_overhead", "optimizer_param_overhead")},
+        "link": {"bandwidth": p.intra_node.bandwidth, "latency": p.intra_node.latency},
+        "fp32_flops": p.peak_flops["float32"], "memory_bandwidth": p.memory_bandwidth}), flush=True)
     from rank_pool import get_pool, shutdown_all
     model, batch = build()
     mesh = autopar.Mesh((2, 2), AXES, device=profile)
-    results = []
+    plans, ests = {}, {}
+    for name, cfg in PLANS.items():
+        pins = replicate_all() if cfg["pins"] == "replicate_all" else cfg["pins"]
+        plans[name] = autopar.plan(model, batch, mesh, pins=pins, batch_axes=cfg["batch_axes"],
+                                   memory_budget=float("inf"))
+        ests[name] = estimate(model, batch, mesh, plans[name], bucket_bytes=0, grad_overlap=0.0)
+    runs: dict[str, list] = {name: [] for name in PLANS}
     try:
         pool = get_pool(4)
-        for name, cfg in PLANS.items():
-            pins = replicate_all() if cfg["pins"] == "replicate_all" else cfg["pins"]
-            plan = autopar.plan(model, batch, mesh, pins=pins, batch_axes=cfg["batch_axes"],
-                                memory_budget=float("inf"))
-            est = estimate(model, batch, mesh, plan, bucket_bytes=0, grad_overlap=0.0)
-            per_rank = pool.run(_train, plan, profile, steps, timeout=600)
-            step_times = [max(ts) for ts in zip(*per_rank)]      # the slowest rank sets the step
-            measured = statistics.median(step_times)
-            r = {"plan": name, "predicted_ms": round(est.step_time_s * 1e3, 2), "measured_ms": round(measured * 1e3, 2),
-                 "measured_min_ms": round(min(step_times) * 1e3, 2),
-                 "error": round(est.step_time_s / measured - 1, 4), "compute_ms": round(est.compute_s * 1e3, 2),
-                 "comm_ms": round((est.comm_s + est.grad_sync_exposed_s) * 1e3, 2),
-                 "optimizer_ms": round(est.optimizer_s * 1e3, 2),
-                 "steps_ms": [round(t * 1e3, 1) for t in step_times], "fallbacks": len(plan.fallbacks),
-                 "placements": {k: v for k, v in plan.placements.items() if "blocks.0" in k and "weight" in k}}
-            results.append(r)
-            print(json.dumps(r), flush=True)
+        for rnd in range(rounds):
+            for name in PLANS:
+                q = quiet()
+                per_rank = pool.run(_train, plans[name], profile, steps, timeout=600)
+                step_times = [max(ts) for ts in zip(*per_rank)]      # the slowest rank sets the step
+                r = {"plan": name, "round": rnd, "median_ms": round(statistics.median(step_times) * 1e3, 1),
+                     "steps_ms": [round(t * 1e3, 1) for t in step_times], **q,
+                     "loadavg_after": round(os.getloadavg()[0], 2)}
+                runs[name].append(r)
+                print(json.dumps(r), flush=True)
     finally:
         shutdown_all()
-    by_pred = [r["plan"] for r in sorted(results, key=lambda r: r["predicted_ms"])]
-    by_meas = [r["plan"] for r in sorted(results, key=lambda r: r["measured_ms"])]
+    results = []
+    for name in PLANS:
+        est, plan = ests[name], plans[name]
+        all_steps = [t for r in runs[name] for t in r["steps_ms"]]
+        measured = statistics.median(all_steps)
+        results.append({
+            "plan": name, "predicted_ms": round(est.step_time_s * 1e3, 1), "measured_ms": round(measured, 1),
+            "error": round(est.step_time_s * 1e3 / measured - 1, 4),
+            "rounds_ms": [r["median_ms"] for r in runs[name]],
+            "loadavg": [(r["loadavg_before"], r["loadavg_after"]) for r in runs[name]],
+            "busy_cores_before": [r["busy_cores_before"] for r in runs[name]],
+            "compute_ms": round(est.compute_s * 1e3, 1), "runtime_ms": round(est.runtime_s * 1e3, 1),
+            "graph_nodes": est.graph_nodes, "comm_ms": round(est.comm_s * 1e3, 1),
+            "grad_sync_ms": round(est.grad_sync_exposed_s * 1e3, 1), "optimizer_ms": round(est.optimizer_s * 1e3, 1),
+            "fallbacks": len(plan.fallbacks),
+            "placements": {k: v for k, v in plan.placements.items() if "blocks.0" in k and "weight" in k}})
+        print(json.dumps(results[-1]), flush=True)
+    print("| plan | predicted ms | measured ms (median, rounds) | error | load avg before/after |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        loads = ", ".join(f"{b:.1f}/{e:.1f}" for b, e in r["loadavg"])
+        print(f"| {r['plan']} | {r['predicted_ms']:.0f} | {r['measured_ms']:.0f} ({', '.join(f'{x:.0f}' for x in r['rounds_ms'])}) "
+              f"| {r['error'] * 100:+.1f}% | {loads} |")
     errs = [abs(r["error"]) for r in results]
-    print(json.dumps({"benchmark": "cpu_plans_4_ranks", "ranking_predicted": by_pred, "ranking_measured": by_meas,
-                      "ranking_matches": by_pred == by_meas, "max_abs_error": round(max(errs), 4),
-                      "within_25pct": all(e <= 0.25 for e in errs)}))
+    rank = ranking_check(results, a.tie)
+    print(json.dumps({"benchmark": "cpu_plans_4_ranks",
+                      "ranking_predicted": [r["plan"] for r in sorted(results, key=lambda r: r["predicted_ms"])],
+                      "ranking_measured": [r["plan"] for r in sorted(results, key=lambda r: r["measured_ms"])],
+                      **rank, "max_abs_error": round(max(errs), 4), "within_25pct": all(e <= 0.25 for e in errs)}))
     return results
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -89,6 +89,15 @@ class DeviceProfile:
     matmul_ramp_time: float           # seconds a matmul loses to filling the device (small-matmul curve)
     kernel_overhead: float            # seconds of fixed cost per kernel (dispatch + launch)
     source: str                       # where the figures come from
+    # Costs of autopar's own eager runtime and of collectives as a training step issues them
+    # (measured by `autopar calibrate`; 0 in the shipped GPU profiles, where kernels, not Python, set
+    # the pace of the small graphs they would matter for):
+    runtime_op_overhead: float = 0.0       # seconds per node of the rank's graph (LocalOp or Reshard) per
+                                           # training step, forward + backward, beyond eager PyTorch's own
+    collective_overhead: float = 0.0       # seconds per collective beyond the ring alpha-beta terms
+                                           # (DTensor redistribute, waiting for the peers to be scheduled)
+    optimizer_param_overhead: float = 0.0  # seconds per parameter tensor per optimizer step (the per-tensor
+                                           # loop of torch.optim on DTensor parameters)
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -101,8 +110,10 @@ class DeviceProfile:
         for f in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
-        if self.matmul_ramp_time < 0 or self.kernel_overhead < 0:
-            raise ValueError(f"profile {self.name!r}: matmul_ramp_time and kernel_overhead must be >= 0")
+        for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
+                  "optimizer_param_overhead"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"profile {self.name!r}: {f} must be >= 0")
 
     def __reduce__(self):  # a mappingproxy does not pickle; rebuild from plain data (pickle, deepcopy)
         return _from_dict, (_to_dict(self),)
@@ -120,7 +131,8 @@ def _from_dict(d: Mapping[str, Any], origin: str = "<dict>") -> DeviceProfile:
     # Keys starting with "_" are documentation (the shipped files cite their figures there).
     d = {k: v for k, v in d.items() if not k.startswith("_")}
     names = {f.name for f in fields(DeviceProfile)}
-    unknown, missing = set(d) - names, names - set(d)
+    optional = {f.name for f in fields(DeviceProfile) if f.default is not MISSING}
+    unknown, missing = set(d) - names, names - set(d) - optional
     if unknown or missing:
         raise ValueError(f"profile {origin}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
     for k in ("host_link", "intra_node", "inter_node"):
