@@ -54,7 +54,8 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
     cap = capture(model, _as_tuple(example_inputs), example_kwargs)
     if plan is None:
         plan_opts = PlanOptions(**{k: options[k] for k in options if k in PlanOptions.__dataclass_fields__})
-        chosen = [plan_captured(cap, mesh, plan_opts) if dist.get_rank() == 0 else None]
+        source = (model, _as_tuple(example_inputs), example_kwargs)     # for the plan's symbolic costs
+        chosen = [plan_captured(cap, mesh, plan_opts, source=source) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         plan = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_dict(chosen[0])
     else:

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..compat import pytree, sym_expr, sym_hint
 from ..cost_model.symbolic import BATCH, SEQ
-from ..solver.layers import _module_path, layer_of
+from ..solver.layers import layer_of, module_path
 from .capture import Captured, capture
 from .shape_prop import NodeInfo, TensorMeta, count_flops_at
 
@@ -48,7 +48,7 @@ class SymbolicUnavailable(Exception):
 
 
 def _marked_dims(args: tuple, kwargs: dict):
-    """(dynamic_shapes spec for torch.export, {(leaf index, dim): "B" | "S"}, batch, seq)."""
+    """(dynamic_shapes spec for torch.export, {(input leaf index, dim): BATCH or SEQ}, batch, seq)."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.ndim >= 1]
     if not tensors:
@@ -71,8 +71,6 @@ def _marked_dims(args: tuple, kwargs: dict):
     return tuple(a) + tuple(k.values()), marks, int(batch), (int(seq) if seq is not None else None)
 
 
-
-
 def _tensor_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """Nodes that produce tensors, in order: the ones both captures share."""
     out = []
@@ -83,31 +81,35 @@ def _tensor_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
-def _is_identity(n: fx.Node) -> bool:
-    """A node whose output has its first input's shape at the captured sizes (a full slice, an
-    expand to the same size): static tracing drops these; with variable sizes they stay."""
+def _identity_of(n: fx.Node) -> fx.Node | None:
+    """The input a node merely passes on: its output has its first tensor input's shape at the
+    captured sizes (a full slice, an alias, an expand to the same size). One trace may keep such
+    a node where the other drops it."""
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     val = n.meta.get("val")
-    return (bool(ins) and isinstance(val, torch.Tensor) and val.ndim == ins[0].meta["val"].ndim
-            and all(sym_hint(x) == sym_hint(y) for x, y in zip(val.shape, ins[0].meta["val"].shape)))
+    if (ins and isinstance(val, torch.Tensor) and val.ndim == ins[0].meta["val"].ndim
+            and all(sym_hint(x) == sym_hint(y) for x, y in zip(val.shape, ins[0].meta["val"].shape))):
+        return ins[0]
+    return None
 
 
 def _align(static: list[fx.Node], dynamic: list[fx.Node]):
     """Pair each node of the static graph with its twin in the variable-size graph: the same ops
-    in the same order, except ops that were identities at the captured sizes (`_is_identity`)."""
+    in the same order, except ops that were identities at the captured sizes (`_identity_of`)."""
     def key(n):   # placeholders are named after their parameter: match them by position
         return "placeholder" if n.op == "placeholder" else n.target
 
     j = 0
     twin: dict[str, fx.Node] = {}
     for s in static:
-        while j < len(dynamic) and key(dynamic[j]) != key(s) and _is_identity(dynamic[j]):
+        while j < len(dynamic) and key(dynamic[j]) != key(s) and _identity_of(dynamic[j]) is not None:
             j += 1
+        src = _identity_of(s)
         if j < len(dynamic) and key(dynamic[j]) == key(s):
             twin[s.name] = dynamic[j]
             j += 1
-        elif _is_identity(s) and s.all_input_nodes[0].name in twin:   # an identity only the static trace has
-            twin[s.name] = twin[s.all_input_nodes[0].name]
+        elif src is not None and src.name in twin:   # an identity only the static trace has
+            twin[s.name] = twin[src.name]
         else:
             raise SymbolicUnavailable(f"tracing with variable sizes gave a different graph at node {s.name} "
                                       f"(the model's code branches on a size)")
@@ -149,7 +151,7 @@ def _stacks(model: torch.nn.Module, cap: Captured, static: list[fx.Node]) -> dic
     """ModuleList path -> length, for stacks of 4+ blocks whose graph sections are alike."""
     counts: dict[str, dict[int, int]] = {}
     for n in static:
-        where = layer_of(_module_path(n, cap))
+        where = layer_of(module_path(n, cap))
         if where is not None:
             counts.setdefault(where[0], {}).setdefault(where[1], 0)
             counts[where[0]][where[1]] += 1
@@ -186,7 +188,7 @@ def _short_pairs(cap: Captured, static: list[fx.Node], dcap: Captured, stacks: d
     """(static node, node of the short trace) for every static node: blocks 0 and 1 and the last
     pair with the short trace's blocks 0, 1, 2; the blocks in between with block 1's nodes."""
     def block(n):
-        where = layer_of(_module_path(n, cap))
+        where = layer_of(module_path(n, cap))
         return (where[0], where[1]) if where is not None and where[0] in stacks else None
 
     kept, inner = [], {}

@@ -31,7 +31,8 @@ def layer_of(path: str) -> tuple[str, int, str] | None:
     return m.group(1), int(m.group(2)), path[m.end():]
 
 
-def _module_path(node: fx.Node, cap: Captured) -> str:
+def module_path(node: fx.Node, cap: Captured) -> str:
+    """The module a node comes from ("blocks.7.attn.qkv"); a parameter's own name for its placeholder."""
     slot = cap.inputs.get(node.name)
     if slot is not None:
         return str(slot.target) if slot.kind == "param" else ""
@@ -58,7 +59,7 @@ def repeated_layers(cap: Captured, leaders: Mapping[str, str]) -> dict[str, str]
     for node in cap.gm.graph.nodes:
         if node.name not in leaders:
             continue
-        where = layer_of(_module_path(node, cap))
+        where = layer_of(module_path(node, cap))
         if where is not None:
             layers.setdefault(where[:2], []).append((node, where[2]))
     sigs = {}
