@@ -47,6 +47,9 @@ CASES = [
     # name, model builder, (batch, seq) planned, (batch, seq) re-priced, mesh, batch_axes
     ("gpt-dp-tp", lambda: GPT(vocab=64, seq=32, hidden=32, heads=4, layers=3), (8, 16), [(16, 16), (8, 32), (24, 8)],
      ((2, 2), ("dp", "tp")), ("dp",)),
+    # 6 blocks: traced with variable sizes as a 2-block stack (symbolic_shapes._short_stacks)
+    ("gpt-deep", lambda: GPT(vocab=64, seq=32, hidden=32, heads=4, layers=6), (8, 16), [(16, 32)],
+     ((4,), ("dp",)), ("dp",)),
     ("llama-3d", lambda: Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=3, seq=32), (8, 16),
      [(16, 32), (32, 8)], ((2, 2, 2), ("a", "b", "c")), ("a",)),
 ]
@@ -116,3 +119,23 @@ def test_fixed_sizes_and_symbolic_off_are_explained():
     off = autopar.plan(torch.nn.Linear(8, 8), (torch.randn(4, 8),), autopar.Mesh((2,), ("dp",)), symbolic=False)
     with pytest.raises(PlanMismatchError, match="symbolic=False"):
         off.estimate_at(batch=8)
+
+
+def test_deep_stack_is_traced_short_and_restored(monkeypatch):
+    import autopar.passes.symbolic_shapes as ss
+    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=6)
+    blocks = model.blocks
+    inputs = gpt_inputs(batch=8, seq=16, vocab=64)
+    cap = capture(model, inputs)
+    traced = []
+    real = ss.capture
+
+    def spy(m, *a, **k):
+        traced.append(len(m.blocks))
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(ss, "capture", spy)
+    sym = ss.symbolic_graph(model, inputs, {}, cap, annotate(cap.gm))
+    assert traced == [ss._KEEP]                  # one variable-size trace, of the short stack
+    assert model.blocks is blocks and len(model.blocks) == 6     # the user's model is as it was
+    assert set(sym.infos) == {n.name for n in cap.gm.graph.nodes}

@@ -121,7 +121,7 @@ def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap
     """Shapes, FLOPs and bytes of `cap`'s nodes as expressions in B and S (raises SymbolicUnavailable).
 
     A deep stack of identical layers (a ModuleList of 4+ blocks whose graph sections match) is
-    traced with its first three blocks only, and the others take the second block's shapes
+    traced with its first two blocks only, and the others take the second block's shapes
     (tracing with variable sizes is ~2.5x slower than `capture`; a 32-layer 8B model would add
     8 s). A model the short stack does not fit is traced whole."""
     args = args if isinstance(args, tuple) else (args,)
@@ -144,7 +144,7 @@ def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap
     return _build(cap, static_infos, dcap, marks, batch, seq, list(_align(static, _tensor_nodes(dcap.gm))))
 
 
-_KEEP = 3     # blocks traced of a long stack: the first, one interior block, and one more
+_KEEP = 2     # blocks traced of a long stack: the first, and one that stands for all the others
 
 
 def _stacks(model: torch.nn.Module, cap: Captured, static: list[fx.Node]) -> dict[str, int]:
@@ -161,7 +161,7 @@ def _stacks(model: torch.nn.Module, cap: Captured, static: list[fx.Node]) -> dic
             mod = model.get_submodule(path)
         except AttributeError:
             continue
-        if (isinstance(mod, torch.nn.ModuleList) and len(mod) > _KEEP and sorted(per) == list(range(len(mod)))
+        if (isinstance(mod, torch.nn.ModuleList) and len(mod) > _KEEP + 1 and sorted(per) == list(range(len(mod)))
                 and len(set(per.values())) == 1):
             out[path] = len(mod)
     return out
@@ -185,8 +185,8 @@ def _short_stacks(model: torch.nn.Module, stacks: dict[str, int]):
 
 
 def _short_pairs(cap: Captured, static: list[fx.Node], dcap: Captured, stacks: dict[str, int]):
-    """(static node, node of the short trace) for every static node: blocks 0 and 1 and the last
-    pair with the short trace's blocks 0, 1, 2; the blocks in between with block 1's nodes."""
+    """(static node, node of the short trace) for every static node: blocks 0 and 1 pair with the
+    short trace's blocks 0 and 1, the other blocks with block 1's nodes (their sections match)."""
     def block(n):
         where = layer_of(module_path(n, cap))
         return (where[0], where[1]) if where is not None and where[0] in stacks else None
@@ -194,13 +194,13 @@ def _short_pairs(cap: Captured, static: list[fx.Node], dcap: Captured, stacks: d
     kept, inner = [], {}
     for n in static:
         b = block(n)
-        if b is None or b[1] in (0, 1, stacks[b[0]] - 1):
+        if b is None or b[1] < _KEEP:
             kept.append(n)
         inner.setdefault(b, []).append(n)
     pairs = list(_align(kept, _tensor_nodes(dcap.gm)))
     twin = {s.name: d for s, d in pairs}
     for b, nodes in inner.items():
-        if b is None or b[1] in (0, 1, stacks[b[0]] - 1):
+        if b is None or b[1] < _KEEP:
             continue
         for n, m in zip(nodes, inner[(b[0], 1)]):
             pairs.append((n, twin[m.name]))

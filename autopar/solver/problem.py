@@ -174,6 +174,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     is_view, saves = {}, {}
     fallbacks: list[str] = []
     batch_idx = {mesh.axis_index(a) for a in (batch_axes or ())}
+    priced: dict = {}
 
     def pinned(keys: Sequence[str]):
         for pat, layout in pins.items():
@@ -237,9 +238,12 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             pf = parallel_count(s, shape)
             out_b = info.out[0].nbytes / shard_count(s.output, shape)    # a partial output is whole on each device
             in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-            fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, mesh.profile,
-                                family=rule.family if rule else None, op=op_name(node.target),
-                                in_bytes=in_b, out_bytes=out_b)
+            key = (info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
+                   op_name(node.target), in_b, out_b)
+            if key not in priced:    # a repeated layer's ops cost the same: price each once
+                priced[key] = op_times(*key[:3], mesh.profile, family=key[3], op=key[4], in_bytes=in_b,
+                                       out_bytes=out_b)
+            fwd, bwd = priced[key]
             compute.append(fwd + (bwd if ng[node.name] else 0.0))
         compute = compute or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
