@@ -54,7 +54,11 @@ def _timeit(fn, reps: int, sync) -> float:
 
 def _measure_compute(device: str, quick: bool) -> dict:
     import torch
+    import torch.distributed as dist
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # every rank measures each figure at the same time (a barrier before each): with more ranks than
+    # cores, a rank that ran ahead would otherwise measure alone and report an unshared rate
+    together = dist.barrier if dist.is_initialized() else (lambda: None)
     n = (512 if quick else 1536) if device == "cpu" else (4096 if quick else 8192)
     reps = 3 if quick else 7
     out: dict = {"matmul_flops": {}, "matmul_n": n}
@@ -67,6 +71,7 @@ def _measure_compute(device: str, quick: bool) -> dict:
         probe = _timeit(lambda: torch.mm(a[:128, :128], b[:128, :128]), 1, sync)
         m = n if 2 * 128 ** 3 / probe > 2e10 or device == "cuda" else 256
         a2, b2, c2 = a[:m, :m].contiguous(), b[:m, :m].contiguous(), c[:m, :m].contiguous()
+        together()
         t = _timeit(lambda: torch.mm(a2, b2, out=c2), reps, sync)
         out["matmul_flops"][key] = 2 * m ** 3 / t
     if device == "cuda":
@@ -76,6 +81,7 @@ def _measure_compute(device: str, quick: bool) -> dict:
         out["matmul_flops"]["tf32"] = 2 * n ** 3 / t
         torch.backends.cuda.matmul.allow_tf32 = False
     tiny = torch.randn(16, device=device)
+    together()
     out["kernel_overhead"] = _timeit(lambda: tiny + 1.0, 200 if quick else 1000, sync)
     # ramp: a small fp32 matmul's time beyond its ideal time and the per-op overhead
     s = 64
@@ -86,7 +92,8 @@ def _measure_compute(device: str, quick: bool) -> dict:
     nbytes = (16 if quick else 256) * 2 ** 20
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = _timeit(lambda: dst.copy_(src), reps, sync)
+    together()
+    t = _timeit(lambda: dst.copy_(src), 3 * reps, sync)     # more repeats: ranks sharing cores interleave
     out["memory_bandwidth"] = 2 * nbytes / t
     if device == "cuda":
         host = torch.empty(nbytes // 4, pin_memory=True)
@@ -138,11 +145,15 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
     return out
 
 
-# A compute burst between two collectives, as a training step has (a matmul of 128x512x512, 67
-# MFLOP: ~0.7 ms on one core of this class of CPU, ~1.4 ms with two ranks per core; about the
-# backward compute between two gradient all-reduces of a small transformer layer): collectives are
-# timed after it so that ranks arrive at each collective as they do in training, not in lockstep.
+# A compute burst between two collectives, as a training step has: BURST_REPEATS matmuls of
+# 128x512x512 (67 MFLOP each; ~10 ms in all on one core of this class of CPU, ~20 ms with two ranks
+# per core). It must outlast the scheduler's time slice (EEVDF's base slice is a few ms) so that,
+# as in a training step where every rank computes all the time, ranks sharing a core are preempted
+# mid-burst and arrive at the collective out of step; a sub-millisecond burst runs each rank alone
+# in its slice and understates the wait (measured here: ~1.7 ms per small all_reduce after one
+# 0.6 ms matmul, ~3 ms after sixteen). Collectives are timed after it, not in lockstep.
 BURST_SHAPE = (128, 512, 512)
+BURST_REPEATS = 16
 # The graph that measures autopar's runtime overhead: TINY_DEPTH transformer blocks (layer norm,
 # qkv projection, heads split by view/transpose, scaled dot-product attention, output projection,
 # residual adds, GELU MLP) of width TINY_WIDTH: the op mix of the models autopar runs, at sizes
@@ -153,10 +164,12 @@ TINY_WIDTH, TINY_DEPTH = 16, 2
 def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> dict:
     """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
     with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
-    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once. The effective cost
-    of a collective = (burst + collective) - burst alone, medians of `reps` iterations: it counts
-    DTensor's Python, gloo, and waiting for the peers to be scheduled (with more ranks than cores,
-    the peers are often descheduled when a rank arrives)."""
+    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once, `reps` times in a
+    row. Each iteration times the collective alone, from the end of this rank's burst to its
+    return: DTensor's Python, gloo's transfer, and waiting for the peers (with more ranks than
+    cores, a peer may be descheduled mid-burst). Per point, the median over iterations; the
+    caller averages over ranks (in lockstep every rank's iteration takes as long, so the mean
+    wait is what a step adds beyond the mean burst the compute model prices)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -167,28 +180,40 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     dmesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100").device_mesh()
     m_, k_, n_ = BURST_SHAPE
     a, b = torch.randn(m_, k_, device=device), torch.randn(k_, n_, device=device)
-    burst = lambda: torch.mm(a, b)  # noqa: E731
+
+    def burst():
+        for _ in range(2 if quick else BURST_REPEATS):
+            torch.mm(a, b)
     reps = 9 if quick else 41
-    sizes = (4096, (256 * 2 ** 10) if quick else 2 * 2 ** 20)
-    dist.barrier()
-    out = {"burst_s": _timeit(burst, reps * 4, sync), "axes": {}}
+    sizes = (4096, 256 * 2 ** 10) if quick else (4096, 512 * 2 ** 10, 2 * 2 ** 20)
+
+    def timed(src, dst, local) -> tuple[float, float]:
+        """(median seconds of the collective after a burst, median seconds of the burst)"""
+        coll, comp = [], []
+        dist.barrier()
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            burst()
+            sync()
+            t1 = time.perf_counter()
+            to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
+            sync()
+            t2 = time.perf_counter()
+            if r:                                     # the first is a warm-up
+                coll.append(t2 - t1)
+                comp.append(t1 - t0)
+        return statistics.median(coll), statistics.median(comp)
+
+    out = {"burst_repeats": BURST_REPEATS, "axes": {}}
+    whole = tuple(Replicate() for _ in names)
     # every axis at once, as a gradient partial over all axes is reduced (one all_reduce per axis,
     # back to back: DTensor redistribute on a 2-D mesh), small message
     split = [i for i, n in enumerate(mesh_shape) if n > 1]
     if len(split) > 1:
-        local = torch.ones(sizes[0] // 4, device=device)
-        src = tuple(Partial() for _ in names)
-        dst = tuple(Replicate() for _ in names)
-
-        def fn_all():
-            burst()
-            to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
-        dist.barrier()
-        t = _timeit(fn_all, reps, sync)
-        dist.barrier()
-        base = _timeit(burst, reps, sync)
+        t, burst_s = timed(tuple(Partial() for _ in names), whole, torch.ones(sizes[0] // 4, device=device))
         out["all_axes_all_reduce"] = {"nbytes": float(sizes[0]), "collectives": len(split),
-                                      "sizes": [mesh_shape[i] for i in split], "seconds": max(t - base, 0.0)}
+                                      "sizes": [mesh_shape[i] for i in split], "seconds": t}
+        out["burst_s"] = burst_s
     for i, name in enumerate(names):
         n = mesh_shape[i]
         if n == 1:
@@ -196,23 +221,24 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
         res = {}
         for kind, src_p in (("all_reduce", Partial()), ("all_gather", Shard(0))):
             src = tuple(src_p if j == i else Replicate() for j in range(len(names)))
-            dst = tuple(Replicate() for _ in names)
             pts = []
             for nbytes in sizes:
                 numel = nbytes // 4 if kind == "all_reduce" else nbytes // 4 // n
-                local = torch.ones(numel, device=device)
-
-                def fn():
-                    burst()
-                    to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
-                dist.barrier()
-                t = _timeit(fn, reps, sync)
-                dist.barrier()
-                base = _timeit(burst, reps, sync)           # burst alone, just after, same conditions
-                pts.append((float(nbytes), max(t - base, 0.0)))
+                t, burst_s = timed(src, whole, torch.ones(numel, device=device))
+                pts.append((float(nbytes), t))
             res[kind] = pts
         out["axes"][name] = {"size": n, "points": res}
+    out.setdefault("burst_s", burst_s)
     return out
+
+
+def _line(points) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of seconds against bytes."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
 
 
 def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
@@ -220,6 +246,7 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
     node of the rank's graph (LocalOp: unwrap and rewrap DTensors in autograd functions; Reshard),
     forward + backward; and torch.optim.AdamW's step per DTensor parameter."""
     import torch
+    import torch.distributed as dist
     from torch import nn
 
     from .api import autoparallelize
@@ -261,15 +288,31 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
         out = mod(x)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         out.backward()
+    # every rank times the same thing at the same time (planning took each rank its own time):
+    # with more ranks than cores, each rank's figure is then what it gets while the others run too
+    dist.barrier()
     t_rt = _timeit(lambda: run(dmodel), reps, sync)
+    dist.barrier()
     t_eager = _timeit(lambda: run(model), reps, sync)
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-6)
     run(dmodel)                                   # gradients stay: step() alone is timed
     n_params = sum(1 for _ in dmodel.parameters())
+    dist.barrier()
     t_opt = _timeit(opt.step, reps, sync)
+    # the same optimizer on one large DTensor parameter: its time per element beyond the per-tensor cost
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    elems = 2 ** 18 if quick else 2 ** 20
+    big = torch.nn.Parameter(distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(),
+                                               [Replicate()] * len(mesh_shape)))
+    big.grad = distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), [Replicate()] * len(mesh_shape))
+    opt_big = torch.optim.AdamW([big], lr=1e-6)
+    dist.barrier()
+    t_big = _timeit(opt_big.step, max(reps // 4, 5), sync)
+    per_tensor = t_opt / n_params
     return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
             "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
-            "optimizer_param_overhead": t_opt / n_params}
+            "optimizer_param_overhead": per_tensor, "optimizer_big_elements": elems, "optimizer_big_s": t_big,
+            "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
 
 
 def _fit_overhead(n: int, small: dict[str, float]) -> tuple[float, float]:
@@ -367,21 +410,24 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
         isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
                              "points_s": info["points"]}
-    # collectives as a training step issues them (_measure_step_collectives), median over ranks:
-    # bandwidth from the slope between the two sizes (the lower of all_reduce's and all_gather's),
-    # then the small message's remainder split into a per-collective cost and a per-ring-step latency
+    # collectives as a training step issues them (_measure_step_collectives), mean over ranks (see
+    # there); per axis and kind a least-squares line of seconds against bytes: bandwidth from its
+    # slope (the lower of all_reduce's and all_gather's), and its intercept (the cost of a collective
+    # that moves nothing) split into a per-collective cost and a per-ring-step latency
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     axes_fit, links, overheads = {}, [], []
     for ax_name, info in comp[0]["step_collectives"]["axes"].items():
         n = info["size"]
-        pts = {kind: [(sz, med([c["step_collectives"]["axes"][ax_name]["points"][kind][j][1] for c in comp]))
+        pts = {kind: [(sz, mean([c["step_collectives"]["axes"][ax_name]["points"][kind][j][1] for c in comp]))
                       for j, (sz, _) in enumerate(p)] for kind, p in info["points"].items()}
-        # a step cannot move bytes faster than back-to-back collectives do: where the slope between the
-        # two sizes is lost in scheduling noise, the isolated fit's bandwidth bounds it
-        bandwidth = min(min(_fit_ring(kind, n, *p)[0], isolated[ax_name]["fits"][kind]["bandwidth"])
-                        for kind, p in pts.items())
-        small = {kind: max(p[0][1] - _ring(kind, n)[0] * p[0][0] / bandwidth, 0.0) for kind, p in pts.items()}
-        per_coll, latency = _fit_overhead(n, small)
+        lines = {kind: _line(p) for kind, p in pts.items()}
+        # a step cannot move bytes faster than back-to-back collectives do: where the slope is lost in
+        # scheduling noise, the isolated fit's bandwidth bounds it
+        bandwidth = min(min(_ring(kind, n)[0] / max(lines[kind][1], 1e-15), isolated[ax_name]["fits"][kind]["bandwidth"])
+                        for kind in pts)
+        per_coll, latency = _fit_overhead(n, {kind: max(lines[kind][0], 0.0) for kind in pts})
         axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "per_collective": per_coll,
+                             "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
                              "points_s": pts, "isolated": isolated.get(ax_name)}
         links.append(Link(bandwidth, latency))
         overheads.append(per_coll)
@@ -389,15 +435,15 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
     if both[0] is not None:
         nb = both[0]["nbytes"]
+        secs = mean([x["seconds"] for x in both])
         ring = sum(2 * (axes_fit[a]["size"] - 1) / axes_fit[a]["size"] * nb / axes_fit[a]["bandwidth"]
-                   + 2 * (axes_fit[a]["size"] - 1) * axes_fit[a]["latency"] for a in axes_fit)
-        per_coll = max(med([x["seconds"] for x in both]) - ring, 0.0) / both[0]["collectives"]
-        axes_fit["all_axes_all_reduce"] = {**both[0], "seconds": med([x["seconds"] for x in both]),
-                                           "per_collective": per_coll}
+                   + 2 * (axes_fit[a]["size"] - 1) * axes_fit[a]["latency"] for a in list(axes_fit))
+        per_coll = max(secs - ring, 0.0) / both[0]["collectives"]
+        axes_fit["all_axes_all_reduce"] = {**both[0], "seconds": secs, "per_collective": per_coll}
         overheads.append(per_coll)
-    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective: the largest
-    # per-collective remainder of the fits (the slowest case, as intra_node takes the slowest axis)
-    collective_overhead = max(max(overheads) - kernel_overhead, 0.0) if overheads else 0.0
+    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective, one figure for
+    # every axis: the mean of the per-collective estimates above
+    collective_overhead = max(mean(overheads) - kernel_overhead, 0.0) if overheads else 0.0
     rt = [c["runtime"] for c in comp]
     intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
     inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
@@ -411,6 +457,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         kernel_overhead=kernel_overhead, collective_overhead=collective_overhead,
         runtime_op_overhead=med([r["runtime_op_overhead"] for r in rt]),
         optimizer_param_overhead=med([r["optimizer_param_overhead"] for r in rt]),
+        optimizer_element_time=med([r["optimizer_element_time"] for r in rt]),
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -435,6 +482,10 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                                "PyTorch, divided by the graph's nodes; median over ranks",
         "optimizer_param_overhead": "torch.optim.AdamW().step() on that graph's DTensor parameters, divided by their "
                                     "number (their bytes are negligible); median over ranks",
+        "optimizer_element_time": "the same AdamW step on one replicated DTensor parameter of 2^20 elements, minus "
+                                  "optimizer_param_overhead, per element: torch's default CPU AdamW runs one kernel "
+                                  "per operation of the update (about 19 passes of 4 bytes, not the fused 28 bytes "
+                                  "cost_model.compute assumes); median over ranks",
     }
     d["_measured"] = {"launch": launch, "axes": axes_fit, "per_rank": comp}
     path.write_text(json.dumps(d, indent=2) + "\n")

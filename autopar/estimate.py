@@ -148,7 +148,8 @@ class StepEstimate:
             f"estimated training step: {ms(self.step_time_s)} on {self.devices} devices "
             f"({pp}{self.microbatches} microbatches, {self.layers} layers"
             f"{', full recomputation' if self.recompute else ''})",
-            f"  forward+backward {ms(self.pipeline_s)}: compute {ms(self.compute_s)}, collectives {ms(self.comm_s)}, "
+            f"  forward+backward {ms(self.pipeline_s)}: compute {ms(self.compute_s)}, runtime overhead "
+            f"{ms(self.runtime_s)} ({self.graph_nodes} graph nodes), collectives {ms(self.comm_s)}, "
             f"pipeline p2p {ms(self.p2p_s)}, bubble {ms(self.bubble_s)}",
             f"  gradient sync {ms(self.grad_sync_s)} ({ms(self.grad_sync_exposed_s)} exposed, overlap "
             f"{self.grad_overlap:g}), optimizer {ms(self.optimizer_s)}",
@@ -529,8 +530,9 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, launch)
         sync_d.append(t_sync)
         extra = MIXED_PRECISION_STEP_EXTRA_BYTES if precision == "mixed" else 0.0
-        opt_d.append(optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra)
-                     + tensors * profile.optimizer_param_overhead)
+        opt_step = (elems * profile.optimizer_element_time if profile.optimizer_element_time > 0   # measured
+                    else optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra))
+        opt_d.append(opt_step + tensors * profile.optimizer_param_overhead)
         state_d.append(state)
 
     # exposed sync: hidden behind grad_overlap of the device's last backward, never the last bucket

@@ -180,7 +180,8 @@ def main(argv=None) -> list[dict]:
     from autopar.cost_model.profiles import load_profile
     p = load_profile(profile)
     print(json.dumps({"profile": {k: getattr(p, k) for k in (
-        "kernel_overhead", "runtime_op_overhead", "collective_overhead", "optimizer_param_overhead")},
+        "kernel_overhead", "runtime_op_overhead", "collective_overhead", "optimizer_param_overhead",
+        "optimizer_element_time")},
         "link": {"bandwidth": p.intra_node.bandwidth, "latency": p.intra_node.latency},
         "fp32_flops": p.peak_flops["float32"], "memory_bandwidth": p.memory_bandwidth}), flush=True)
     from rank_pool import get_pool, shutdown_all

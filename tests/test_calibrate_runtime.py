@@ -17,7 +17,7 @@ from autopar.estimate import estimate
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models import GPT, gpt_inputs  # noqa: E402
 
-FIELDS = ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead")
+FIELDS = ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead", "optimizer_element_time")
 
 
 def test_shipped_profiles_default_the_new_fields_and_round_trip(tmp_path):
@@ -60,6 +60,10 @@ def test_estimate_charges_each_measured_overhead():
 
     e2 = _est(dataclasses.replace(base, optimizer_param_overhead=1e-3), pins)  # per parameter tensor
     assert e2.optimizer_s - e0.optimizer_s == pytest.approx(n_params * 1e-3)
+    # a measured time per element replaces the fused roofline: the step is then linear in the elements
+    e4 = _est(dataclasses.replace(base, optimizer_element_time=1e-8), pins)
+    e5 = _est(dataclasses.replace(base, optimizer_element_time=2e-8), pins)
+    assert e5.optimizer_s == pytest.approx(2 * e4.optimizer_s) and e4.optimizer_s != e0.optimizer_s
 
     # every collective Mesh.reshard_cost prices (resharding edges, gradient sync) pays it once
     from torch.distributed.tensor import Partial, Replicate

@@ -113,6 +113,7 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     assert raw["_measured"]["axes"]["axis0"]["size"] == 2 and len(raw["_measured"]["per_rank"]) == 2
     # the runtime's and the step's costs, measured (values vary; presence and sign do not)
     assert p.runtime_op_overhead > 0 and p.optimizer_param_overhead > 0 and p.collective_overhead >= 0
+    assert p.optimizer_element_time > 0
     assert raw["_measured"]["launch"]["ranks"] == 2 and raw["_measured"]["launch"]["cores"] == os.cpu_count()
     assert all(k in raw["_notes"] for k in ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead"))
     assert raw["_measured"]["per_rank"][0]["runtime"]["graph_nodes"] > 0

@@ -98,6 +98,8 @@ class DeviceProfile:
                                            # (DTensor redistribute, waiting for the peers to be scheduled)
     optimizer_param_overhead: float = 0.0  # seconds per parameter tensor per optimizer step (the per-tensor
                                            # loop of torch.optim on DTensor parameters)
+    optimizer_element_time: float = 0.0    # seconds per local parameter element per optimizer step, measured
+                                           # (0: the memory-bound fused-kernel figure of cost_model.compute)
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -111,7 +113,7 @@ class DeviceProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
         for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
-                  "optimizer_param_overhead"):
+                  "optimizer_param_overhead", "optimizer_element_time"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0")
 
