@@ -14,10 +14,18 @@ Each figure is the median of several repeats, then the median over ranks.
   beyond its ideal time -> matmul_ramp_time;
 * memory bandwidth (y.copy_(x), read + write bytes) -> memory_bandwidth, memory_efficiency = 1;
 * per-op overhead (a 16-element add) -> kernel_overhead;
-* per mesh axis, all_reduce and all_gather at a small and a large message, fitted to the ring
-  alpha-beta model of `cost_model.comm` (B from the large message, alpha from the small one)
-  -> intra_node (the slowest axis; one machine is one node), inter_node (the same unless the
-  base profile's is slower), and the per-axis fits under `_measured`.
+* per mesh axis, all_reduce and all_gather as a training step issues them (a compute burst, then
+  the runtime's DTensor redistribute, all ranks at once) at 4 KiB, 512 KiB and 2 MiB, fitted to
+  the ring alpha-beta model of `cost_model.comm` plus a per-collective cost -> intra_node (the
+  slowest axis; one machine is one node), inter_node (the same unless the base profile's is
+  slower), collective_overhead, and the per-axis fits under `_measured` (with the isolated,
+  back-to-back raw collectives for comparison);
+* autopar's runtime against eager PyTorch on a 2-block transformer of width 16 (all replicated)
+  -> runtime_op_overhead per node of the rank's graph; AdamW's step on its DTensor parameters ->
+  optimizer_param_overhead, and on one 2^20-element parameter -> optimizer_element_time.
+
+`_measured.launch` records ranks, mesh, cores and the load average before and after: the figures
+hold for that launch (with 4 ranks on 2 cores every rate is a shared one).
 
 Figures not measured (memory capacity, host link on GPU, devices per node) come from `--base`.
 """
@@ -150,8 +158,7 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
 # per core). It must outlast the scheduler's time slice (EEVDF's base slice is a few ms) so that,
 # as in a training step where every rank computes all the time, ranks sharing a core are preempted
 # mid-burst and arrive at the collective out of step; a sub-millisecond burst runs each rank alone
-# in its slice and understates the wait (measured here: ~1.7 ms per small all_reduce after one
-# 0.6 ms matmul, ~3 ms after sixteen). Collectives are timed after it, not in lockstep.
+# in its slice (one 0.6 ms matmul measured at the unshared rate) and understates the wait.
 BURST_SHAPE = (128, 512, 512)
 BURST_REPEATS = 16
 # The graph that measures autopar's runtime overhead: TINY_DEPTH transformer blocks (layer norm,
