@@ -1,6 +1,6 @@
 """Predicted vs measured step time of the demo GPT on 4 gloo ranks (this machine), four plans.
 
-    python benchmarks/bench_cpu_plans.py [--steps 10] [--rounds 2] [--profile calibrated.json] [--quick]
+    python benchmarks/bench_cpu_plans.py [--steps 10] [--rounds 3] [--profile calibrated.json] [--quick]
 
 1. `autopar calibrate --world-size 4 --mesh 2,2` measures this machine with 4 ranks at once
    (unless --profile gives a profile already measured).
@@ -157,7 +157,7 @@ def ranking_check(results: list[dict], tie: float) -> dict:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="measured steps per plan and round (after 2 warm-up)")
-    ap.add_argument("--rounds", type=int, default=2, help="round-robin repetitions of the four measurements")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin repetitions of the four measurements")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now)")
     ap.add_argument("--quick", action="store_true", help="quick calibration, 3 steps, 1 round (smoke test)")
     ap.add_argument("--max-busy", type=float, default=0.5, help="wait while other jobs use this many cores")
