@@ -9,9 +9,10 @@ classes a and destination classes b; liveness points t.
     (B) edge_src[e,a]:     sum_b y[e,a,b] = sum_{i: a_e(i) = a} x[src(e), i]
     (C) edge_dst[e,b]:     sum_a y[e,a,b] = sum_{j: b_e(j) = b} x[dst(e), j]
     (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i] + sum_{e: pos(dst e) <= t} k[e]
-                           + sum_{e: pos(dst e) = t} sum_{a,b} T_e[a,b] y[e,a,b]  <= M
+                           + sum_{e: pos(dst e) = t} u[e]  <= M
     (E) copy_bytes[e]:     k[e] = sum_{a,b} K_e[a,b] y[e,a,b]
-        x binary, 0 <= y <= 1, k >= 0
+    (F) temp_bytes[e]:     u[e] = sum_{a,b} T_e[a,b] y[e,a,b]
+        x binary, 0 <= y <= 1, k, u >= 0
 
 C[l,i]: compute seconds (forward + backward) of every node merged into l when l picks i;
 c_e[a,b]: seconds to reshard forward plus to return the gradient; S: parameter, gradient and
@@ -76,6 +77,7 @@ class StrategyILP:
         self.group_of: list[tuple] = []          # per edge: its group key
         self.y: dict[tuple, list[list]] = {}
         self.copy_bytes: dict[tuple, pulp.LpVariable] = {}   # (E) per group: bytes of its kept copy
+        self.temp_bytes: dict[tuple, pulp.LpVariable] = {}   # (F) per group: bytes of its temporary copy
         self.add_one_choice()
         self.add_edges()
 
@@ -116,6 +118,12 @@ class StrategyILP:
                                      if e.saved[a][b]]   # k in GiB, like the memory rows
                 self.lp += pulp.LpAffineExpression(row) == 0, f"E_copy_bytes_{g}"
                 self.copy_bytes[key] = kv
+            if e.temp and any(any(r) for r in e.temp):   # (F): likewise for a temporary copy
+                uv = self.lp.add_variable(f"u_{g}", 0)
+                row = [(uv, 1.0)] + [(y[a][b], -e.temp[a][b] / GIB) for a in range(n_a) for b in range(n_b)
+                                     if e.temp[a][b]]
+                self.lp += pulp.LpAffineExpression(row) == 0, f"F_temp_bytes_{g}"
+                self.temp_bytes[key] = uv
 
     def add_edge_terms(self, coef: dict, k: int, table: list[list[float]], scale: float = 1.0) -> None:
         """coef += scale * sum_{a,b} table[a][b] [edge k's source picks a and its consumer b]."""
@@ -188,7 +196,11 @@ class StrategyILP:
                 nk += 1
             temps: dict = {}
             for k in temps_at.get(where, ()):
-                self.add_edge_terms(temps, k, p.edges[k].temp)
+                uv = self.temp_bytes.get(self.group_of[k])
+                if uv is None:
+                    self.add_edge_terms(temps, k, p.edges[k].temp)
+                else:
+                    temps[uv] = temps.get(uv, 0.0) + GIB    # u is in GiB already
             total = dict(state)
             for part in (acts, copies, temps):
                 for v, c in part.items():
