@@ -142,10 +142,11 @@ def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, sour
     if source is None:
         return Scaling(unavailable="the graph was given without its model (torch.compile)")
     try:
-        sym = symbolic_graph(*source, cap, infos)
+        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget)
     except SymbolicUnavailable as e:
         return Scaling(unavailable=str(e))
-    return build_scaling(cap, problem, choice, sym, opts, budget)
+    except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report says why
+        return Scaling(unavailable=f"pricing at symbolic sizes failed ({type(e).__name__}: {e}); please report it")
 
 
 def _module_path(node) -> str:

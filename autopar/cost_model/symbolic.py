@@ -18,12 +18,16 @@ from numbers import Number
 import numpy as np
 import sympy
 
-__all__ = ["BATCH", "SEQ", "is_symbolic", "smax", "smin", "ssum", "is_zero", "ceil_div", "to_float", "parse", "compile_expr", "Poly2"]
+__all__ = ["SymbolicUnavailable", "BATCH", "SEQ", "is_symbolic", "smax", "smin", "ssum", "is_zero", "ceil_div", "to_float", "parse", "compile_expr", "Poly2"]
 
 # Positive integers: lets sympy decide e.g. Max(2*B*S, B*S) = 2*B*S and drop dominated terms.
 BATCH = sympy.Symbol("B", positive=True, integer=True)
 SEQ = sympy.Symbol("S", positive=True, integer=True)
 _SYMBOLS = {"B": BATCH, "S": SEQ}
+
+
+class SymbolicUnavailable(Exception):
+    """A model or plan that cannot be priced at other sizes (the reason in the message)."""
 
 
 def is_symbolic(x) -> bool:
@@ -100,7 +104,7 @@ class Poly2:
             return cls(c)
         for (i, j), v in sympy.Poly(x, BATCH, SEQ).terms():
             if i > cls.DEGREE or j > cls.DEGREE:
-                raise ValueError(f"{x} has degree above {cls.DEGREE} in B or S")
+                raise SymbolicUnavailable(f"a memory term {x} has degree above {cls.DEGREE} in B or S")
             c[i, j] = float(v)
         return cls(c)
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import pytree, sym_expr, sym_hint
-from ..cost_model.symbolic import BATCH, SEQ
+from ..cost_model.symbolic import BATCH, SEQ, SymbolicUnavailable
 from ..solver.layers import layer_of, module_path
 from .capture import Captured, capture
 from .shape_prop import NodeInfo, TensorMeta, count_flops_at
@@ -41,10 +41,6 @@ class SymbolicGraph:
     batch: int                          # the captured sizes
     seq: int | None
     fixed: tuple[str, ...] = ()         # "batch"/"seq" when the model's code fixes that size
-
-
-class SymbolicUnavailable(Exception):
-    """The model cannot be priced at other sizes (reason in the message)."""
 
 
 def _marked_dims(args: tuple, kwargs: dict):
