@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import autopar
-from autopar.cli import _fit_overhead
+from autopar.cost_model.calibrate import _fit_overhead
 from autopar.cost_model.profiles import load_profile, save_profile
 from autopar.estimate import estimate
 

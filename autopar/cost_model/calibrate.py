@@ -1,0 +1,497 @@
+"""`autopar calibrate` (autopar/cli.py): measure this machine, write a device profile.
+
+    autopar calibrate [--out my.json] [--world-size 4] [--mesh 2,2] [--base cpu] [--quick]
+
+`calibrate` measures this machine and writes a device profile that `Mesh(device="my.json")`
+accepts. It starts `world-size` ranks (forked, gloo on CPU, nccl on GPU) that measure at the
+same time, so every figure is what one rank gets while the others run too (on CPU, ranks share
+the cores):
+
+Each figure is the median of several repeats, then the median over ranks.
+
+* matmul throughput per dtype (torch.mm of square matrices; the median over ranks) -> peak_flops,
+  with matmul_efficiency = 1 (the figures are achieved rates); the time a small matmul loses
+  beyond its ideal time -> matmul_ramp_time;
+* memory bandwidth (y.copy_(x), read + write bytes) -> memory_bandwidth, memory_efficiency = 1;
+* per-op overhead (a 16-element add) -> kernel_overhead;
+* per mesh axis, all_reduce and all_gather as a training step issues them (a compute burst, then
+  the runtime's DTensor redistribute, all ranks at once) at 4 KiB, 512 KiB and 2 MiB, fitted to
+  the ring alpha-beta model of `cost_model.comm` plus a per-collective cost -> intra_node (the
+  slowest axis; one machine is one node), inter_node (the same unless the base profile's is
+  slower), collective_overhead, and the per-axis fits under `_measured` (with the isolated,
+  back-to-back raw collectives for comparison);
+* autopar's runtime against eager PyTorch on a 2-block transformer of width 16 (all replicated)
+  -> runtime_op_overhead per node of the rank's graph; AdamW's step on its DTensor parameters ->
+  optimizer_param_overhead, and on one 2^20-element parameter -> optimizer_element_time.
+
+`_measured.launch` records ranks, mesh, cores and the load average before and after: the figures
+hold for that launch (with 4 ranks on 2 cores every rate is a shared one).
+
+Figures not measured (memory capacity, host link on GPU, devices per node) come from `--base`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["calibrate"]
+
+
+# -- measurements (run inside each rank) -----------------------------------------------------
+def _timeit(fn, reps: int, sync) -> float:
+    """The median of `reps` runs after a warm-up (typical, not best, conditions: ranks that share
+    cores and links slow each other down in training too)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_compute(device: str, quick: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # every rank measures each figure at the same time (a barrier before each): with more ranks than
+    # cores, a rank that ran ahead would otherwise measure alone and report an unshared rate
+    together = dist.barrier if dist.is_initialized() else (lambda: None)
+    n = (512 if quick else 1536) if device == "cpu" else (4096 if quick else 8192)
+    reps = 3 if quick else 7
+    out: dict = {"matmul_flops": {}, "matmul_n": n}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    for key, dt in dtypes.items():
+        a = torch.randn(n, n, device=device).to(dt)
+        b = torch.randn(n, n, device=device).to(dt)
+        c = torch.empty(n, n, device=device, dtype=dt)
+        # a dtype without a fast kernel (fp16 on most CPUs) would take minutes at full size
+        probe = _timeit(lambda: torch.mm(a[:128, :128], b[:128, :128]), 1, sync)
+        m = n if 2 * 128 ** 3 / probe > 2e10 or device == "cuda" else 256
+        a2, b2, c2 = a[:m, :m].contiguous(), b[:m, :m].contiguous(), c[:m, :m].contiguous()
+        together()
+        t = _timeit(lambda: torch.mm(a2, b2, out=c2), reps, sync)
+        out["matmul_flops"][key] = 2 * m ** 3 / t
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        a = torch.randn(n, n, device=device)
+        t = _timeit(lambda: torch.mm(a, a), reps, sync)
+        out["matmul_flops"]["tf32"] = 2 * n ** 3 / t
+        torch.backends.cuda.matmul.allow_tf32 = False
+    tiny = torch.randn(16, device=device)
+    together()
+    out["kernel_overhead"] = _timeit(lambda: tiny + 1.0, 200 if quick else 1000, sync)
+    # ramp: a small fp32 matmul's time beyond its ideal time and the per-op overhead
+    s = 64
+    x = torch.randn(s, s, device=device)
+    y = torch.empty(s, s, device=device)
+    t_small = _timeit(lambda: torch.mm(x, x, out=y), 200 if quick else 1000, sync)
+    out["matmul_ramp_time"] = max(t_small - 2 * s ** 3 / out["matmul_flops"]["float32"] - out["kernel_overhead"], 0.0)
+    nbytes = (16 if quick else 256) * 2 ** 20
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    together()
+    t = _timeit(lambda: dst.copy_(src), 3 * reps, sync)     # more repeats: ranks sharing cores interleave
+    out["memory_bandwidth"] = 2 * nbytes / t
+    if device == "cuda":
+        host = torch.empty(nbytes // 4, pin_memory=True)
+        t = _timeit(lambda: src.copy_(host, non_blocking=True), reps, sync)
+        out["host_bandwidth"] = nbytes / t
+    return out
+
+
+def _fit_ring(kind: str, n: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
+    """(bandwidth, latency) of a Link such that the ring formula gives the measured times."""
+    from .comm import _ring
+    fraction, steps = _ring(kind, n)
+    (s0, t0), (s1, t1) = small, large
+    per_byte = max((t1 - t0) / (s1 - s0), 1e-15)
+    bandwidth = fraction / per_byte
+    latency = max(t0 - fraction * s0 / bandwidth, 0.0) / steps
+    return bandwidth, latency
+
+
+def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dm = init_device_mesh(device, mesh_shape, mesh_dim_names=names)
+    sizes = (4096, (1 if quick else 8) * 2 ** 20)
+    reps = 5 if quick else 15
+    out = {}
+    for name in names:
+        group = dm.get_group(name)
+        n = dist.get_world_size(group)
+        if n == 1:
+            continue
+        res = {}
+        for kind in ("all_reduce", "all_gather"):
+            pts = []
+            for nbytes in sizes:
+                full = torch.zeros(nbytes // 4, device=device)
+                part = torch.zeros(nbytes // 4 // n, device=device)
+                if kind == "all_reduce":
+                    fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
+                else:
+                    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                    fn = lambda: gather(full[: part.numel() * n], part, group=group)  # noqa: E731
+                dist.barrier()
+                pts.append((float(part.numel() * n * 4), _timeit(fn, reps, sync)))
+            res[kind] = pts
+        out[name] = {"size": n, "points": res}
+    return out
+
+
+# A compute burst between two collectives, as a training step has: BURST_REPEATS matmuls of
+# 128x512x512 (67 MFLOP each; ~10 ms in all on one core of this class of CPU, ~20 ms with two ranks
+# per core). It must outlast the scheduler's time slice (EEVDF's base slice is a few ms) so that,
+# as in a training step where every rank computes all the time, ranks sharing a core are preempted
+# mid-burst and arrive at the collective out of step; a sub-millisecond burst runs each rank alone
+# in its slice (one 0.6 ms matmul measured at the unshared rate) and understates the wait.
+BURST_SHAPE = (128, 512, 512)
+BURST_REPEATS = 16
+# The graph that measures autopar's runtime overhead: TINY_DEPTH transformer blocks (layer norm,
+# qkv projection, heads split by view/transpose, scaled dot-product attention, output projection,
+# residual adds, GELU MLP) of width TINY_WIDTH: the op mix of the models autopar runs, at sizes
+# where kernels cost microseconds and the per-node cost dominates.
+TINY_WIDTH, TINY_DEPTH = 16, 2
+
+
+def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> dict:
+    """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
+    with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
+    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once, `reps` times in a
+    row. Each iteration times the collective alone, from the end of this rank's burst to its
+    return: DTensor's Python, gloo's transfer, and waiting for the peers (with more ranks than
+    cores, a peer may be descheduled mid-burst). Per point, the median over iterations; the
+    caller averages over ranks (in lockstep every rank's iteration takes as long, so the mean
+    wait is what a step adds beyond the mean burst the compute model prices)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from ..mesh import Mesh
+    from ..runtime.reshard import to_layout
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dmesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100").device_mesh()
+    m_, k_, n_ = BURST_SHAPE
+    a, b = torch.randn(m_, k_, device=device), torch.randn(k_, n_, device=device)
+
+    def burst():
+        for _ in range(2 if quick else BURST_REPEATS):
+            torch.mm(a, b)
+    reps = 9 if quick else 41
+    sizes = (4096, 256 * 2 ** 10) if quick else (4096, 512 * 2 ** 10, 2 * 2 ** 20)
+
+    def timed(src, dst, local) -> tuple[float, float]:
+        """(median seconds of the collective after a burst, median seconds of the burst)"""
+        coll, comp = [], []
+        dist.barrier()
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            burst()
+            sync()
+            t1 = time.perf_counter()
+            to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
+            sync()
+            t2 = time.perf_counter()
+            if r:                                     # the first is a warm-up
+                coll.append(t2 - t1)
+                comp.append(t1 - t0)
+        return statistics.median(coll), statistics.median(comp)
+
+    out = {"burst_repeats": BURST_REPEATS, "axes": {}}
+    whole = tuple(Replicate() for _ in names)
+    # every axis at once, as a gradient partial over all axes is reduced (one all_reduce per axis,
+    # back to back: DTensor redistribute on a 2-D mesh), small message
+    split = [i for i, n in enumerate(mesh_shape) if n > 1]
+    if len(split) > 1:
+        t, burst_s = timed(tuple(Partial() for _ in names), whole, torch.ones(sizes[0] // 4, device=device))
+        out["all_axes_all_reduce"] = {"nbytes": float(sizes[0]), "collectives": len(split),
+                                      "sizes": [mesh_shape[i] for i in split], "seconds": t}
+        out["burst_s"] = burst_s
+    for i, name in enumerate(names):
+        n = mesh_shape[i]
+        if n == 1:
+            continue
+        res = {}
+        for kind, src_p in (("all_reduce", Partial()), ("all_gather", Shard(0))):
+            src = tuple(src_p if j == i else Replicate() for j in range(len(names)))
+            pts = []
+            for nbytes in sizes:
+                numel = nbytes // 4 if kind == "all_reduce" else nbytes // 4 // n
+                t, burst_s = timed(src, whole, torch.ones(numel, device=device))
+                pts.append((float(nbytes), t))
+            res[kind] = pts
+        out["axes"][name] = {"size": n, "points": res}
+    out.setdefault("burst_s", burst_s)
+    return out
+
+
+def _line(points) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of seconds against bytes."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
+    """autopar's runtime against eager PyTorch on a tiny graph, all ranks at once: the extra cost per
+    node of the rank's graph (LocalOp: unwrap and rewrap DTensors in autograd functions; Reshard),
+    forward + backward; and torch.optim.AdamW's step per DTensor parameter."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..api import autoparallelize
+    from ..api import plan as make_plan
+    from ..mesh import Mesh
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = TINY_WIDTH
+            self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+                ln1=nn.LayerNorm(w), qkv=nn.Linear(w, 3 * w), proj=nn.Linear(w, w), ln2=nn.LayerNorm(w),
+                fc=nn.Linear(w, 4 * w), fc2=nn.Linear(4 * w, w))) for _ in range(TINY_DEPTH))
+
+        def forward(self, x):
+            b, t, w = x.shape
+            for blk in self.blocks:
+                q, k, v = blk["qkv"](blk["ln1"](x)).split(w, dim=-1)
+                q, k, v = (z.view(b, t, 2, w // 2).transpose(1, 2) for z in (q, k, v))
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + blk["proj"](y.transpose(1, 2).reshape(b, t, w))
+                x = x + blk["fc2"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+            return x.square().mean()
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = Tiny().to(device)
+    x = torch.randn(2, 8, TINY_WIDTH, device=device)
+    mesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100")
+    whole = tuple("R" for _ in mesh_shape)        # no split: no collective, only the runtime's own cost
+    plan = make_plan(model, (x,), mesh, pins={n: whole for n, _ in model.named_parameters()}, batch_axes=None,
+                     memory_budget=float("inf"))
+    dmodel = autoparallelize(model, mesh, (x,), plan=plan)
+    g = dmodel.graph_module
+    nodes = sum(1 for nd in g.graph.nodes if nd.op == "call_module")
+    reps = 15 if quick else 61
+
+    def run(mod):
+        out = mod(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.backward()
+    # every rank times the same thing at the same time (planning took each rank its own time):
+    # with more ranks than cores, each rank's figure is then what it gets while the others run too
+    dist.barrier()
+    t_rt = _timeit(lambda: run(dmodel), reps, sync)
+    dist.barrier()
+    t_eager = _timeit(lambda: run(model), reps, sync)
+    opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-6)
+    run(dmodel)                                   # gradients stay: step() alone is timed
+    n_params = sum(1 for _ in dmodel.parameters())
+    dist.barrier()
+    t_opt = _timeit(opt.step, reps, sync)
+    # the same optimizer on one large DTensor parameter: its time per element beyond the per-tensor cost
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    elems = 2 ** 18 if quick else 2 ** 20
+    big = torch.nn.Parameter(distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(),
+                                               [Replicate()] * len(mesh_shape)))
+    big.grad = distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), [Replicate()] * len(mesh_shape))
+    opt_big = torch.optim.AdamW([big], lr=1e-6)
+    dist.barrier()
+    t_big = _timeit(opt_big.step, max(reps // 4, 5), sync)
+    per_tensor = t_opt / n_params
+    return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
+            "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
+            "optimizer_param_overhead": per_tensor, "optimizer_big_elements": elems, "optimizer_big_s": t_big,
+            "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
+
+
+def _fit_overhead(n: int, small: dict[str, float]) -> tuple[float, float]:
+    """(per-collective cost c, per-ring-step latency alpha) from the small-message times left after
+    the bandwidth term, all_reduce = c + 2(n-1) alpha and all_gather = c + (n-1) alpha (clamped >= 0)."""
+    from .comm import _ring
+    s_ar, s_ag = _ring("all_reduce", n)[1], _ring("all_gather", n)[1]
+    t_ar, t_ag = small["all_reduce"], small["all_gather"]
+    alpha = (t_ar - t_ag) / (s_ar - s_ag)
+    c = t_ag - s_ag * alpha
+    if alpha < 0:
+        alpha, c = 0.0, (t_ar + t_ag) / 2
+    elif c < 0:
+        c, alpha = 0.0, (t_ar / s_ar + t_ag / s_ag) / 2
+    return c, alpha
+
+
+def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device: str, quick: bool, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dist.barrier()
+        compute = _measure_compute(device, quick)      # every rank at once: shared cores, as in training
+        dist.barrier()
+        axes = _measure_axes(rank, world, mesh_shape, names, device, quick)
+        dist.barrier()
+        compute["step_collectives"] = _measure_step_collectives(mesh_shape, names, device, quick)
+        dist.barrier()
+        compute["runtime"] = _measure_runtime(mesh_shape, names, device, quick)
+        dist.barrier()
+        queue.put((rank, compute, axes))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | None = None,
+              base: str = "cpu", name: str | None = None, quick: bool = False, device: str | None = None) -> Path:
+    """Measure this machine with `world_size` ranks and write a profile JSON to `out`."""
+    import multiprocessing as mp
+
+    import torch
+
+    from .profiles import Link, load_profile, save_profile
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = tuple(mesh) if mesh else (world_size,)
+    if math.prod(mesh) != world_size:
+        raise SystemExit(f"autopar calibrate: mesh {mesh} has {math.prod(mesh)} devices, not --world-size {world_size}")
+    names = tuple(f"axis{i}" for i in range(len(mesh)))
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="autopar_calibrate_") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_file, mesh, names, device, quick, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results = []
+        try:
+            import queue as queue_mod
+            deadline = time.monotonic() + 600
+            while len(results) < len(procs) and time.monotonic() < deadline:
+                try:
+                    results.append(queue.get(timeout=1.0))
+                except queue_mod.Empty:
+                    if any(p.exitcode not in (0, None) for p in procs):   # a rank died: do not wait for it
+                        break
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+        if any(p.exitcode not in (0, None) for p in procs) or len(results) < len(procs):
+            raise SystemExit("autopar calibrate: a measuring rank failed (see its traceback above)")
+    results.sort(key=lambda r: r[0])
+    # the figures hold for this launch: with more ranks than cores, each rank gets a share of a core
+    launch = {"ranks": world_size, "mesh": list(mesh), "cores": os.cpu_count(), "ranks_per_core":
+              world_size / (os.cpu_count() or 1), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    comp = [r[1] for r in results]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    flops = {k: med([c["matmul_flops"][k] for c in comp]) for k in comp[0]["matmul_flops"]}
+    bw = med([c["memory_bandwidth"] for c in comp])
+    base_p = load_profile(base)
+    from .comm import _ring
+    kernel_overhead = med([c["kernel_overhead"] for c in comp])
+    # isolated collectives (back to back, raw torch.distributed): recorded for comparison only
+    isolated = {}
+    for ax_name, info in results[0][2].items():
+        n = info["size"]
+        fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
+        isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
+                             "points_s": info["points"]}
+    # collectives as a training step issues them (_measure_step_collectives), mean over ranks (see
+    # there); per axis and kind a least-squares line of seconds against bytes: bandwidth from its
+    # slope (the lower of all_reduce's and all_gather's), and its intercept (the cost of a collective
+    # that moves nothing) split into a per-collective cost and a per-ring-step latency
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    axes_fit, links, overheads = {}, [], []
+    for ax_name, info in comp[0]["step_collectives"]["axes"].items():
+        n = info["size"]
+        pts = {kind: [(sz, mean([c["step_collectives"]["axes"][ax_name]["points"][kind][j][1] for c in comp]))
+                      for j, (sz, _) in enumerate(p)] for kind, p in info["points"].items()}
+        lines = {kind: _line(p) for kind, p in pts.items()}
+        # a step cannot move bytes faster than back-to-back collectives do: where the slope is lost in
+        # scheduling noise, the isolated fit's bandwidth bounds it
+        bandwidth = min(min(_ring(kind, n)[0] / max(lines[kind][1], 1e-15), isolated[ax_name]["fits"][kind]["bandwidth"])
+                        for kind in pts)
+        per_coll, latency = _fit_overhead(n, {kind: max(lines[kind][0], 0.0) for kind in pts})
+        axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "per_collective": per_coll,
+                             "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
+                             "points_s": pts, "isolated": isolated.get(ax_name)}
+        links.append(Link(bandwidth, latency))
+        overheads.append(per_coll)
+    # every axis at once: per collective, what is left after each axis's ring terms
+    both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
+    if both[0] is not None:
+        nb = both[0]["nbytes"]
+        secs = mean([x["seconds"] for x in both])
+        ring = sum(2 * (axes_fit[a]["size"] - 1) / axes_fit[a]["size"] * nb / axes_fit[a]["bandwidth"]
+                   + 2 * (axes_fit[a]["size"] - 1) * axes_fit[a]["latency"] for a in list(axes_fit))
+        per_coll = max(secs - ring, 0.0) / both[0]["collectives"]
+        axes_fit["all_axes_all_reduce"] = {**both[0], "seconds": secs, "per_collective": per_coll}
+        overheads.append(per_coll)
+    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective, one figure for
+    # every axis: the mean of the per-collective estimates above
+    collective_overhead = max(mean(overheads) - kernel_overhead, 0.0) if overheads else 0.0
+    rt = [c["runtime"] for c in comp]
+    intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
+    inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
+    host = (Link(bw / 2, base_p.host_link.latency) if device == "cpu"
+            else Link(med([c["host_bandwidth"] for c in comp]), base_p.host_link.latency))
+    profile = dataclasses.replace(
+        base_p, name=name or f"calibrated-{device}", device_type=device,
+        backend="nccl" if device == "cuda" else "gloo", peak_flops=flops, memory_bandwidth=bw, host_link=host,
+        intra_node=intra, inter_node=inter, matmul_efficiency=1.0, memory_efficiency=1.0,
+        matmul_ramp_time=med([c["matmul_ramp_time"] for c in comp]),
+        kernel_overhead=kernel_overhead, collective_overhead=collective_overhead,
+        runtime_op_overhead=med([r["runtime_op_overhead"] for r in rt]),
+        optimizer_param_overhead=med([r["optimizer_param_overhead"] for r in rt]),
+        optimizer_element_time=med([r["optimizer_element_time"] for r in rt]),
+        devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
+        source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
+               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    path = save_profile(profile, out)
+    d = json.loads(path.read_text())
+    d["_notes"] = {
+        "peak_flops": f"torch.mm of square matrices (n={comp[0]['matmul_n']}, smaller for dtypes without a fast "
+                      "kernel), median over ranks: achieved rates, hence matmul_efficiency = 1",
+        "memory_bandwidth": "y.copy_(x), read + write bytes, median over ranks",
+        "links": "ring alpha-beta fits per mesh axis of all_reduce and all_gather issued as a training step issues "
+                 "them (a compute burst, then DTensor redistribute; minus the burst alone), median over ranks: "
+                 "bandwidth from the slope between the two sizes, then the small message's remainder split into "
+                 "latency per ring step and collective_overhead (see _measured.axes; the isolated back-to-back "
+                 "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
+                 "come from the base profile " + base_p.name,
+        "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
+        "collective_overhead": "per collective beyond the ring terms and kernel_overhead: DTensor's redistribute and "
+                               "waiting for the peers to be scheduled; holds for the launch in _measured.launch",
+        "runtime_op_overhead": f"per node of the rank's graph (LocalOp, Reshard, ToLocal), forward + backward: a "
+                               f"{TINY_DEPTH}-block transformer (attention, MLP) of width {TINY_WIDTH} through "
+                               "autoparallelize (all replicated: no collective) minus the same model in eager "
+                               "PyTorch, divided by the graph's nodes; median over ranks",
+        "optimizer_param_overhead": "torch.optim.AdamW().step() on that graph's DTensor parameters, divided by their "
+                                    "number (their bytes are negligible); median over ranks",
+        "optimizer_element_time": "the same AdamW step on one replicated DTensor parameter of 2^20 elements, minus "
+                                  "optimizer_param_overhead, per element: torch's default CPU AdamW runs one kernel "
+                                  "per operation of the update (about 19 passes of 4 bytes, not the fused 28 bytes "
+                                  "cost_model.compute assumes); median over ranks",
+    }
+    d["_measured"] = {"launch": launch, "axes": axes_fit, "per_rank": comp}
+    path.write_text(json.dumps(d, indent=2) + "\n")
+    return path
