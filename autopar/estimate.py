@@ -55,8 +55,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .compat import pytree
 from .cost_model.comm import bucketed_time, collective_bytes_on_wire
-from .cost_model.compute import (MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, op_times,
-                                 optimizer_step_time)
+from .cost_model.compute import MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, optimizer_step_time
 from .cost_model.memory import state_bytes_per_element
 from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
 from .errors import PlanMismatchError
@@ -66,9 +65,9 @@ from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
 from .plan import Plan
 from .solver.ilp import solve
-from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out
-from .strategies import op_name, rule_for
-from .strategies.strategy import parallel_count, shard_count
+from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost, op_cost_args
+from .strategies import rule_for
+from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
 
@@ -380,12 +379,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             n_nodes += 1
         if rule is not None and rule.is_view:
             continue
-        pf = parallel_count(s, shape)
-        out_b = info.out[0].nbytes / shard_count(s.output, shape)    # a partial output is whole on each device
-        in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-        fwd, bwd = op_times(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, profile,
-                            family=rule.family if rule else None, op=op_name(node.target),
-                            in_bytes=in_b, out_bytes=out_b)
+        fwd, bwd = op_cost(op_cost_args(info, s, shape, rule, node.target), profile)
         seg.fwd_compute += fwd
         if ng[name]:
             seg.bwd_compute += bwd

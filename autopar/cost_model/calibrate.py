@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .comm import collective_bytes_on_wire, latency_steps
+
 __all__ = ["calibrate"]
 
 
@@ -110,8 +112,7 @@ def _measure_compute(device: str, quick: bool) -> dict:
 
 def _fit_ring(kind: str, n: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
     """(bandwidth, latency) of a Link such that the ring formula gives the measured times."""
-    from .comm import _ring
-    fraction, steps = _ring(kind, n)
+    fraction, steps = collective_bytes_on_wire(kind, 1.0, n), latency_steps(kind, n)
     (s0, t0), (s1, t1) = small, large
     per_byte = max((t1 - t0) / (s1 - s0), 1e-15)
     bandwidth = fraction / per_byte
@@ -323,8 +324,7 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
 def _fit_overhead(n: int, small: dict[str, float]) -> tuple[float, float]:
     """(per-collective cost c, per-ring-step latency alpha) from the small-message times left after
     the bandwidth term, all_reduce = c + 2(n-1) alpha and all_gather = c + (n-1) alpha (clamped >= 0)."""
-    from .comm import _ring
-    s_ar, s_ag = _ring("all_reduce", n)[1], _ring("all_gather", n)[1]
+    s_ar, s_ag = latency_steps("all_reduce", n), latency_steps("all_gather", n)
     t_ar, t_ag = small["all_reduce"], small["all_gather"]
     alpha = (t_ar - t_ag) / (s_ar - s_ag)
     c = t_ag - s_ag * alpha
@@ -406,7 +406,6 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     flops = {k: med([c["matmul_flops"][k] for c in comp]) for k in comp[0]["matmul_flops"]}
     bw = med([c["memory_bandwidth"] for c in comp])
     base_p = load_profile(base)
-    from .comm import _ring
     kernel_overhead = med([c["kernel_overhead"] for c in comp])
     # isolated collectives (back to back, raw torch.distributed): recorded for comparison only
     isolated = {}
@@ -428,7 +427,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         lines = {kind: _line(p) for kind, p in pts.items()}
         # a step cannot move bytes faster than back-to-back collectives do: where the slope is lost in
         # scheduling noise, the isolated fit's bandwidth bounds it
-        bandwidth = min(min(_ring(kind, n)[0] / max(lines[kind][1], 1e-15), isolated[ax_name]["fits"][kind]["bandwidth"])
+        bandwidth = min(min(collective_bytes_on_wire(kind, 1.0, n) / max(lines[kind][1], 1e-15), isolated[ax_name]["fits"][kind]["bandwidth"])
                         for kind in pts)
         per_coll, latency = _fit_overhead(n, {kind: max(lines[kind][0], 0.0) for kind in pts})
         axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "per_collective": per_coll,

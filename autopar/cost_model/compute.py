@@ -105,8 +105,7 @@ def matmul_time(flops: float, in_bytes: float, out_bytes: float, dtype: torch.dt
                 profile: DeviceProfile) -> float:
     """Seconds of one matmul (Y = X W, or a batch of them): the main loop, bound by the tensor cores or
     by reading the operands, then the store of the output tiles (module docstring)."""
-    rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
-    bw = profile.memory_bandwidth * profile.memory_efficiency
+    rate, bw = _matmul_rates(flops, dtype, profile)
     return smax(flops / rate, in_bytes / bw) + out_bytes / bw + profile.kernel_overhead
 
 
@@ -114,10 +113,15 @@ def matmul_backward_time(flops: float, in_bytes: float, out_bytes: float, dtype:
                          profile: DeviceProfile) -> float:
     """Seconds of a matmul's backward: dX = dY W^T and dW = X^T dY, each as many FLOPs as the forward,
     reading dY twice and X, W once; their outputs are the forward's inputs, stored after the loop."""
-    rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
-    bw = profile.memory_bandwidth * profile.memory_efficiency
+    rate, bw = _matmul_rates(flops, dtype, profile)
     return (smax(2 * flops / rate, (in_bytes + 2 * out_bytes) / bw) + in_bytes / bw
             + 2 * profile.kernel_overhead)
+
+
+def _matmul_rates(flops: float, dtype: torch.dtype, profile: DeviceProfile) -> tuple[float, float]:
+    """(FLOP/s a matmul of `flops` reaches, achieved memory bandwidth) on one device."""
+    return (profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile),
+            profile.memory_bandwidth * profile.memory_efficiency)
 
 
 def matmul_efficiency_at(flops: float, dtype: torch.dtype, profile: DeviceProfile) -> float:

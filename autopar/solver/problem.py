@@ -142,6 +142,23 @@ def edge_legs(problem: Problem, c: ChosenEdge):
     return legs
 
 
+def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target) -> tuple:
+    """What `op_times` needs to price a node's share of work on one device under strategy s: FLOPs
+    and bytes over the devices sharing the work, dtype, rule family, op name, and the bytes it
+    reads and writes (a partial output is whole on each device). Hashable: equal ops price once."""
+    pf = parallel_count(s, shape)
+    out_b = info.out[0].nbytes / shard_count(s.output, shape)
+    in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
+    return (info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
+            op_name(target), in_b, out_b)
+
+
+def op_cost(args: tuple, profile) -> tuple:
+    """(forward, backward) seconds from `op_cost_args`: the one compute price of the planner and estimate()."""
+    flops, nbytes, dtype, family, op, in_b, out_b = args
+    return op_times(flops, nbytes, dtype, profile, family=family, op=op, in_bytes=in_b, out_bytes=out_b)
+
+
 def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool]) -> bool:
     k = kinds.get(node.name)
     if k == "param":
@@ -235,14 +252,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 leader, strategies = src.leader, follow
         compute = []
         for s in ([] if is_view[node.name] else strategies):
-            pf = parallel_count(s, shape)
-            out_b = info.out[0].nbytes / shard_count(s.output, shape)    # a partial output is whole on each device
-            in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-            key = (info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
-                   op_name(node.target), in_b, out_b)
+            key = op_cost_args(info, s, shape, rule, node.target)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
-                priced[key] = op_times(*key[:3], mesh.profile, family=key[3], op=key[4], in_bytes=in_b,
-                                       out_bytes=out_b)
+                priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
             compute.append(fwd + (bwd if ng[node.name] else 0.0))
         compute = compute or [0.0] * len(strategies)
