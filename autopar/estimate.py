@@ -54,6 +54,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .compat import pytree
+from .cost_model.autograd import gradient_sums_time
 from .cost_model.comm import bucketed_time, collective_bytes_on_wire
 from .cost_model.compute import MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, optimizer_step_time
 from .cost_model.memory import state_bytes_per_element
@@ -61,6 +62,7 @@ from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
 from .errors import PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
+from .passes.rewrite import output_modules, reshards_edge
 from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
 from .plan import Plan
@@ -345,11 +347,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                              "pipelined configuration")
         if list(plan.mesh["shape"]) != list(smesh.shape):
             raise PlanMismatchError(f"the plan was made for mesh {plan.mesh['shape']}, not {smesh.shape}")
+        sharded_outputs = plan.options.get("sharded_outputs", False)
         problem = build_problem(cap, infos, smesh, pins=None, optimizer=optimizer,
                                 batch_axes=plan.options.get("batch_axes") or None,
-                                sharded_outputs=plan.options.get("sharded_outputs", False))
+                                sharded_outputs=sharded_outputs)
         choice = _choice_from_plan(problem, plan)
     else:
+        sharded_outputs = False
         problem = build_problem(cap, infos, smesh, pins=dict(plan) if plan else None, optimizer=optimizer,
                                 batch_axes=batch_axes)
         if m > 1:
@@ -377,12 +381,15 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
             seg.runtime += profile.runtime_op_overhead
             n_nodes += 1
-        if rule is not None and rule.is_view:
-            continue
-        fwd, bwd = op_cost(op_cost_args(info, s, shape, rule, node.target), profile)
+        fwd, bwd = op_cost(op_cost_args(info, s, shape, rule, node.target, d.work), profile)
         seg.fwd_compute += fwd
         if ng[name]:
-            seg.bwd_compute += bwd
+            # gradients of several consumers are added up where they arrive: book that with the first
+            # consumer's segment (a layer's input is summed in that layer, whichever captured it)
+            sums = gradient_sums_time(d.work, info.out[0].nbytes / shard_count(s.output, shape), profile)
+            seg.bwd_compute += bwd - sums
+            first = next((u.name for u in node.users if ng.get(u.name)), None)
+            segs[seg_of.get(first, seg_of[name])].bwd_compute += sums
 
     # resharding, per edge; gradient sync of parameters, per parameter and axis
     grad_wire: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)   # param -> (axis, kind) -> bytes
@@ -398,11 +405,12 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         grad = ng.get(e.src, False) and meta.dtype.is_floating_point
         bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst) if grad else None
         seg.fwd_comm += fwd.seconds
-        if src.kind != "op" or e.dst == "output" or tuple(a) != tuple(c.dst):
-            # the rewrite puts a Reshard node on every parameter and input edge, the output, and
-            # every edge whose layouts differ (passes/rewrite.py)
-            seg.runtime += profile.runtime_op_overhead
-            n_nodes += 1
+        # the runtime modules the rewrite puts on this edge (passes/rewrite.py); a decision's kind
+        # names its executor for parameters and inputs
+        k = (output_modules(sharded_outputs) if e.dst == "output"
+             else int(reshards_edge(src.kind, tuple(a), tuple(c.dst))))
+        seg.runtime += k * profile.runtime_op_overhead
+        n_nodes += k
         for ax, nb in zip(smesh.axis_names, fwd.bytes_per_axis):
             per_axis_micro[(dst_seg, "fwd")][ax] += nb
         if src.kind == "param":

@@ -28,10 +28,14 @@ MOE_TOL = 1e-4
 # Mixtral with its experts split over "tp" (expert parallelism); the solver places the rest (its
 # router and attention split tokens over both axes)
 EXPERT_PINS = {"model.layers.*.mlp.experts.*": ("R", "S(0)")}
-CASES = [(name, EXPERT_PINS if name == "mixtral" else None) for name in MODELS]
+# the ResNet's batch statistics synchronized over both axes (a batch split, the local means
+# averaged: the SyncBatchNorm path under test); under the test's shard-happy device the solver's
+# own choice between that, whole statistics and a channel split is a near tie
+BN_PINS = {"batch_stat_mean*": ("P(avg)", "P(avg)")}
+CASES = [(name, {"mixtral": EXPERT_PINS, "resnet": BN_PINS}.get(name)) for name in MODELS]
 
 
-@pytest.mark.parametrize("name,pins", CASES, ids=[n if p is None else f"{n}-experts" for n, p in CASES])
+@pytest.mark.parametrize("name,pins", CASES, ids=[n if p is None else f"{n}-pinned" for n, p in CASES])
 def test_trains_like_one_process(rank_pool, name, pins):
     results = rank_pool(4).run(train_and_compare, f"zoo:{name}", (2, 2), ("dp", "tp"), pins, timeout=300)
     r = results[0]
@@ -40,7 +44,7 @@ def test_trains_like_one_process(rank_pool, name, pins):
         assert max(x[key] for x in results) < tol, (key, {k: r[k] for k in ("loss", "grad", "param", "buffer")})
     assert r["fallbacks"] == [], r["fallbacks"]
     assert r["sharded_nodes"] > 0, "the plan must actually shard something"
-    if pins:
+    if name == "mixtral":
         assert {"experts", "tokens"} <= set(r["labels"]), r["labels"]
         assert all(r["placements"][k] == ("R", "S(0)") for k in r["placements"] if ".experts." in k)
     if name == "resnet":          # SyncBatchNorm path: statistics of a batch-split input all-reduced

@@ -69,7 +69,10 @@ BACKWARD_FACTORS: dict[str, float] = {
     "pointwise": 1.5,
     # add/sub: the gradient passes through to both inputs, no kernel
     "aten.add": 0.0, "aten.sub": 0.0,
+    # clone (a copy): the gradient passes through, no kernel
+    "aten.clone": 0.0, "aten.lift_fresh_copy": 0.0,
     # neg, multiply by a constant, casts, dropout: read dy (and the 1-byte mask), write dx: as forward
+    # (a product with more than one input needing a gradient runs more kernels: cost_model/autograd.py)
     "aten.neg": 1.0, "aten.mul": 1.0, "aten._to_copy": 1.0, "aten.to": 1.0, "aten.type_as": 1.0,
     "aten.native_dropout": 1.0, "aten.dropout": 1.0,
     # cross-entropy: log-softmax backward (read log-probs and dy, write dlogits) and the nll

@@ -27,6 +27,19 @@ from .shape_prop import tensor_meta
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp}
 
 
+def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
+    """Does the rewrite put a Reshard between a producer and a consumer's input? Always after a
+    parameter (its stored shard becomes a DTensor there) and after anything the plan does not know;
+    otherwise where the layouts differ. (`autopar.estimate` counts runtime modules with this.)"""
+    return src_executor in (None, "param") or src_layout != want
+
+
+def output_modules(sharded_outputs: bool) -> int:
+    """Runtime modules the rewrite adds per tensor output: a Reshard to whole and a ToLocal, or none
+    when outputs stay sharded."""
+    return 0 if sharded_outputs else 2
+
+
 def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
     planned = {n.name: n for n in plan.nodes}
     root = torch.nn.Module()
@@ -50,7 +63,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             outs = []
             for k, a in enumerate(leaves):
                 v = env[a] if isinstance(a, fx.Node) else a
-                if is_tensor(a) and not plan.options.get("sharded_outputs"):
+                if is_tensor(a) and output_modules(plan.options.get("sharded_outputs", False)):
                     v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)), v)
                     v = add_module(f"to_local_output_{k}", ToLocal(), v)
                 outs.append(v)
@@ -67,7 +80,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             if is_tensor(a) and np is not None and node.target is not operator.getitem:
                 want = np.inputs[slot]
                 src = planned.get(a.name)
-                if src is None or src.executor == "param" or src.output != want:
+                if reshards_edge(src.executor if src else None, src.output if src else None, want):
                     v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want)), v)
                 slot += 1
             new_leaves.append(v)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
+from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time
 from ..cost_model.memory import Liveness, liveness, param_state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
@@ -46,6 +47,7 @@ class Decision:
     state_bytes: list[float]           # parameter + grad + optimizer state per device
     fallback: bool = False             # unknown op: replicated
     fqn: str | None = None
+    work: GradWork = NO_GRAD_WORK      # autograd work of its backward beyond its own kernel
 
 
 @dataclass(slots=True)
@@ -142,21 +144,43 @@ def edge_legs(problem: Problem, c: ChosenEdge):
     return legs
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target) -> tuple:
+def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target, work: GradWork = NO_GRAD_WORK) -> tuple:
     """What `op_times` needs to price a node's share of work on one device under strategy s: FLOPs
-    and bytes over the devices sharing the work, dtype, rule family, op name, and the bytes it
-    reads and writes (a partial output is whole on each device). Hashable: equal ops price once."""
+    and bytes over the devices sharing the work, dtype, rule family, op name, the bytes it reads
+    and writes (a partial output is whole on each device), whether it is a view (no kernel), and
+    its autograd work with the local sizes that work runs over. Hashable: equal ops price once."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
+    all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
     return (info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
-            op_name(target), in_b, out_b)
+            op_name(target), in_b, out_b, bool(rule and rule.is_view), work, all_out_b)
 
 
 def op_cost(args: tuple, profile) -> tuple:
     """(forward, backward) seconds from `op_cost_args`: the one compute price of the planner and estimate()."""
-    flops, nbytes, dtype, family, op, in_b, out_b = args
-    return op_times(flops, nbytes, dtype, profile, family=family, op=op, in_bytes=in_b, out_bytes=out_b)
+    flops, nbytes, dtype, family, op, in_b, out_b, view, work, all_out_b = args
+    fwd, bwd = (0.0, 0.0) if view else op_times(flops, nbytes, dtype, profile, family=family, op=op,
+                                                 in_bytes=in_b, out_bytes=out_b)
+    return fwd, bwd + grad_work_time(work, out_b, all_out_b, profile)
+
+
+def node_grad_work(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> GradWork:
+    """The autograd work of `node`'s backward beyond its own kernel (`cost_model.autograd`)."""
+    if not ng.get(node.name):
+        return NO_GRAD_WORK
+    info = infos[node.name]
+    ins = [a for a in node.args if isinstance(a, fx.Node)]
+    in_shapes = [infos[a.name].out[0].shape if a.name in infos and infos[a.name].out else None for a in ins]
+    op = op_name(node.target)
+    bias = None
+    if op == "aten.linear" and len(node.args) > 2:
+        bias = node.args[2]
+    elif op == "aten.addmm":
+        bias = node.args[0]
+    return grad_work(op, len(info.out), info.out[0].shape, in_shapes, [ng.get(a.name, False) for a in ins],
+                     grad_consumers=sum(1 for u in node.users if ng.get(u.name, False)),
+                     bias_needs_grad=isinstance(bias, fx.Node) and ng.get(bias.name, False))
 
 
 def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool]) -> bool:
@@ -200,8 +224,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 return pat, parse_layout(layout)
         return None, None
 
-    for node in nodes:
+    for node in nodes:    # first, so a node knows which of its users send it a gradient
         ng[node.name] = _needs_grad(node, kinds, ng)
+    for node in nodes:
         info = infos[node.name]
         if node.op == "placeholder":
             slot = cap.inputs[node.name]
@@ -251,8 +276,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             if all(f is not None for f in follow) and src.kind == "op":
                 leader, strategies = src.leader, follow
         compute = []
-        for s in ([] if is_view[node.name] else strategies):
-            key = op_cost_args(info, s, shape, rule, node.target)
+        work = node_grad_work(node, infos, ng)
+        for s in strategies:
+            key = op_cost_args(info, s, shape, rule, node.target, work)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -261,7 +287,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
                for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
-                                        fallback=rule is None)
+                                        fallback=rule is None, work=work)
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "

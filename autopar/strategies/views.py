@@ -61,8 +61,11 @@ def view_rule(node, ins, outs):
 
 
 @register(aten.transpose, aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.expand,
-          aten.contiguous, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy,
+          aten.contiguous, aten.alias, aten.detach,
           family="view", saves_inputs=False, is_view=True, follower=True)
+# clone copies (a reshape of a non-contiguous tensor traces as clone + _unsafe_view): a new tensor,
+# a kernel reading and writing it; its gradient passes straight through
+@register(aten.clone, aten.lift_fresh_copy, family="copy", saves_inputs=False, follower=True)
 def permute_rule(node, ins, outs):
     src, dst = ins[0], outs[0]
     target = node.target.overloadpacket
