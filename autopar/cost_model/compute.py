@@ -38,7 +38,7 @@ import torch
 from .profiles import DeviceProfile
 from .symbolic import is_zero, smax
 
-__all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "TENSOR_CORE_FAMILIES",
+__all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "HIDDEN_OUTPUT_PASSES", "TENSOR_CORE_FAMILIES",
            "matmul_efficiency_at", "matmul_time", "matmul_backward_time", "optimizer_step_time", "POINTWISE_EFFICIENCY",
            "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
            "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time"]
@@ -75,13 +75,24 @@ BACKWARD_FACTORS: dict[str, float] = {
     # (a product with more than one input needing a gradient runs more kernels: cost_model/autograd.py)
     "aten.neg": 1.0, "aten.mul": 1.0, "aten._to_copy": 1.0, "aten.to": 1.0, "aten.type_as": 1.0,
     "aten.native_dropout": 1.0, "aten.dropout": 1.0,
-    # cross-entropy: log-softmax backward (read log-probs and dy, write dlogits) and the nll
-    # scatter: ~ 2 passes over the logits to the forward's 2 (read, write log-probs)
+    # cross-entropy = log_softmax + nll_loss. Forward: read the logits, write the log-probs (2 passes;
+    # the log-probs are an intermediate the graph does not show: HIDDEN_OUTPUT_PASSES). Backward:
+    # nll_loss_backward writes a logits-sized gradient (zeros, then the scatter: 1 pass) and
+    # log_softmax_backward reads it and the log-probs and writes dlogits (3): 4 passes to 2
+    "aten.cross_entropy_loss": 2.0,
+    # mse/l1/smooth-l1: forward reads input and target (2 passes), backward reads both and writes
+    # the gradient (3)
+    "aten.mse_loss": 1.5, "aten.l1_loss": 1.5, "aten.smooth_l1_loss": 1.5,
+    # nll_loss on log-probs: backward writes the input-sized gradient, as much as the forward reads
     "loss": 1.0,
     # embedding: scatter-add dy into the weight gradient, reading dy once and writing as much
     "embedding": 1.0,
 }
 _DEFAULT_BACKWARD = 1.0
+
+# Ops that write an input-sized intermediate of their own besides their outputs (passes over what
+# they read): cross-entropy's log-probabilities, kept for its backward.
+HIDDEN_OUTPUT_PASSES: dict[str, float] = {"aten.cross_entropy_loss": 1.0}
 
 
 def backward_factor(op: str | None, family: str | None) -> float:
@@ -100,6 +111,8 @@ def op_times(flops: float, bytes_moved: float, dtype: torch.dtype, profile: Devi
     if family == "matmul" and in_bytes is not None and out_bytes is not None and not is_zero(flops):
         return (matmul_time(flops, in_bytes, out_bytes, dtype, profile),
                 matmul_backward_time(flops, in_bytes, out_bytes, dtype, profile))
+    if op in HIDDEN_OUTPUT_PASSES and in_bytes is not None:
+        bytes_moved = bytes_moved + HIDDEN_OUTPUT_PASSES[op] * in_bytes
     fwd = compute_time(flops, bytes_moved, dtype, profile, is_matmul=family in TENSOR_CORE_FAMILIES)
     return fwd, fwd * backward_factor(op, family)
 

@@ -1,0 +1,106 @@
+"""The autograd work priced beyond each op's own backward kernel (cost_model/autograd.py) is work
+PyTorch really runs: each case is checked twice, against the ops torch's profiler records in a real
+backward and against the GradWork the planner attaches to the node."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.cost_model.autograd import SUM_PASSES, GradWork, grad_work_time
+from autopar.passes.capture import capture
+from autopar.passes.shape_prop import annotate
+from autopar.solver.problem import build_problem
+
+
+class FanOut(nn.Module):          # a residual stream: h feeds a layer norm and the residual add
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h + self.ln(h)).sum()
+
+
+class Split(nn.Module):            # q and k cut out of one projection
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        q, k = (x @ self.w).split(8, dim=-1)
+        return (q.exp() * 2).sum() + (k.sin() * 3).sum()
+
+
+class Broadcast(nn.Module):        # a position embedding added to every sample
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return (x + self.pos).tanh().sum()
+
+
+class Product(nn.Module):          # a gated unit: both factors need their gradient
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return (F.silu(self.a(x)) * self.b(x)).sum()
+
+
+def backward_ops(model, x) -> list[str]:
+    loss = model(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    return [e.name for e in prof.events()]
+
+
+def work_of(model, x) -> dict[str, GradWork]:
+    cap = capture(model, (x,))
+    mesh = autopar.Mesh((1,), ("dp",), device="cpu")
+    problem = build_problem(cap, annotate(cap.gm), mesh)
+    return {n: d.work for n, d in problem.decisions.items() if d.kind == "op" and d.work}
+
+
+X = torch.randn(2, 4, 8)
+
+
+def test_gradients_of_two_consumers_are_added():
+    ops = backward_ops(FanOut(), X)
+    assert "aten::add" in ops or "aten::add_" in ops
+    work = work_of(FanOut(), X)
+    assert [w.sums for w in work.values() if w.sums] == [1]      # h: layer norm + residual add
+
+
+def test_split_backward_concatenates():
+    assert "aten::cat" in backward_ops(Split(), X)
+    work = work_of(Split(), X)
+    assert any(w.all_passes == 2.0 and w.kernels == 1 for w in work.values())
+
+
+def test_broadcast_input_gradient_is_summed_and_bias_gradient_too():
+    assert "aten::sum" in backward_ops(Broadcast(), X)
+    assert any(w.out_passes == 1.0 for w in work_of(Broadcast(), X).values())
+    assert "aten::sum" in backward_ops(FanOut(), X)               # fc's bias: dY summed over rows
+    assert any(w.out_passes >= 1.0 for w in work_of(FanOut(), X).values())
+
+
+def test_a_product_of_two_trained_factors_runs_two_gradient_kernels():
+    ops = backward_ops(Product(), X)
+    assert ops.count("aten::mul") >= 2
+    work = work_of(Product(), X)
+    assert [w.kernels for w in work.values() if w.out_passes == 3.0] == [1]
+
+
+def test_work_is_priced_as_memory_bound_passes():
+    prof = autopar.Mesh((1,), ("dp",), device="a100").profile
+    bw = prof.memory_bandwidth * prof.memory_efficiency
+    w = GradWork(out_passes=1.0, all_passes=2.0, kernels=2, sums=1)
+    t = grad_work_time(w, 1e9, 3e9, prof)
+    assert t == pytest.approx(((1.0 + SUM_PASSES) * 1e9 + 2.0 * 3e9) / bw + 3 * prof.kernel_overhead)
+    assert grad_work_time(GradWork(), 1e9, 1e9, prof) == 0.0
