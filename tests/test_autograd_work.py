@@ -53,6 +53,17 @@ class Product(nn.Module):          # a gated unit: both factors need their gradi
         return (F.silu(self.a(x)) * self.b(x)).sum()
 
 
+class Slices(nn.Module):           # rotary embeddings' halves; a position table expanded to the batch
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8, bias=False)
+        self.pos = nn.Parameter(torch.randn(1, 4, 8))
+
+    def forward(self, x):
+        h = self.fc(x) * self.pos.expand(2, 4, 8)
+        return h[..., :4].exp().sum() + h[..., 4:].sin().sum()
+
+
 def backward_ops(model, x) -> list[str]:
     loss = model(x)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -100,7 +111,16 @@ def test_a_product_of_two_trained_factors_runs_two_gradient_kernels():
 def test_work_is_priced_as_memory_bound_passes():
     prof = autopar.Mesh((1,), ("dp",), device="a100").profile
     bw = prof.memory_bandwidth * prof.memory_efficiency
-    w = GradWork(out_passes=1.0, all_passes=2.0, kernels=2, sums=1)
-    t = grad_work_time(w, 1e9, 3e9, prof)
-    assert t == pytest.approx(((1.0 + SUM_PASSES) * 1e9 + 2.0 * 3e9) / bw + 3 * prof.kernel_overhead)
-    assert grad_work_time(GradWork(), 1e9, 1e9, prof) == 0.0
+    w = GradWork(out_passes=1.0, all_passes=2.0, in_passes=1.0, kernels=2, sums=1)
+    t = grad_work_time(w, 1e9, 3e9, 5e9, prof)
+    assert t == pytest.approx(((1.0 + SUM_PASSES) * 1e9 + 2.0 * 3e9 + 5e9) / bw + 3 * prof.kernel_overhead)
+    assert grad_work_time(GradWork(), 1e9, 1e9, 1e9, prof) == 0.0
+
+
+def test_slice_backward_fills_zeros_and_expand_backward_sums():
+    ops = backward_ops(Slices(), X)
+    assert "aten::slice_backward" in ops and "ExpandBackward0" in ops
+    work = work_of(Slices(), X)
+    slices = [w for w in work.values() if w.in_passes == 1.0]
+    assert len(slices) == 2 and all(w.kernels == 2 for w in slices)
+    assert any(w.out_passes == 1.0 and w.kernels == 1 for w in work.values())   # the expand

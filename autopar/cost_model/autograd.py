@@ -14,10 +14,13 @@ runs more kernels than those, and they are memory-bound passes over gradient-siz
   batch, a bias added after a matmul, a norm's weight);
 * mul/div with several tensor inputs that need gradients run one gradient kernel per such input
   (dx = dy * other reads dy and the other input, writes dx): BACKWARD_FACTORS prices one;
-* a linear/addmm bias gradient is the column sum of dY (one read of the output gradient).
+* a linear/addmm bias gradient is the column sum of dY (one read of the output gradient);
+* expand: the gradient is summed over the expanded dims (one read of the output gradient);
+* slice / select / narrow: `slice_backward` fills an input-sized zero tensor and copies the
+  gradient into its slice (rotary embeddings' halves, a last-token pick).
 
-`GradWork` counts them per node in passes over the node's local output (gradient) size and over
-all its outputs together (a split's input size), plus the kernels they launch; `grad_work_time` prices them like any
+`GradWork` counts them per node in passes over the node's local output (gradient) size, over all
+its outputs together (a split's input size) and over its inputs, plus the kernels they launch; `grad_work_time` prices them like any
 memory-bound kernel. Parameters used twice (tied embeddings) accumulate in AccumulateGrad; that
 sum is not priced here (one per tied parameter, per step).
 """
@@ -30,7 +33,8 @@ from .profiles import DeviceProfile
 from .symbolic import is_zero
 
 __all__ = ["GradWork", "NO_GRAD_WORK", "grad_work", "grad_work_time", "gradient_sums_time", "SUM_PASSES", "CAT_PASSES",
-           "BROADCAST_REDUCE_PASSES", "EXTRA_GRAD_KERNEL_PASSES", "BIAS_GRAD_PASSES"]
+           "BROADCAST_REDUCE_PASSES", "EXTRA_GRAD_KERNEL_PASSES", "BIAS_GRAD_PASSES", "SLICE_ZEROS_PASSES",
+           "SLICE_COPY_PASSES"]
 
 # Passes over a gradient-sized tensor, from what each kernel reads and writes.
 SUM_PASSES = 3.0                 # a + b -> c: read two gradients, write their sum
@@ -38,16 +42,20 @@ CAT_PASSES = 2.0                 # cat of the pieces: read them, write one tenso
 BROADCAST_REDUCE_PASSES = 1.0    # sum_to_size: read the output-sized gradient (the write is input-sized, small)
 EXTRA_GRAD_KERNEL_PASSES = 3.0   # d(other input) = dy * x: read dy and x, write the gradient
 BIAS_GRAD_PASSES = 1.0           # db = dY.sum(rows): read dY
+SLICE_ZEROS_PASSES = 1.0         # slice_backward: write the input-sized zeros ...
+SLICE_COPY_PASSES = 2.0          # ... then copy the gradient into its slice (read it, write it)
 
 _SPLITS = ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind")
 _BROADCASTING = ("aten.add", "aten.sub", "aten.mul", "aten.div")
 _PRODUCTS = ("aten.mul", "aten.div")
+_SLICES = ("aten.slice", "aten.select", "aten.narrow")
 
 
 @dataclass(frozen=True, slots=True)
 class GradWork:
     out_passes: float = 0.0      # passes over the node's (first) local output
     all_passes: float = 0.0      # passes over all its local outputs together (a split's input)
+    in_passes: float = 0.0       # passes over its local inputs
     kernels: int = 0
     sums: int = 0                # gradients from several consumers added up (SUM_PASSES each, own kernel)
 
@@ -65,7 +73,7 @@ def grad_work(op: str, n_outputs: int, out_shape: Sequence, in_shapes: Sequence[
     op: aten name ("aten.mul"); n_outputs: tensor outputs; in_shapes / in_needs_grad: per tensor
     input (None for a non-tensor); grad_consumers: ops that use this node's output and need a
     gradient; bias_needs_grad: a linear/addmm whose bias is trained."""
-    out_p, all_p, k = 0.0, 0.0, 0
+    out_p, all_p, in_p, k = 0.0, 0.0, 0.0, 0
     sums = grad_consumers - 1 if n_outputs == 1 and grad_consumers > 1 else 0
     if op in _SPLITS:
         all_p += CAT_PASSES
@@ -83,7 +91,14 @@ def grad_work(op: str, n_outputs: int, out_shape: Sequence, in_shapes: Sequence[
     if bias_needs_grad:
         out_p += BIAS_GRAD_PASSES
         k += 1
-    return GradWork(out_p, all_p, k, sums)
+    if op == "aten.expand":
+        out_p += BROADCAST_REDUCE_PASSES
+        k += 1
+    if op in _SLICES:
+        in_p += SLICE_ZEROS_PASSES
+        out_p += SLICE_COPY_PASSES
+        k += 2
+    return GradWork(out_p, all_p, in_p, k, sums)
 
 
 def _broadcast(shape: Sequence, out_shape: Sequence) -> bool:
@@ -94,14 +109,17 @@ def _broadcast(shape: Sequence, out_shape: Sequence) -> bool:
     return any(s == 1 and o != 1 for s, o in zip(shape, out_shape))
 
 
-def grad_work_time(work: GradWork, out_bytes: float, all_out_bytes: float, profile: DeviceProfile) -> float:
-    """Seconds of `work` on one device, `out_bytes` / `all_out_bytes` being the node's local (first) output
-    and all its local outputs together: memory-bound passes plus one launch per kernel."""
+def grad_work_time(work: GradWork, out_bytes: float, all_out_bytes: float, in_bytes: float,
+                   profile: DeviceProfile) -> float:
+    """Seconds of `work` on one device, `out_bytes` / `all_out_bytes` / `in_bytes` being the node's local
+    (first) output, all its local outputs together and its local inputs: memory-bound passes plus one
+    launch per kernel."""
     if not work:
         return 0.0
     passes = work.out_passes + SUM_PASSES * work.sums
     nbytes = ((passes * out_bytes if passes else 0.0)
-              + (work.all_passes * all_out_bytes if work.all_passes else 0.0))
+              + (work.all_passes * all_out_bytes if work.all_passes else 0.0)
+              + (work.in_passes * in_bytes if work.in_passes else 0.0))
     kernels = work.kernels + work.sums
     if is_zero(nbytes):
         return kernels * profile.kernel_overhead

@@ -162,7 +162,7 @@ def op_cost(args: tuple, profile) -> tuple:
     flops, nbytes, dtype, family, op, in_b, out_b, view, work, all_out_b = args
     fwd, bwd = (0.0, 0.0) if view else op_times(flops, nbytes, dtype, profile, family=family, op=op,
                                                  in_bytes=in_b, out_bytes=out_b)
-    return fwd, bwd + grad_work_time(work, out_b, all_out_b, profile)
+    return fwd, bwd + grad_work_time(work, out_b, all_out_b, in_b, profile)
 
 
 def node_grad_work(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> GradWork:
