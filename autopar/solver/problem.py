@@ -277,7 +277,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 leader, strategies = src.leader, follow
         compute = []
         work = node_grad_work(node, infos, ng)
-        for s in strategies:
+        for s in ([] if is_view[node.name] and not work else strategies):   # a plain view costs nothing
             key = op_cost_args(info, s, shape, rule, node.target, work)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
