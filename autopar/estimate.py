@@ -272,20 +272,6 @@ def _grad_sync_once_per_step(problem, by_name, weight: float) -> None:
             e.cost = table(weight)
 
 
-def _needs_grad(cap, nodes) -> dict[str, bool]:
-    kinds = {name: slot.kind for name, slot in cap.inputs.items()}
-    ng: dict[str, bool] = {}
-    for n in nodes:
-        k = kinds.get(n.name)
-        if k is not None:
-            ng[n.name] = k == "param"
-            continue
-        metas = tensor_meta(n.meta.get("val")) if n.op != "output" else ()
-        ng[n.name] = bool(metas) and metas[0].dtype.is_floating_point and any(
-            ng.get(a.name, False) for a in n.all_input_nodes)
-    return ng
-
-
 def _scatter_layout(layout, shape, sizes):
     """`layout` with every replicated axis splitting a dim instead (the scatter half of
     scatter/gather), or None if no dim divides evenly."""
@@ -363,13 +349,16 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     nodes = list(cap.gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
     seg_of, layer_segs = _segments(nodes, layers)
-    ng = _needs_grad(cap, nodes)
+    ng = problem.needs_grad
     profile, shape = smesh.profile, smesh.shape
     segs: dict[str, _Seg] = defaultdict(_Seg)
     n_nodes = 0
 
     # compute, per node
     for name, d in problem.decisions.items():
+        if d.kind == "param" and d.work:     # gradients of a parameter's several users summed
+            first = next(u.name for u in by_name[name].users if ng.get(u.name))
+            segs[seg_of.get(first, PRE)].bwd_compute += d.compute_s[choice[d.leader]]
         if d.kind != "op":
             continue
         node, info = by_name[name], infos[name]

@@ -124,3 +124,20 @@ def test_slice_backward_fills_zeros_and_expand_backward_sums():
     slices = [w for w in work.values() if w.in_passes == 1.0]
     assert len(slices) == 2 and all(w.kernels == 2 for w in slices)
     assert any(w.out_passes == 1.0 and w.kernels == 1 for w in work.values())   # the expand
+
+
+class Tied(nn.Module):             # one weight used twice (an autoencoder with tied weights)
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return F.linear(F.linear(x, self.w).tanh(), self.w.t()).sum()
+
+
+def test_a_parameter_used_twice_sums_its_gradients():
+    assert "aten::add" in backward_ops(Tied(), X) or "aten::add_" in backward_ops(Tied(), X)
+    cap = capture(Tied(), (X,))
+    problem = build_problem(cap, annotate(cap.gm), autopar.Mesh((1,), ("dp",), device="a100"))
+    (param,) = [d for d in problem.decisions.values() if d.kind == "param"]
+    assert param.work.sums == 1 and param.compute_s[0] > 0

@@ -19,10 +19,12 @@ runs more kernels than those, and they are memory-bound passes over gradient-siz
 * slice / select / narrow: `slice_backward` fills an input-sized zero tensor and copies the
   gradient into its slice (rotary embeddings' halves, a last-token pick).
 
+A parameter used by several ops (tied embeddings) sums their gradients the same way
+(AccumulateGrad), on its local shard.
+
 `GradWork` counts them per node in passes over the node's local output (gradient) size, over all
-its outputs together (a split's input size) and over its inputs, plus the kernels they launch; `grad_work_time` prices them like any
-memory-bound kernel. Parameters used twice (tied embeddings) accumulate in AccumulateGrad; that
-sum is not priced here (one per tied parameter, per step).
+its outputs together (a split's input size) and over its inputs, plus the kernels they launch;
+`grad_work_time` prices them like any memory-bound kernel.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
-from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time
+from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, liveness, param_state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
@@ -77,6 +77,7 @@ class Problem:
     live: Liveness
     fallbacks: list[str] = field(default_factory=list)
     rep: dict[str, str] = field(default_factory=dict)   # leader -> leader whose variables it shares
+    needs_grad: dict[str, bool] = field(default_factory=dict)   # node -> does its output need a gradient
 
     def n_choices(self, leader: str) -> int:
         return len(self.decisions[leader].strategies)
@@ -241,8 +242,11 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
                 state = [param_state_bytes(meta.nbytes / shard_count(L, shape), optimizer) for L in layouts]
-                decisions[node.name] = Decision(node.name, "param", node.name, strategies, [0.0] * len(layouts),
-                                                [0.0] * len(layouts), state, fqn=slot.target)
+                # a parameter used by several ops (tied embeddings) sums their gradients (AccumulateGrad)
+                work = node_grad_work(node, infos, ng)
+                sums = [gradient_sums_time(work, meta.nbytes / shard_count(L, shape), mesh.profile) for L in layouts]
+                decisions[node.name] = Decision(node.name, "param", node.name, strategies, sums,
+                                                [0.0] * len(layouts), state, fqn=slot.target, work=work)
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
@@ -301,7 +305,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         e.dst_pos = op_pos.get(e.dst, len(op_nodes))
     leaders = [n for n in order if decisions[n].leader == n]
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
-    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep)
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
