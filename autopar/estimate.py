@@ -370,12 +370,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
             seg.runtime += profile.runtime_op_overhead
             n_nodes += 1
-        fwd, bwd = op_cost(op_cost_args(info, s, shape, rule, node.target, d.work), profile)
+        args = op_cost_args(info, s, shape, rule, node.target, d.work)
+        fwd, bwd = op_cost(args, profile)
         seg.fwd_compute += fwd
         if ng[name]:
             # gradients of several consumers are added up where they arrive: book that with the first
             # consumer's segment (a layer's input is summed in that layer, whichever captured it)
-            sums = gradient_sums_time(d.work, info.out[0].nbytes / shard_count(s.output, shape), profile)
+            sums = gradient_sums_time(d.work, args.out_b, profile)
             seg.bwd_compute += bwd - sums
             first = next((u.name for u in node.users if ng.get(u.name)), None)
             segs[seg_of.get(first, seg_of[name])].bwd_compute += sums

@@ -116,16 +116,12 @@ def grad_work_time(work: GradWork, out_bytes: float, all_out_bytes: float, in_by
     """Seconds of `work` on one device, `out_bytes` / `all_out_bytes` / `in_bytes` being the node's local
     (first) output, all its local outputs together and its local inputs: memory-bound passes plus one
     launch per kernel."""
-    if not work:
-        return 0.0
-    passes = work.out_passes + SUM_PASSES * work.sums
-    nbytes = ((passes * out_bytes if passes else 0.0)
+    if not work.kernels:
+        return gradient_sums_time(work, out_bytes, profile)
+    nbytes = ((work.out_passes * out_bytes if work.out_passes else 0.0)
               + (work.all_passes * all_out_bytes if work.all_passes else 0.0)
               + (work.in_passes * in_bytes if work.in_passes else 0.0))
-    kernels = work.kernels + work.sums
-    if is_zero(nbytes):
-        return kernels * profile.kernel_overhead
-    return nbytes / (profile.memory_bandwidth * profile.memory_efficiency) + kernels * profile.kernel_overhead
+    return _passes_time(nbytes, work.kernels, profile) + gradient_sums_time(work, out_bytes, profile)
 
 
 def gradient_sums_time(work: GradWork, out_bytes: float, profile: DeviceProfile) -> float:
@@ -133,5 +129,10 @@ def gradient_sums_time(work: GradWork, out_bytes: float, profile: DeviceProfile)
     consumers' gradients arrive: `autopar.estimate` books it with the first consumer's layer)."""
     if not work.sums:
         return 0.0
-    return (SUM_PASSES * work.sums * out_bytes / (profile.memory_bandwidth * profile.memory_efficiency)
-            + work.sums * profile.kernel_overhead)
+    return _passes_time(SUM_PASSES * work.sums * out_bytes, work.sums, profile)
+
+
+def _passes_time(nbytes: float, kernels: int, profile: DeviceProfile) -> float:
+    """Memory-bound kernels moving `nbytes` in all, one launch each."""
+    t = kernels * profile.kernel_overhead
+    return t if is_zero(nbytes) else nbytes / (profile.memory_bandwidth * profile.memory_efficiency) + t

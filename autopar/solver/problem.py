@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -145,25 +146,36 @@ def edge_legs(problem: Problem, c: ChosenEdge):
     return legs
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target, work: GradWork = NO_GRAD_WORK) -> tuple:
-    """What `op_times` needs to price a node's share of work on one device under strategy s: FLOPs
-    and bytes over the devices sharing the work, dtype, rule family, op name, the bytes it reads
-    and writes (a partial output is whole on each device), whether it is a view (no kernel), and
-    its autograd work with the local sizes that work runs over. Hashable: equal ops price once."""
+class OpCostArgs(NamedTuple):
+    """What `op_times` needs to price a node's share of work on one device under a strategy.
+    Hashable: equal ops (a repeated layer's) price once."""
+    flops: float             # over the devices sharing the work
+    bytes_moved: float
+    dtype: object
+    family: str | None       # the rule's family
+    op: str                  # aten name
+    in_b: float              # bytes it reads on one device
+    out_b: float             # bytes of its (first) output on one device (a partial output is whole)
+    view: bool               # no kernel of its own
+    work: GradWork           # its autograd work, over ...
+    all_out_b: float         # ... all its outputs on one device (when that work needs it)
+
+
+def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target, work: GradWork = NO_GRAD_WORK) -> OpCostArgs:
+    """The `OpCostArgs` of a node under strategy s."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return (info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
-            op_name(target), in_b, out_b, bool(rule and rule.is_view), work, all_out_b)
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
+                      op_name(target), in_b, out_b, bool(rule and rule.is_view), work, all_out_b)
 
 
-def op_cost(args: tuple, profile) -> tuple:
-    """(forward, backward) seconds from `op_cost_args`: the one compute price of the planner and estimate()."""
-    flops, nbytes, dtype, family, op, in_b, out_b, view, work, all_out_b = args
-    fwd, bwd = (0.0, 0.0) if view else op_times(flops, nbytes, dtype, profile, family=family, op=op,
-                                                 in_bytes=in_b, out_bytes=out_b)
-    return fwd, bwd + grad_work_time(work, out_b, all_out_b, in_b, profile)
+def op_cost(a: OpCostArgs, profile) -> tuple:
+    """(forward, backward) seconds: the one compute price of the planner and estimate()."""
+    fwd, bwd = (0.0, 0.0) if a.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=a.family,
+                                                   op=a.op, in_bytes=a.in_b, out_bytes=a.out_b)
+    return fwd, bwd + grad_work_time(a.work, a.out_b, a.all_out_b, a.in_b, profile)
 
 
 def node_grad_work(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> GradWork:
