@@ -68,7 +68,6 @@ from .placement import layout_str
 from .plan import Plan
 from .solver.ilp import solve
 from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost, op_cost_args
-from .strategies import rule_for
 from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
@@ -356,13 +355,12 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
 
     # compute, per node
     for name, d in problem.decisions.items():
-        if d.kind == "param" and d.work:     # gradients of a parameter's several users summed
+        if d.kind == "param" and d.facts.work:     # gradients of a parameter's several users summed
             first = next(u.name for u in by_name[name].users if ng.get(u.name))
             segs[seg_of.get(first, PRE)].bwd_compute += d.compute_s[choice[d.leader]]
         if d.kind != "op":
             continue
         node, info = by_name[name], infos[name]
-        rule = rule_for(node.target)
         s = chosen[name]
         seg = segs[seg_of[name]]
         seg.flops += info.flops
@@ -370,13 +368,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
             seg.runtime += profile.runtime_op_overhead
             n_nodes += 1
-        args = op_cost_args(info, s, shape, rule, node.target, d.work)
+        args = op_cost_args(info, s, shape, d.facts)
         fwd, bwd = op_cost(args, profile)
         seg.fwd_compute += fwd
         if ng[name]:
             # gradients of several consumers are added up where they arrive: book that with the first
             # consumer's segment (a layer's input is summed in that layer, whichever captured it)
-            sums = gradient_sums_time(d.work, args.out_b, profile)
+            sums = gradient_sums_time(d.facts.work, args.out_b, profile)
             seg.bwd_compute += bwd - sums
             first = next((u.name for u in node.users if ng.get(u.name)), None)
             segs[seg_of.get(first, seg_of[name])].bwd_compute += sums

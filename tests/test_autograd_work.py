@@ -75,7 +75,7 @@ def work_of(model, x) -> dict[str, GradWork]:
     cap = capture(model, (x,))
     mesh = autopar.Mesh((1,), ("dp",), device="cpu")
     problem = build_problem(cap, annotate(cap.gm), mesh)
-    return {n: d.work for n, d in problem.decisions.items() if d.kind == "op" and d.work}
+    return {n: d.facts.work for n, d in problem.decisions.items() if d.kind == "op" and d.facts.work}
 
 
 X = torch.randn(2, 4, 8)
@@ -140,4 +140,4 @@ def test_a_parameter_used_twice_sums_its_gradients():
     cap = capture(Tied(), (X,))
     problem = build_problem(cap, annotate(cap.gm), autopar.Mesh((1,), ("dp",), device="a100"))
     (param,) = [d for d in problem.decisions.values() if d.kind == "param"]
-    assert param.work.sums == 1 and param.compute_s[0] > 0
+    assert param.facts.work.sums == 1 and param.compute_s[0] > 0

@@ -2,6 +2,8 @@
 per-op backward factors, mixed-precision state, the optimizer step, and `autopar calibrate`."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -114,6 +116,36 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     # the runtime's and the step's costs, measured (values vary; presence and sign do not)
     assert p.runtime_op_overhead > 0 and p.optimizer_param_overhead > 0 and p.collective_overhead >= 0
     assert p.optimizer_element_time > 0
+    assert p.rng_element_time > 0 and "rng_element_time" in raw["_notes"]    # a CPU's generator is slow
     assert raw["_measured"]["launch"]["ranks"] == 2 and raw["_measured"]["launch"]["cores"] == os.cpu_count()
     assert all(k in raw["_notes"] for k in ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead"))
     assert raw["_measured"]["per_rank"][0]["runtime"]["graph_nodes"] > 0
+
+
+def test_dropout_pays_for_its_random_numbers_where_the_profile_says_so():
+    import torch.nn.functional as F
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    from autopar.solver.problem import build_problem
+
+    class Drop(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.w, self.p = torch.nn.Parameter(torch.randn(64, 64)), p
+
+        def forward(self, x):
+            return F.dropout(x @ self.w, self.p, True).sum()
+
+    x = torch.randn(32, 64)
+
+    def dropout_cost(p, profile):
+        cap = capture(Drop(p), (x,))
+        problem = build_problem(cap, annotate(cap.gm), autopar.Mesh((1,), ("dp",), device=profile))
+        return sum(d.compute_s[0] for n, d in problem.decisions.items() if "dropout" in n)
+
+    cpu = load_profile("cpu")
+    assert cpu.rng_element_time > 0 and load_profile("a100").rng_element_time == 0.0
+    silent = dataclasses.replace(cpu, rng_element_time=0.0)
+    # forward only: the backward multiplies by the saved mask, no new random numbers
+    assert dropout_cost(0.1, cpu) - dropout_cost(0.1, silent) == pytest.approx(32 * 64 * cpu.rng_element_time)
+    assert dropout_cost(0.0, cpu) == dropout_cost(0.0, silent)          # p = 0 draws nothing

@@ -13,6 +13,7 @@ Each figure is the median of several repeats, then the median over ranks.
   with matmul_efficiency = 1 (the figures are achieved rates); the time a small matmul loses
   beyond its ideal time -> matmul_ramp_time;
 * memory bandwidth (y.copy_(x), read + write bytes) -> memory_bandwidth, memory_efficiency = 1;
+* a dropout's time beyond its bytes, per element -> rng_element_time (random numbers);
 * per-op overhead (a 16-element add) -> kernel_overhead;
 * per mesh axis, all_reduce and all_gather as a training step issues them (a compute burst, then
   the runtime's DTensor redistribute, all ranks at once) at 4 KiB, 512 KiB and 2 MiB, fitted to
@@ -103,6 +104,13 @@ def _measure_compute(device: str, quick: bool) -> dict:
     together()
     t = _timeit(lambda: dst.copy_(src), 3 * reps, sync)     # more repeats: ranks sharing cores interleave
     out["memory_bandwidth"] = 2 * nbytes / t
+    # random numbers: a dropout's time beyond the bytes it moves (read x, write y and a 1-byte mask);
+    # a CPU's generator is slow, so a smaller tensor there
+    n_el = (nbytes if device == "cuda" else min(nbytes, 16 * 2 ** 20)) // 4
+    together()
+    # at p = 0.1, the usual training rate: a CPU's sampling is branchy, so its cost depends on p
+    t = _timeit(lambda: torch.ops.aten.native_dropout(src[:n_el], 0.1, True), reps, sync)
+    out["rng_element_time"] = max(t - 9 * n_el / out["memory_bandwidth"], 0.0) / n_el
     if device == "cuda":
         host = torch.empty(nbytes // 4, pin_memory=True)
         t = _timeit(lambda: src.copy_(host, non_blocking=True), reps, sync)
@@ -462,6 +470,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         runtime_op_overhead=med([r["runtime_op_overhead"] for r in rt]),
         optimizer_param_overhead=med([r["optimizer_param_overhead"] for r in rt]),
         optimizer_element_time=med([r["optimizer_element_time"] for r in rt]),
+        rng_element_time=med([c["rng_element_time"] for c in comp]),
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -478,6 +487,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                  "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
                  "come from the base profile " + base_p.name,
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
+        "rng_element_time": "aten.native_dropout(x, 0.1, train=True) of fp32 x (up to 4M elements on CPU), minus "
+                            "the time its bytes (read x, write y and a 1-byte mask) take at memory_bandwidth, per "
+                            "element; median over ranks",
         "collective_overhead": "per collective beyond the ring terms and kernel_overhead: DTensor's redistribute and "
                                "waiting for the peers to be scheduled; holds for the launch in _measured.launch",
         "runtime_op_overhead": f"per node of the rank's graph (LocalOp, Reshard, ToLocal), forward + backward: a "

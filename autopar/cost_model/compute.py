@@ -39,6 +39,7 @@ from .profiles import DeviceProfile
 from .symbolic import is_zero, smax
 
 __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "HIDDEN_OUTPUT_PASSES", "TENSOR_CORE_FAMILIES",
+           "RANDOM_OPS", "random_time",
            "matmul_efficiency_at", "matmul_time", "matmul_backward_time", "optimizer_step_time", "POINTWISE_EFFICIENCY",
            "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
            "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time"]
@@ -89,6 +90,18 @@ BACKWARD_FACTORS: dict[str, float] = {
     "embedding": 1.0,
 }
 _DEFAULT_BACKWARD = 1.0
+
+# Ops that draw a random number per output element (dropout's mask): besides their memory traffic
+# they pay profile.rng_element_time per element, measured by `autopar calibrate` (Philox on GPU runs
+# mostly under the memory traffic; a CPU's generator is ~60x slower than a copy of the same bytes).
+RANDOM_OPS = ("aten.native_dropout", "aten.dropout", "aten.bernoulli", "aten.rand_like", "aten.randn_like",
+              "aten.rand", "aten.randn", "aten.randint")
+
+
+def random_time(elements: float, profile: DeviceProfile) -> float:
+    """Seconds to draw `elements` random numbers beyond moving their bytes."""
+    return elements * profile.rng_element_time if profile.rng_element_time else 0.0
+
 
 # Ops that write an input-sized intermediate of their own besides their outputs (passes over what
 # they read): cross-entropy's log-probabilities, kept for its backward.

@@ -100,6 +100,8 @@ class DeviceProfile:
                                            # loop of torch.optim on DTensor parameters)
     optimizer_element_time: float = 0.0    # seconds per local parameter element per optimizer step, measured
                                            # (0: the memory-bound fused-kernel figure of cost_model.compute)
+    rng_element_time: float = 0.0          # seconds per random number an op draws (dropout's mask) beyond its
+                                           # memory traffic (0: generated under the memory traffic)
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -113,7 +115,7 @@ class DeviceProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
         for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
-                  "optimizer_param_overhead", "optimizer_element_time"):
+                  "optimizer_param_overhead", "optimizer_element_time", "rng_element_time"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0")
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
+from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, liveness, param_state_bytes
 from ..errors import ShardingError
@@ -48,7 +49,7 @@ class Decision:
     state_bytes: list[float]           # parameter + grad + optimizer state per device
     fallback: bool = False             # unknown op: replicated
     fqn: str | None = None
-    work: GradWork = NO_GRAD_WORK      # autograd work of its backward beyond its own kernel
+    facts: OpFacts | None = None       # an op's pricing facts; a parameter's gradient sums (facts.work)
 
 
 @dataclass(slots=True)
@@ -146,36 +147,67 @@ def edge_legs(problem: Problem, c: ChosenEdge):
     return legs
 
 
+@dataclass(frozen=True, slots=True)
+class OpFacts:
+    """What pricing needs to know of a node besides its sizes and strategy: found once per node
+    (`op_facts`) and kept on its Decision, so the planner, estimate() and benchmarks price alike."""
+    family: str | None = None        # its rule's family (None: no rule)
+    op: str = ""                     # aten name
+    view: bool = False               # no kernel of its own
+    work: GradWork = NO_GRAD_WORK    # autograd work of its backward beyond its own kernel
+    random: bool = False             # draws a random number per output element (`draws_random`)
+
+
+NO_FACTS = OpFacts()
+
+
+def op_facts(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> OpFacts:
+    rule = rule_for(node.target)
+    return OpFacts(rule.family if rule else None, op_name(node.target), bool(rule and rule.is_view),
+                   node_grad_work(node, infos, ng), draws_random(node))
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Does the op draw random numbers when it runs (a dropout with p > 0 in training, rand*, bernoulli)?"""
+    op = op_name(node.target)
+    if op not in RANDOM_OPS:
+        return False
+    if op in ("aten.native_dropout", "aten.dropout"):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(train) and p != 0
+    return True
+
+
 class OpCostArgs(NamedTuple):
     """What `op_times` needs to price a node's share of work on one device under a strategy.
     Hashable: equal ops (a repeated layer's) price once."""
     flops: float             # over the devices sharing the work
     bytes_moved: float
     dtype: object
-    family: str | None       # the rule's family
-    op: str                  # aten name
     in_b: float              # bytes it reads on one device
     out_b: float             # bytes of its (first) output on one device (a partial output is whole)
-    view: bool               # no kernel of its own
-    work: GradWork           # its autograd work, over ...
-    all_out_b: float         # ... all its outputs on one device (when that work needs it)
+    all_out_b: float         # all its outputs on one device (when its autograd work needs it)
+    facts: OpFacts
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, rule, target, work: GradWork = NO_GRAD_WORK) -> OpCostArgs:
+def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts) -> OpCostArgs:
     """The `OpCostArgs` of a node under strategy s."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
-    all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if work.all_passes else 0.0
+    all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, rule.family if rule else None,
-                      op_name(target), in_b, out_b, bool(rule and rule.is_view), work, all_out_b)
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts)
 
 
 def op_cost(a: OpCostArgs, profile) -> tuple:
     """(forward, backward) seconds: the one compute price of the planner and estimate()."""
-    fwd, bwd = (0.0, 0.0) if a.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=a.family,
-                                                   op=a.op, in_bytes=a.in_b, out_bytes=a.out_b)
-    return fwd, bwd + grad_work_time(a.work, a.out_b, a.all_out_b, a.in_b, profile)
+    f = a.facts
+    fwd, bwd = (0.0, 0.0) if f.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=f.family,
+                                                   op=f.op, in_bytes=a.in_b, out_bytes=a.out_b)
+    if f.random:
+        fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
+    return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
 
 
 def node_grad_work(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> GradWork:
@@ -258,7 +290,8 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 work = node_grad_work(node, infos, ng)
                 sums = [gradient_sums_time(work, meta.nbytes / shard_count(L, shape), mesh.profile) for L in layouts]
                 decisions[node.name] = Decision(node.name, "param", node.name, strategies, sums,
-                                                [0.0] * len(layouts), state, fqn=slot.target, work=work)
+                                                [0.0] * len(layouts), state, fqn=slot.target,
+                                                facts=OpFacts(op="param", work=work))
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
@@ -292,9 +325,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             if all(f is not None for f in follow) and src.kind == "op":
                 leader, strategies = src.leader, follow
         compute = []
-        work = node_grad_work(node, infos, ng)
-        for s in ([] if is_view[node.name] and not work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, rule, node.target, work)
+        facts = op_facts(node, infos, ng)
+        for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
+            key = op_cost_args(info, s, shape, facts)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -303,7 +336,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
                for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
-                                        fallback=rule is None, work=work)
+                                        fallback=rule is None, facts=facts)
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
