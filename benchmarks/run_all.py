@@ -24,6 +24,7 @@ RUNS = [
     # issue 4: the cost model against Megatron-LM's Table 1, and against this machine (4 gloo ranks)
     ["bench_megatron.py"],
     ["bench_cpu_plans.py"],
+    ["bench_kernels.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],
