@@ -158,9 +158,6 @@ class OpFacts:
     random: bool = False             # draws a random number per output element (`draws_random`)
 
 
-NO_FACTS = OpFacts()
-
-
 def op_facts(node: fx.Node, infos: Mapping[str, NodeInfo], ng: Mapping[str, bool]) -> OpFacts:
     rule = rule_for(node.target)
     return OpFacts(rule.family if rule else None, op_name(node.target), bool(rule and rule.is_view),
