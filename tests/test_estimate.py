@@ -131,10 +131,10 @@ def test_pipeline_arithmetic():
 
 
 # -- Megatron-LM Table 1, first rows (the full table: benchmarks/bench_megatron.py) ---------------------
-# The target is every row within 15% (docs/cost_model.md). Row 5 (39.1B, +6%) meets it; row 1 (1.7B)
-# does not (+16.6%: the residual of the small models, see the doc), so its test holds it where it
-# is: a change in either direction fails it.
-@pytest.mark.parametrize("row,low,high", [(0, 0.13, 0.20), (4, -0.15, 0.15)])
+# The target is every row within 15% and a median within 7% (docs/cost_model.md). Row 5 (39.1B,
+# +4.2%) meets it; row 1 (1.7B, +14.1%) is inside 15% by a point (the residual of the small
+# models, see the doc), so its test holds it where it is: a change of 2 points either way fails it.
+@pytest.mark.parametrize("row,low,high", [(0, 0.12, 0.16), (4, -0.15, 0.15)])
 def test_megatron_rows_are_priced_with_megatrons_own_flop_count(row, low, high):
     import bench_megatron as bm
     r = bm.price_row(bm.ROWS[row])
