@@ -114,15 +114,22 @@ def measure(fn, shapes, dtype, device: str, repeat: int) -> tuple[float, float]:
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _shipped_profile(device_name: str) -> str:
+    for name in ("h200", "h100", "a100"):
+        if name in device_name.lower():
+            return name
+    raise SystemExit(f"no shipped profile for {device_name!r}: pass --profile (autopar calibrate writes one)")
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--profile", default=None, help="device profile to predict with (default: h100 on "
-                    "GPU, cpu on CPU; pass a calibrated JSON for this machine)")
+    ap.add_argument("--profile", default=None, help="device profile to predict with (default: the shipped "
+                    "profile named in the GPU's name, a100/h100/h200, or cpu; or a calibrated JSON)")
     ap.add_argument("--repeat", type=int, default=20)
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
-    profile = a.profile or ("h100" if gpu else "cpu")
+    profile = a.profile or (_shipped_profile(torch.cuda.get_device_name()) if gpu else "cpu")
     dtype = torch.float16 if gpu else torch.float32
     results = []
     for name, (fn, shapes) in cases(gpu).items():
