@@ -353,11 +353,16 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     segs: dict[str, _Seg] = defaultdict(_Seg)
     n_nodes = 0
 
+    def book_sums(name: str, seconds: float) -> None:
+        """Gradients of a node's several consumers are added up where they arrive: book that with the
+        first consumer's segment (a layer's input is summed in that layer, whichever captured it)."""
+        first = next((u.name for u in by_name[name].users if ng.get(u.name)), None)
+        segs[seg_of.get(first, seg_of.get(name, PRE))].bwd_compute += seconds
+
     # compute, per node
     for name, d in problem.decisions.items():
-        if d.kind == "param" and d.facts.work:     # gradients of a parameter's several users summed
-            first = next(u.name for u in by_name[name].users if ng.get(u.name))
-            segs[seg_of.get(first, PRE)].bwd_compute += d.compute_s[choice[d.leader]]
+        if d.kind == "param" and d.facts.work:     # a parameter's cost is its gradient sums (tied weights)
+            book_sums(name, d.compute_s[choice[d.leader]])
         if d.kind != "op":
             continue
         node, info = by_name[name], infos[name]
@@ -372,12 +377,9 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         fwd, bwd = op_cost(args, profile)
         seg.fwd_compute += fwd
         if ng[name]:
-            # gradients of several consumers are added up where they arrive: book that with the first
-            # consumer's segment (a layer's input is summed in that layer, whichever captured it)
             sums = gradient_sums_time(d.facts.work, args.out_b, profile)
             seg.bwd_compute += bwd - sums
-            first = next((u.name for u in node.users if ng.get(u.name)), None)
-            segs[seg_of.get(first, seg_of[name])].bwd_compute += sums
+            book_sums(name, sums)
 
     # resharding, per edge; gradient sync of parameters, per parameter and axis
     grad_wire: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)   # param -> (axis, kind) -> bytes
