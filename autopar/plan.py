@@ -4,6 +4,19 @@ A plan says, for every node of the captured graph, the layout (one DTensor place
 mesh axis) of each tensor input and of the output, plus what it costs. It serializes to
 JSON, loads back, diffs against another plan, prints a report, and is applied by
 `autoparallelize(..., plan=...)` without solving again.
+
+Besides layouts, a plan says what happens to memory (one dict per decision family, keyed so a
+person can read them):
+
+* `recompute`: layer path ("blocks.3", "model.layers.0") -> "none" | "selective" | "full":
+  what the layer's forward keeps for its backward (`RECOMPUTE_MODES`);
+* `residency`: parameter FQN -> "keep" | "regather": whether a parameter gathered for use keeps
+  its gathered copy from the forward to the backward, or frees it after the forward and gathers
+  it again in the backward (FSDP's `reshard_after_forward`, ZeRO-3);
+* `offload`: "activations:<layer>" (tensors the layer saves for the backward) or
+  "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
+  step) -> "device" | "host" | "disk" (`TIERS`).
+A layer or parameter missing from a dict takes the first mode ("none", "keep", "device").
 """
 from __future__ import annotations
 
@@ -12,7 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+RESIDENCY_MODES = ("keep", "regather")
+TIERS = ("device", "host", "disk")
+OFFLOAD_CLASSES = ("activations", "optimizer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +121,9 @@ class Plan:
     version: int = PLAN_FORMAT_VERSION
     scaling: Scaling = field(default_factory=lambda: Scaling(unavailable="not computed"))
     timings: Timings = field(default_factory=Timings, compare=False)
+    recompute: dict[str, str] = field(default_factory=dict)     # layer path -> RECOMPUTE_MODES
+    residency: dict[str, str] = field(default_factory=dict)     # parameter FQN -> RESIDENCY_MODES
+    offload: dict[str, str] = field(default_factory=dict)       # "<class>:<layer or FQN>" -> TIERS
 
     # -- lookups -------------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -165,7 +186,8 @@ class Plan:
                    placements={k: tuple(v) for k, v in d["placements"].items()},
                    estimate=Estimate(**d["estimate"]), solver=SolverInfo(**d["solver"]),
                    fallbacks=list(d["fallbacks"]), version=d["version"],
-                   scaling=_scaling_from(d.get("scaling")))
+                   scaling=_scaling_from(d.get("scaling")), recompute=dict(d["recompute"]),
+                   residency=dict(d["residency"]), offload=dict(d["offload"]))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

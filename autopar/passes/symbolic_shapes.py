@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..compat import pytree, sym_expr, sym_hint
 from ..cost_model.symbolic import BATCH, SEQ, SymbolicUnavailable
-from ..solver.layers import layer_of, module_path
+from .layers import layer_of, module_path
 from .capture import Captured, capture
 from .shape_prop import NodeInfo, TensorMeta, count_flops_at
 

@@ -11,33 +11,14 @@ input/output shapes and dtypes, constant arguments and which in-layer node feeds
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch.fx as fx
 
 from ..passes.capture import Captured
+from ..passes.layers import layer_of, module_path
 from ..passes.shape_prop import tensor_meta
 from ..strategies import op_name
-
-_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def layer_of(path: str) -> tuple[str, int, str] | None:
-    """'blocks.7.attn.qkv' -> ('blocks', 7, 'attn.qkv')."""
-    m = _LAYER.match(path)
-    if not m:
-        return None
-    return m.group(1), int(m.group(2)), path[m.end():]
-
-
-def module_path(node: fx.Node, cap: Captured) -> str:
-    """The module a node comes from ("blocks.7.attn.qkv"); a parameter's own name for its placeholder."""
-    slot = cap.inputs.get(node.name)
-    if slot is not None:
-        return str(slot.target) if slot.kind == "param" else ""
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else ""
 
 
 def _signature(node: fx.Node, rest: str, index: dict[str, int]) -> tuple:
