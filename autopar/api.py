@@ -20,7 +20,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
          memory_budget: float | None = None, pins: Mapping[str, Sequence[str]] | None = None,
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
          time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
-         symbolic: bool = True) -> Plan:
+         symbolic: bool = True, recompute: str = "auto", residency: str = "auto", offload: str = "auto",
+         precision: str = "auto") -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -33,10 +34,19 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
     symbolic: also price the plan as a function of batch size and sequence length (`plan.estimate_at`,
         `plan.largest_batch`, the report's scaling table); costs one more trace of the model.
+    recompute: activation recomputation per layer: "auto" (the solver chooses), "none", "selective"
+        (keep matmul outputs, recompute the rest) or "full" (`plan.recompute`).
+    residency: a gathered parameter copy is kept to the backward or freed and gathered again:
+        "auto", "keep" or "regather" (FSDP / ZeRO-3; `plan.residency`).
+    offload: saved activations and optimizer state (step on the host) on "device", "host" or "disk":
+        "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
+    precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
+        16-bit parameters), "same" (all in the parameter dtype) or "mixed".
     """
     opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
                        sharded_outputs, optimizer, time_limit, **({} if progress is None else {"progress": progress}),
-                       cache_dir=cache_dir, symbolic=symbolic)
+                       cache_dir=cache_dir, symbolic=symbolic, recompute=recompute, residency=residency,
+                       offload=offload, precision=precision)
     return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
 
 

@@ -27,3 +27,8 @@ class InfeasibleError(AutoparError):
 
 class PlanMismatchError(AutoparError):
     """A saved plan does not belong to this model, inputs or mesh."""
+
+
+class PlanOptionError(AutoparError, ValueError):
+    """A planning option has a value autopar does not know, or one the mesh cannot serve
+    (e.g. offload to a tier the device profile does not have)."""

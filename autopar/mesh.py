@@ -11,6 +11,7 @@ node, then across nodes: `cost_model.profiles.HierarchicalLink`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,10 @@ class AxisInfo:
 
 class Mesh:
     def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None,
-                 device: str | DeviceProfile = "h100"):
+                 device: str | DeviceProfile = "h100", *, host_memory: float | None = None,
+                 disk: float | None = None):
+        """host_memory / disk: bytes per device of the offload tiers, overriding the profile's
+        (0 takes a tier away)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
             raise MeshError(f"mesh shape {shape!r} must be a non-empty tuple of positive ints, e.g. (2, 4)")
@@ -47,6 +51,12 @@ class Mesh:
             self.profile = load_profile(device)
         except ValueError as e:
             raise MeshError(str(e)) from None
+        for what, value, field_name in (("host_memory", host_memory, "host_memory_capacity"),
+                                        ("disk", disk, "disk_capacity")):
+            if value is not None:
+                if not value >= 0:
+                    raise MeshError(f"{what}={value!r}: give bytes per device, >= 0")
+                self.profile = dataclasses.replace(self.profile, **{field_name: float(value)})
         self.shape: tuple[int, ...] = shape
         self.axis_names: tuple[str, ...] = axis_names
         self.axes: tuple[AxisInfo, ...] = tuple(self._axis_info(i) for i in range(len(shape)))

@@ -42,6 +42,9 @@ class Estimate:
     param_state_bytes: float          # parameters + gradients + optimizer state, per device
     activation_bytes: float           # activations live at the peak, per device
     comm_bytes_per_axis: dict[str, float] = field(default_factory=dict)
+    family_s: dict[str, float] = field(default_factory=dict)      # seconds added by recompute, residency, offload
+    tier_bytes: dict[str, float] = field(default_factory=dict)    # bytes per device held in "host" and "disk"
+    freed_bytes: dict[str, float] = field(default_factory=dict)   # bytes each family frees at the peak point
 
 
 @dataclass(frozen=True, slots=True)

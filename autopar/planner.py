@@ -5,11 +5,11 @@ import hashlib
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import InfeasibleError
+from .errors import InfeasibleError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
@@ -18,7 +18,9 @@ from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
 from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .plan_cache import PlanCache
 from .scaling import build_scaling
-from .solver.ilp import evaluate, solve
+from .solver.decisions import add_families
+from .solver.evaluate import chosen_options, effective_options, evaluate
+from .solver.ilp import min_memory, solve
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 from .strategies import op_name, rule_for
 
@@ -34,12 +36,21 @@ class PlanOptions:
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())   # a line every 5 s of solving
     cache_dir: str | None = None                # reuse plans solved before (see plan_cache.py)
     symbolic: bool = True                       # price the plan in B and S too (Plan.estimate_at; scaling.py)
+    recompute: str = "auto"                     # "auto" | "none" | "selective" | "full"
+    residency: str = "auto"                     # "auto" | "keep" | "regather"
+    offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
+    precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
                 "pins": {k: list(v) for k, v in sorted((self.pins or {}).items())},
                 "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
-                "optimizer": self.optimizer, "symbolic": self.symbolic}
+                "optimizer": self.optimizer, "symbolic": self.symbolic, "recompute": self.recompute,
+                "residency": self.residency, "offload": self.offload, "precision": self.precision}
+
+    @property
+    def frees_activations(self) -> bool:
+        return self.recompute != "none" or self.offload != "none"
 
 
 def fingerprint(cap: Captured) -> str:
@@ -73,13 +84,15 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
 
 def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
     infos = annotate(cap.gm)
-    problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
-                            batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
+    problem = _problem(cap, infos, mesh, opts)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
-    result = solve(problem, budget, opts.time_limit, progress=opts.progress)
-    plan = assemble(cap, problem, result.choice, mesh, opts)
+    try:
+        result = solve(problem, budget, opts.time_limit, progress=opts.progress)
+    except InfeasibleError as e:
+        raise _with_hint(e, cap, infos, mesh, opts) from None
+    plan = assemble(cap, problem, result.choice, mesh, opts, result.options)
     t_scaling = time.perf_counter()
-    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source)
+    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
     t_scaling = time.perf_counter() - t_scaling
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
@@ -88,9 +101,40 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
     return plan
 
 
-def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions) -> Plan:
-    """Turn a choice per decision into a Plan with per-node layouts, collectives and estimates."""
-    compute, comm, peak, state = evaluate(problem, choice)
+def _problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:
+    """The planning problem: the layout family, then the others as the options allow."""
+    problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
+                            sharded_outputs=opts.sharded_outputs, precision=opts.precision,
+                            saved_frees=opts.frees_activations)
+    try:
+        return add_families(problem, recompute_mode=opts.recompute, residency_mode=opts.residency,
+                            offload_mode=opts.offload)
+    except ValueError as e:
+        raise PlanOptionError(str(e)) from None
+
+
+def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> InfeasibleError:
+    """Say which memory families, if the options forbid any, would lower the minimum, and to what."""
+    fixed = {k: getattr(opts, k) for k in ("recompute", "residency", "offload") if getattr(opts, k) != "auto"}
+    if not fixed or e.min_memory_bytes is None:
+        return e
+    free = replace(opts, **dict.fromkeys(fixed, "auto"))
+    need = min_memory(_problem(cap, infos, mesh, free))
+    if need >= e.min_memory_bytes * (1 - 1e-9):
+        return InfeasibleError(f"{e} Allowing {', '.join(f'{k}=auto' for k in fixed)} would not lower that.",
+                               e.min_memory_bytes)
+    return InfeasibleError(f"{e} With {', '.join(f'{k}=auto' for k in fixed)} (instead of "
+                           f"{', '.join(f'{k}={v!r}' for k, v in fixed.items())}) it needs {need / 2**30:.3f} GiB.",
+                           e.min_memory_bytes)
+
+
+def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions,
+             options: Mapping[str, int] | None = None) -> Plan:
+    """Turn a choice per decision (and an option per family group) into a Plan with per-node layouts,
+    collectives, memory decisions and estimates."""
+    options = effective_options(problem, choice, options or {})
+    ev = evaluate(problem, choice, options)
+    compute, comm, peak, state = ev.compute_s, ev.comm_s, ev.peak_bytes, ev.state_bytes
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     collectives: dict[str, list[Collective]] = {}
@@ -105,7 +149,8 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
                     collectives.setdefault(e.dst, []).append(
                         Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
     act_peak = max(peak - state, 0.0)
-    estimate = Estimate(compute + comm, compute, comm, peak, state, act_peak, per_axis)
+    estimate = Estimate(ev.step_s, compute, comm, peak, state, act_peak, per_axis, dict(ev.family_s),
+                        dict(ev.tiers), dict(ev.freed_bytes))
     nodes = []
     placements = {}
     for node in cap.gm.graph.nodes:
@@ -131,14 +176,20 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
                               layout_str(s.output), tuple(s.labels) or tuple("-" for _ in mesh.shape), executor,
                               d.compute_s[choice[d.leader]], tuple(collectives.get(node.name, ())), d.fallback))
     fallbacks = [f"{n} ({op_name(by_name[n].target)})" for n in problem.fallbacks]
+    decided = chosen_options(problem.families, options)
     return Plan(cap.model_name, fingerprint(cap), mesh.to_dict(), opts.to_dict(), nodes, placements, estimate,
-                SolverInfo("none", "unsolved", 0, 0, compute + comm, len(problem.leaders), len(problem.order)),
-                fallbacks)
+                SolverInfo("none", "unsolved", 0, 0, ev.step_s, len(problem.leaders), len(problem.order)),
+                fallbacks, recompute=decided.get("recompute", {}), residency=decided.get("residency", {}),
+                offload=decided.get("offload", {}))
 
 
-def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source) -> Scaling:
+def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
     if not opts.symbolic:
         return Scaling(unavailable="not asked for (symbolic=False)")
+    used = sorted({v for d in (plan.recompute, plan.residency, plan.offload) for v in d.values()}
+                  - {"none", "keep", "device"})
+    if used:
+        return Scaling(unavailable=f"symbolic costs cover layouts only, and this plan also uses {', '.join(used)}")
     if source is None:
         return Scaling(unavailable="the graph was given without its model (torch.compile)")
     try:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 from .cost_model.symbolic import Poly2, compile_expr, ssum
 from .errors import PlanMismatchError
 from .plan import Estimate, Scaling
-from .solver.ilp import comm_total, compute_total, memory_points
+from .solver.evaluate import comm_total, compute_total, memory_points
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 
 __all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]

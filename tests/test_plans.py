@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
-from autopar.solver.ilp import evaluate, solve  # noqa: E402
+from autopar.solver.evaluate import evaluate
+from autopar.solver.ilp import solve  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from models import GPT, MLP, Block  # noqa: E402
 
@@ -81,10 +82,10 @@ def test_ilp_equals_exhaustive_search(mesh_shape):
     ilp = solve(problem, memory_budget=float("inf"))
     sizes = [problem.n_choices(l) for l in problem.leaders]
     assert 100 < math.prod(sizes) < 2.5e5, sizes
-    best = min(sum(evaluate(problem, dict(zip(problem.leaders, c)))[:2])
+    best = min(evaluate(problem, dict(zip(problem.leaders, c))).step_s
                for c in itertools.product(*(range(s) for s in sizes)))
     assert ilp.objective == pytest.approx(best, rel=1e-6)
-    assert sum(evaluate(problem, ilp.choice)[:2]) == pytest.approx(best, rel=1e-6)
+    assert evaluate(problem, ilp.choice).step_s == pytest.approx(best, rel=1e-6)
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -129,7 +130,7 @@ def test_peak_memory_comes_from_liveness():
 def test_collective_output_counts_while_its_consumer_runs():
     """A resharded copy the consumer does not keep (here: the batch-split output gathered whole
     for the caller) is a temporary: it adds its bytes at the consumer's liveness point only."""
-    from autopar.solver.ilp import memory_points
+    from autopar.solver.evaluate import memory_points
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     cap = capture(model, (torch.randn(64, 64),))
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
@@ -148,15 +149,15 @@ def test_collective_output_counts_while_its_consumer_runs():
     assert with_temp[-1] - without[-1] == 64 * 64 * 4           # the whole output, at the end of the forward
     assert with_temp[:-1] == without[:-1]
     peak = max(with_temp)
-    assert math.isclose(evaluate(p, choice)[2], peak, rel_tol=1e-12)
-    # the ILP's memory rows count it too: with every layout pinned to this plan, a budget half the
-    # temporary below its peak (above the peak without it) is infeasible, one at the peak is not
+    assert math.isclose(evaluate(p, choice).peak_bytes, peak, rel_tol=1e-12)
+    # the ILP's memory rows count it too: with every layout pinned to this plan (and no memory family
+    # to free anything), a budget half the temporary below its peak (above the peak without it) is
+    # infeasible, one at the peak is not
     pins = {n.name: ("S(0)",) for n in cap.gm.graph.nodes if n.op == "call_function"}
     pins.update({"*.weight": ("R",), "*.bias": ("R",)})
     inputs = (torch.randn(64, 64),)
-    ok = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pins=pins, memory_budget=peak * (1 + 1e-6),
-                      symbolic=False)
+    fixed = dict(batch_axes=("dp",), pins=pins, symbolic=False, recompute="none", offload="none")
+    ok = autopar.plan(model, inputs, mesh, memory_budget=peak * (1 + 1e-6), **fixed)
     assert math.isclose(ok.estimate.peak_memory_bytes, peak, rel_tol=1e-12)
     with pytest.raises(autopar.InfeasibleError):
-        autopar.plan(model, inputs, mesh, batch_axes=("dp",), pins=pins, memory_budget=peak - 64 * 64 * 4 / 2,
-                     symbolic=False)
+        autopar.plan(model, inputs, mesh, memory_budget=peak - 64 * 64 * 4 / 2, **fixed)

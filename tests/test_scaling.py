@@ -19,7 +19,7 @@ from autopar.passes.shape_prop import annotate  # noqa: E402
 from autopar.placement import parse_layout  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from autopar.scaling import _batch_step  # noqa: E402
-from autopar.solver.ilp import evaluate  # noqa: E402
+from autopar.solver.evaluate import evaluate  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from autopar.strategies.strategy import Strategy  # noqa: E402
 from dist_checks import shard_happy_profile  # noqa: E402
@@ -39,9 +39,13 @@ def price_layouts_at(plan: Plan, model, inputs, mesh, batch_axes=None):
             continue
         only[n.name] = Strategy(tuple(parse_layout(i) for i in n.inputs), parse_layout(n.output), n.labels)
     p = build_problem(cap, annotate(cap.gm), mesh, only=only, batch_axes=batch_axes)
-    compute, comm, peak, state = evaluate(p, {k: 0 for k in p.decisions})
+    ev = evaluate(p, {k: 0 for k in p.decisions})
+    compute, comm, peak, state = ev.compute_s, ev.comm_s, ev.peak_bytes, ev.state_bytes
     return compute, comm, peak, state
 
+
+# symbolic costs cover the layout family; the memory families are fixed to their defaults
+LAYOUTS_ONLY = dict(recompute="none", offload="none", residency="keep")
 
 CASES = [
     # name, model builder, (batch, seq) planned, (batch, seq) re-priced, mesh, batch_axes
@@ -62,7 +66,8 @@ def test_estimate_at_equals_repricing_at_new_sizes(name, build, planned, others,
     mesh = autopar.Mesh(mesh_spec[0], mesh_spec[1], device=shard_happy_profile() if len(mesh_spec[0]) < 3 else "cpu")
     b0, s0 = planned
     plan = autopar.plan(model, gpt_inputs(batch=b0, seq=s0, vocab=64), mesh, batch_axes=batch_axes,
-                        time_limit=10)   # any plan will do: the test compares two ways of pricing it
+                        time_limit=10,   # any plan will do: the test compares two ways of pricing it
+                        **LAYOUTS_ONLY)
     assert not plan.scaling.unavailable, plan.scaling.unavailable
     # splits really vary with the sizes (the test would be weak on an all-replicated plan)
     assert plan.scaling.divisible, "expected a plan that splits a batch or sequence dim"
@@ -86,7 +91,7 @@ def test_scaling_survives_json_and_reports_a_table(tmp_path):
     model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=2)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
     plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",),
-                        memory_budget=2**30)
+                        memory_budget=2**30, **LAYOUTS_ONLY)
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
     assert loaded.estimate_at(batch=32, seq=8) == plan.estimate_at(batch=32, seq=8)
@@ -103,7 +108,7 @@ def test_scaling_survives_json_and_reports_a_table(tmp_path):
 def test_estimate_at_rejects_sizes_the_plan_cannot_split():
     model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=2)
     mesh = autopar.Mesh((4,), ("dp",), device=shard_happy_profile())
-    plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",))
+    plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",), **LAYOUTS_ONLY)
     with pytest.raises(PlanMismatchError, match="divide evenly"):
         plan.estimate_at(batch=6)
     with pytest.raises(ValueError):

@@ -102,6 +102,12 @@ class DeviceProfile:
                                            # (0: the memory-bound fused-kernel figure of cost_model.compute)
     rng_element_time: float = 0.0          # seconds per random number an op draws (dropout's mask) beyond its
                                            # memory traffic (0: generated under the memory traffic)
+    # Offload tiers, per device (0 capacity: the tier is not there; `Mesh(host_memory=, disk=)` overrides):
+    host_memory_capacity: float = 0.0      # bytes of host memory this device may fill (its share of the node's)
+    disk_capacity: float = 0.0             # bytes of local disk (NVMe) this device may fill
+    disk_link: Link = Link(1e9, 100e-6)    # device <-> disk, bytes/s one direction and seconds per request
+    host_optimizer_element_time: float = 0.0   # seconds per parameter element of an optimizer step run on the
+                                               # host (ZeRO-Offload's CPU Adam), this device's share of its cores
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -115,7 +121,8 @@ class DeviceProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
         for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
-                  "optimizer_param_overhead", "optimizer_element_time", "rng_element_time"):
+                  "optimizer_param_overhead", "optimizer_element_time", "rng_element_time", "host_memory_capacity",
+                  "disk_capacity", "host_optimizer_element_time"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0")
 
@@ -139,15 +146,16 @@ def _from_dict(d: Mapping[str, Any], origin: str = "<dict>") -> DeviceProfile:
     unknown, missing = set(d) - names, names - set(d) - optional
     if unknown or missing:
         raise ValueError(f"profile {origin}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-    for k in ("host_link", "intra_node", "inter_node"):
-        d[k] = Link(**d[k])
+    for k in ("host_link", "intra_node", "inter_node", "disk_link"):
+        if k in d:
+            d[k] = Link(**d[k])
     return DeviceProfile(**d)
 
 
 def _to_dict(p: DeviceProfile) -> dict[str, Any]:
     d = {f.name: getattr(p, f.name) for f in fields(DeviceProfile)}
     d["peak_flops"] = dict(p.peak_flops)
-    for k in ("host_link", "intra_node", "inter_node"):
+    for k in ("host_link", "intra_node", "inter_node", "disk_link"):
         d[k] = {"bandwidth": d[k].bandwidth, "latency": d[k].latency}
     return d
 

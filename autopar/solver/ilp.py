@@ -23,6 +23,11 @@ budget.
 (B) and (C) make y the product x[src,i] x[dst,j] aggregated over layout classes, which
 linearises the edge cost exactly when x is integral. An edge with one class on either side
 is linear in the other side's x and needs no y. Pins remove choices before the ILP.
+
+The other decision families (recomputation, residency, offload) add option variables g, gated
+cost terms w, freed bytes z and tier bytes v, rows (G)-(L): `ilp_terms.py` states them. (D) then
+also has one row per backward row of a family (a recomputed layer's backward) and subtracts the
+bytes freed at each point; the objective adds the families' seconds.
 """
 from __future__ import annotations
 
@@ -30,12 +35,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
 from ..errors import InfeasibleError
-from ..cost_model.symbolic import smax, ssum
+from .evaluate import evaluate
+from .ilp_terms import FamilyTerms
 from .problem import Problem
 
 GIB = float(2**30)
@@ -51,6 +57,7 @@ class SolveResult:
     n_variables: int
     n_constraints: int
     gap: float = 0.0          # relative MIP gap proven at the stop (0 when optimal)
+    options: dict[str, int] = field(default_factory=dict)   # family group -> chosen option
 
 
 def pick_solver(time_limit: float | None):
@@ -80,6 +87,7 @@ class StrategyILP:
         self.temp_bytes: dict[tuple, pulp.LpVariable] = {}   # (F) per group: bytes of its temporary copy
         self.add_one_choice()
         self.add_edges()
+        self.terms = FamilyTerms(self)
 
     def var(self, leader: str) -> list:
         return self.x[self.rep[leader]]
@@ -160,6 +168,7 @@ class StrategyILP:
         self._node_terms(coef, "compute_s", self.p.decisions)
         for k, e in enumerate(self.p.edges):
             self.add_edge_terms(coef, k, e.cost)
+        self.terms.objective_terms(coef)
         return pulp.LpAffineExpression(list(coef.items()))
 
     def memory_rows(self) -> list[pulp.LpAffineExpression]:
@@ -170,6 +179,8 @@ class StrategyILP:
         state: dict = {}
         self._node_terms(state, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
         if not p.live.points:
+            for z in self.terms.freed_at(p.live.last):    # optimizer state offloaded
+                state[z] = state.get(z, 0.0) - GIB
             return [pulp.LpAffineExpression([(v, c / GIB) for v, c in state.items()])]
         acts: dict = {}
         live: set[str] = set()
@@ -205,8 +216,11 @@ class StrategyILP:
             for part in (acts, copies, temps):
                 for v, c in part.items():
                     total[v] = total.get(v, 0.0) + c
-            rows.append(pulp.LpAffineExpression([(v, c / GIB) for v, c in total.items() if abs(c) > 1e-6]))
-        return rows
+            for z in self.terms.freed_at(where):
+                total[z] = total.get(z, 0.0) - GIB    # z is in GiB already
+            rows.append(total)
+        rows += self.terms.backward_rows(rows[-1]).values()
+        return [pulp.LpAffineExpression([(v, c / GIB) for v, c in row.items() if abs(c) > 1e-6]) for row in rows]
 
     def _add_nodes(self, coef: dict, names, sign: float) -> None:
         for name in sorted(names):
@@ -218,6 +232,8 @@ class StrategyILP:
 
     # (D)
     def add_memory(self) -> None:
+        prof = self.p.mesh.profile
+        self.terms.add_tiers({"host": prof.host_memory_capacity, "disk": prof.disk_capacity})
         if self.budget == float("inf"):
             return
         for t, row in enumerate(self.memory_rows()):
@@ -249,23 +265,27 @@ class StrategyILP:
         picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
         choice = {l: picked[self.rep[l]] for l in self.p.leaders}
         return SolveResult(choice, float(pulp.value(self.lp.objective) or 0.0), status, name, secs,
-                           self.lp.numVariables(), self.lp.numConstraints(), gap)
+                           self.lp.numVariables(), self.lp.numConstraints(), gap, self.terms.options())
 
     def fallback(self, status: str, name: str, secs: float) -> SolveResult:
         """The solver stopped with no plan: every decision takes its smallest-memory strategy (the
-        most sharded), so the search always ends with a plan that fits if any simple one does."""
+        most sharded) and every family group its last allowed option (the options are ordered
+        from keeping most to freeing most), so the search always ends with a plan that fits if any
+        simple one does."""
         p = self.p
         choice = {}
         for l in p.leaders:
             members = [d for d in p.decisions.values() if d.leader == l]
             mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
             choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
-        compute, comm, peak, _ = evaluate(p, choice)
-        if peak > self.budget:
+        options = {g.key: g.allowed[-1] for g in p.families.groups}
+        ev = evaluate(p, choice, options)
+        if ev.peak_bytes > self.budget:
             raise InfeasibleError(f"the solver stopped without a plan (status {status}) and the most sharded "
-                                  f"plan needs {peak / GIB:.2f} GiB per device: raise time_limit or memory_budget")
-        return SolveResult(choice, compute + comm, f"Heuristic (solver: {status})", name, secs,
-                           self.lp.numVariables(), self.lp.numConstraints(), float("nan"))
+                                  f"plan needs {ev.peak_bytes / GIB:.2f} GiB per device: raise time_limit or "
+                                  f"memory_budget")
+        return SolveResult(choice, ev.step_s, f"Heuristic (solver: {status})", name, secs,
+                           self.lp.numVariables(), self.lp.numConstraints(), float("nan"), options)
 
 
 def _mip_gap(lp) -> float:
@@ -304,6 +324,7 @@ class _Progress:
 def min_memory(problem: Problem) -> float:
     """The smallest peak per-device memory any plan reaches (ignoring time)."""
     ilp = StrategyILP(problem, memory_budget=float("inf"))
+    ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.lp.add_variable("peak_gib", 0)
     ilp.lp += z
     for t, row in enumerate(ilp.memory_rows()):
@@ -316,38 +337,3 @@ def min_memory(problem: Problem) -> float:
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
           progress: bool = False) -> SolveResult:
     return StrategyILP(problem, memory_budget).solve(time_limit, progress)
-
-
-def evaluate(problem: Problem, choice: Mapping[str, int]) -> tuple[float, float, float, float]:
-    """(compute_s, comm_s, peak_bytes, state_bytes) of a choice, from the same tables the ILP uses.
-    Works on numbers and on sympy expressions alike (a problem priced at symbolic sizes)."""
-    state, points = memory_points(problem, choice)
-    return compute_total(problem, choice), comm_total(problem, choice), smax(state, *points), state
-
-
-def compute_total(p: Problem, choice: Mapping[str, int]):
-    return ssum(d.compute_s[choice[d.leader]] for d in p.decisions.values())
-
-
-def comm_total(p: Problem, choice: Mapping[str, int]):
-    return ssum(e.cost[a][b] for e, a, b in _picked(p, choice))
-
-
-def _picked(p: Problem, choice: Mapping[str, int]):
-    for e in p.edges:
-        a = e.a_of[choice[p.decisions[e.src].leader]]
-        b = 0 if e.dst == "output" else e.b_of[choice[p.decisions[e.dst].leader]]
-        yield e, a, b
-
-
-def memory_points(p: Problem, choice: Mapping[str, int]):
-    """(parameter state bytes, total bytes at each liveness point) under a choice."""
-    picked = [(e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in _picked(p, choice)]
-    state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
-    points = []
-    for live, where in zip(p.live.points, p.live.positions):
-        acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
-        copies = ssum(b for pos, b, _ in picked if pos <= where)
-        temps = ssum(t for pos, _, t in picked if pos == where)
-        points.append(state + acts + copies + temps)
-    return state, points

@@ -25,13 +25,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..cost_model import op_times
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
-from ..cost_model.memory import Liveness, liveness, param_state_bytes
+from ..cost_model.memory import Liveness, liveness, state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
 from ..placement import parse_layout, to_str
 from ..strategies import Strategy, op_name, rule_for
+from ..passes.layers import layer_key, module_path
+from .families import Families
 from .layers import repeated_layers
 from ..strategies.strategy import axis_options, layout_space, node_strategies, parallel_count, shard_count
 
@@ -44,12 +46,15 @@ class Decision:
     kind: str                          # "param" | "input" | "op"
     leader: str
     strategies: list[Strategy]         # aligned with the leader's choice index
-    compute_s: list[float]
+    compute_s: list[float]             # forward + backward seconds per choice
     act_bytes: list[float]             # bytes this node's output adds per device (0 for views)
     state_bytes: list[float]           # parameter + grad + optimizer state per device
     fallback: bool = False             # unknown op: replicated
     fqn: str | None = None
     facts: OpFacts | None = None       # an op's pricing facts; a parameter's gradient sums (facts.work)
+    fwd_s: list[float] = field(default_factory=list)       # forward seconds per choice (part of compute_s)
+    opt_bytes: list[float] = field(default_factory=list)   # optimizer part of state_bytes (offloadable)
+    elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
 
 
 @dataclass(slots=True)
@@ -59,10 +64,11 @@ class EdgeTable:
     slot: int
     a_of: list[int]                    # leader(src) choice -> source layout class
     b_of: list[int]                    # leader(dst) choice -> destination class (one entry for "output")
-    cost: list[list[float]]            # [a][b] seconds
+    cost: list[list[float]]            # [a][b] seconds, forward reshard + the gradient's way back
     saved: list[list[float]]           # [a][b] bytes of a resharded copy the consumer keeps for backward
     dst_pos: int = -1                  # consumer's position in the forward (for liveness)
     temp: list[list[float]] | None = None   # [a][b] bytes of a resharded copy alive only while the consumer runs
+    fwd: list[list[float]] | None = None    # [a][b] seconds of the forward reshard alone
 
     @property
     def keeps_copy(self) -> bool:
@@ -80,6 +86,8 @@ class Problem:
     fallbacks: list[str] = field(default_factory=list)
     rep: dict[str, str] = field(default_factory=dict)   # leader -> leader whose variables it shares
     needs_grad: dict[str, bool] = field(default_factory=dict)   # node -> does its output need a gradient
+    families: Families = field(default_factory=lambda: Families())   # decisions beyond layouts (families.py)
+    layer: dict[str, str] = field(default_factory=dict)  # node -> its layer (`passes.layers.layer_key`)
 
     def n_choices(self, leader: str) -> int:
         return len(self.decisions[leader].strategies)
@@ -239,8 +247,12 @@ def _needs_grad(node: fx.Node, kinds: Mapping[str, str], ng: Mapping[str, bool])
 def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                   pins: Mapping[str, Sequence[str]] | None = None, optimizer: str = "adamw",
                   batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False,
-                  link_layers: bool = True, only: Mapping[str, Strategy] | None = None) -> Problem:
-    """The planning problem of a captured graph.
+                  link_layers: bool = True, only: Mapping[str, Strategy] | None = None,
+                  precision: str = "auto", saved_frees: bool = False) -> Problem:
+    """The planning problem of a captured graph (the layout family; `solver.decisions` adds the others).
+
+    `precision` prices optimizer state (`cost_model.memory.state_bytes`); `saved_frees` adds the
+    liveness points where freeing families (recomputation, offload) lower memory.
 
     `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
     how a chosen plan is re-priced at symbolic sizes (`autopar.scaling`), where `infos` hold
@@ -282,20 +294,23 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                     _check_pin(want, meta, mesh, slot.target)
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
-                state = [param_state_bytes(meta.nbytes / shard_count(L, shape), optimizer) for L in layouts]
+                kept_b, opt_b = state_bytes(meta.dtype.itemsize, optimizer, precision)
+                elems = [meta.nbytes / meta.dtype.itemsize / shard_count(L, shape) for L in layouts]
                 # a parameter used by several ops (tied embeddings) sums their gradients (AccumulateGrad)
                 work = node_grad_work(node, infos, ng)
                 sums = [gradient_sums_time(work, meta.nbytes / shard_count(L, shape), mesh.profile) for L in layouts]
                 decisions[node.name] = Decision(node.name, "param", node.name, strategies, sums,
-                                                [0.0] * len(layouts), state, fqn=slot.target,
-                                                facts=OpFacts(op="param", work=work))
+                                                [0.0] * len(layouts), [e * (kept_b + opt_b) for e in elems],
+                                                fqn=slot.target, facts=OpFacts(op="param", work=work),
+                                                fwd_s=[0.0] * len(layouts), opt_bytes=[e * opt_b for e in elems],
+                                                elements=elems)
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
                 if slot.kind == "input" and batch_idx and only is None:
                     _check_pin(L, meta, mesh, f"input {slot.target} ({node.name})")
                 decisions[node.name] = Decision(node.name, "input", node.name, [Strategy((), L)], [0.0], [0.0],
-                                                [0.0], fqn=str(slot.target))
+                                                [0.0], fqn=str(slot.target), fwd_s=[0.0], opt_bytes=[0.0])
             continue
         if node.op != "call_function" or not info.out:
             continue
@@ -321,7 +336,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             follow = [by_input.get(s.output) for s in (decisions[src.name].strategies)]
             if all(f is not None for f in follow) and src.kind == "op":
                 leader, strategies = src.leader, follow
-        compute = []
+        compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
             key = op_cost_args(info, s, shape, facts)
@@ -329,11 +344,14 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
             compute.append(fwd + (bwd if ng[node.name] else 0.0))
+            forward.append(fwd)
         compute = compute or [0.0] * len(strategies)
+        forward = forward or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
                for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
-                                        fallback=rule is None, facts=facts)
+                                        fallback=rule is None, facts=facts, fwd_s=forward,
+                                        opt_bytes=[0.0] * len(strategies))
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
@@ -341,13 +359,14 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves)
     order = [n.name for n in nodes if n.name in decisions]
     op_nodes = [n for n in nodes if n.name in decisions and decisions[n.name].kind == "op"]
-    live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes])
+    live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes], saved_frees=saved_frees)
     op_pos = {n.name: i for i, n in enumerate(op_nodes)}
     for e in edges:
         e.dst_pos = op_pos.get(e.dst, len(op_nodes))
     leaders = [n for n in order if decisions[n].leader == n]
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
-    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng)
+    layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
@@ -367,8 +386,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps)
         if key not in tables:
             ga = [grad_layout_out(a) for a in a_keys]
-            cost = [[seconds(meta, a, b) + (seconds(meta, gb, g) if grad else 0.0) for (b, gb) in b_keys]
-                    for a, g in zip(a_keys, ga)]
+            fwd = [[seconds(meta, a, b) for (b, _) in b_keys] for a in a_keys]
+            cost = [[f + (seconds(meta, gb, g) if grad else 0.0) for f, (b, gb) in zip(row, b_keys)]
+                    for row, g in zip(fwd, ga)]
             # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
             # stored sharded and gathered whole for use): that copy lives until the backward
             saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
@@ -376,7 +396,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # otherwise the collective's output is a temporary: it lives while the consumer runs
             temp = [[meta.nbytes / shard_count(b, shape) if not keeps and a != b else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
-            tables[key] = (cost, saved, temp)
+            tables[key] = (cost, saved, temp, fwd)
         return tables[key]
 
     def classes(keys):
@@ -412,9 +432,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp = table_for(meta, a_keys, b_keys, grad, keeps)
+            table, saved, temp, fwd = table_for(meta, a_keys, b_keys, grad, keeps)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp))
+                                   temp=temp, fwd=fwd))
     return edges
 
 

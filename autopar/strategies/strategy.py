@@ -72,9 +72,11 @@ def axis_options(rule: OpRule | None, node, ins: Sequence[TensorMeta], outs: Seq
 
 def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], outs: Sequence[TensorMeta],
                     mesh_shape: Sequence[int]) -> list[Strategy]:
-    """All combinations of per-axis options that split every tensor evenly, in a fixed order."""
+    """All combinations of per-axis options that split every tensor evenly, in a fixed order.
+    An axis of one device splits nothing: it takes only the options that keep everything whole."""
+    whole = [o for o in options if all(isinstance(p, Replicate) for p in (o.output, *o.inputs))] or list(options)
     out = []
-    for combo in itertools.product(options, repeat=len(mesh_shape)):
+    for combo in itertools.product(*[options if n > 1 else whole for n in mesh_shape]):
         s = Strategy(tuple(tuple(o.inputs[k] for o in combo) for k in range(len(ins))),
                      tuple(o.output for o in combo), tuple(o.label for o in combo))
         if all(fits(s.output, m, mesh_shape) for m in outs) and all(
@@ -86,7 +88,8 @@ def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], ou
 def layout_space(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Layout]:
     """Every way to store a tensor: each axis replicates it or splits one of its dims."""
     per_axis = [Replicate()] + [Shard(d) for d in range(meta.ndim)]
-    return [L for L in itertools.product(per_axis, repeat=len(mesh_shape)) if fits(L, meta, mesh_shape)]
+    return [L for L in itertools.product(*[per_axis if n > 1 else [Replicate()] for n in mesh_shape])
+            if fits(L, meta, mesh_shape)]
 
 
 def shard_count(layout: Layout, mesh_shape: Sequence[int]) -> int:

@@ -1,0 +1,56 @@
+"""What the decision families share: user settings, and the layers they decide for."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..problem import Problem
+
+CHOICES = {
+    "recompute": ("auto", "none", "selective", "full"),
+    "residency": ("auto", "keep", "regather"),
+    "offload": ("auto", "none", "host", "disk"),
+}
+
+
+def allowed_options(family: str, setting: str, options: tuple[str, ...]) -> tuple[int, ...]:
+    """The option indices a user setting allows: "auto" all of them, "none" the default, a name that one."""
+    if setting not in CHOICES[family]:
+        raise ValueError(f"{family}={setting!r}: use one of {', '.join(map(repr, CHOICES[family]))}")
+    if setting == "auto":
+        return tuple(range(len(options)))
+    if setting == "none":
+        return (0,)
+    return (options.index(setting),)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroups:
+    """Layers of the problem: their nodes, and which representative layer's group each belongs to."""
+    nodes: Mapping[str, tuple[str, ...]]        # layer -> its decisions, in graph order
+    rep: Mapping[str, str]                      # layer -> the representative layer of its group
+    members: Mapping[str, tuple[str, ...]]      # representative -> the layers of its group, in order
+
+
+def layer_groups(problem: Problem) -> LayerGroups:
+    nodes: dict[str, list[str]] = {}
+    for name in problem.order:
+        layer = problem.layer.get(name)
+        if layer is not None:
+            nodes.setdefault(layer, []).append(name)
+    rep: dict[str, str] = {}
+    for layer, names in nodes.items():
+        tied = [problem.layer.get(problem.rep[n]) for n in names if n in problem.rep]
+        rep[layer] = tied[0] if tied and tied[0] is not None else layer
+    members: dict[str, list[str]] = {}
+    for layer in nodes:
+        members.setdefault(rep[layer], []).append(layer)
+    return LayerGroups({k: tuple(v) for k, v in nodes.items()}, rep, {k: tuple(v) for k, v in members.items()})
+
+
+def back_row(groups: LayerGroups, layer: str | None) -> str | None:
+    """The backward memory row of `layer`: one per group, taken at its first layer (the group's
+    layers are alike, so one row stands for all)."""
+    if layer is None or layer not in groups.rep:
+        return None
+    return f"backward:{layer}" if groups.members[groups.rep[layer]][0] == layer else None

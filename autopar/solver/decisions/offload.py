@@ -1,0 +1,105 @@
+"""Offload to host memory or disk (`Plan.offload`), per layer and tensor class.
+
+* "activations:<layer>": the tensors the layer saves for its backward are copied out as they
+  are saved and freed on the device after their last forward use, then fetched back for the
+  layer's backward (saved-tensor hooks). The copies overlap the layer's compute, forward and
+  backward: only what that compute does not hide costs time, plus each copy's latency.
+* "optimizer:<layer or parameter>": optimizer state and, in mixed precision, the fp32 master
+  weights live in the tier and the optimizer step runs on the host (ZeRO-Offload): each step
+  sends the gradient out and the updated parameter back over the host link and pays the
+  host's optimizer rate; from disk the state is also read and written once per step.
+The tiers' capacities are per device (`DeviceProfile.host_memory_capacity`, `disk_capacity`);
+a tier with none is not offered.
+"""
+from __future__ import annotations
+
+from ...plan import TIERS
+from ..families import Cost, Expr, Families, Freed, Group, Held
+from ..problem import Problem
+from .common import allowed_options, back_row, layer_groups
+
+HOST, DISK = 1, 2
+
+
+def tiers_allowed(problem: Problem, setting: str) -> tuple[int, ...]:
+    prof = problem.mesh.profile
+    have = {0: True, HOST: prof.host_memory_capacity > 0, DISK: prof.disk_capacity > 0}
+    allowed = allowed_options("offload", setting, TIERS)
+    missing = [TIERS[t] for t in allowed if not have[t]]
+    if setting != "auto" and missing:
+        raise ValueError(f"offload={setting!r}, but device profile {prof.name!r} has no {missing[0]} tier: give "
+                         f"Mesh(..., host_memory=bytes, disk=bytes) or choose another offload setting")
+    return tuple(t for t in allowed if have[t])
+
+
+def build(problem: Problem, setting: str) -> Families:
+    allowed = tiers_allowed(problem, setting)
+    fam = Families()
+    groups = layer_groups(problem)
+    for rep, layers in groups.members.items():
+        key = f"offload:activations:{rep}"
+        fam.groups.append(Group(key, "offload", TIERS, tuple(f"activations:{L}" for L in layers), allowed))
+        if allowed != (0,):
+            activations(problem, fam, key, rep, layers, groups, allowed)
+    params: dict[str, list[str]] = {}
+    for name, d in problem.decisions.items():
+        if d.kind == "param":
+            layer = problem.layer.get(name)
+            params.setdefault(groups.rep[layer] if layer in groups.rep else d.fqn, []).append(name)
+    for owner, names in params.items():
+        key = f"offload:optimizer:{owner}"
+        members = sorted({f"optimizer:{problem.layer.get(n) or problem.decisions[n].fqn}" for n in names})
+        fam.groups.append(Group(key, "offload", TIERS, tuple(members), allowed))
+        if allowed != (0,):
+            optimizer(problem, fam, key, names, allowed)
+    return fam
+
+
+def _link(problem: Problem, tier: int):
+    prof = problem.mesh.profile
+    return prof.host_link if tier == HOST else prof.disk_link
+
+
+def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed) -> None:
+    live = problem.live
+    for layer in layers:
+        inside = set(groups.nodes[layer])
+        items = [o for o in live.owners if live.savers.get(o) and set(live.savers[o]) <= inside
+                 and live.fwd_end[o] < live.last]
+        gates = tuple((key, t) for t in allowed if t)
+        for o in items:
+            fam.freed.append(Freed(Expr(((o, tuple(problem.decisions[o].act_bytes)),)), gates, live.fwd_end[o],
+                                   live.last, back_row(groups, layer), f"activation {o} of {layer}", f"act:{o}"))
+        if layer != rep:
+            continue
+        saved = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
+        window = Expr(tuple((n, tuple(problem.decisions[n].compute_s)) for n in groups.nodes[rep]
+                            if problem.decisions[n].kind == "op"))
+        for t in allowed:
+            if t:
+                link = _link(problem, t)
+                what = f"offload activations of {rep} to {TIERS[t]}"
+                fam.costs += [Cost(saved.scaled(2.0 / link.bandwidth) + window.scaled(-1.0), (key, t), len(layers), what),
+                              Cost(Expr(const=2.0 * len(items) * link.latency), (key, t), len(layers), what + " (latency)")]
+                fam.held.append(Held(saved, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
+
+
+def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None:
+    prof = problem.mesh.profile
+    host = prof.host_link
+    for n in names:
+        d = problem.decisions[n]
+        opt = Expr(((n, tuple(d.opt_bytes)),))
+        fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.last, None,
+                               f"optimizer state of {d.fqn}", f"opt:{n}"))
+        # gradient out, parameter back: param + grad bytes = state - optimizer part
+        moved = tuple((s - o) / host.bandwidth + e * prof.host_optimizer_element_time
+                      for s, o, e in zip(d.state_bytes, d.opt_bytes, d.elements))
+        for t in allowed:
+            if not t:
+                continue
+            step = Expr(((n, moved),), const=2.0 * host.latency)
+            if t == DISK:      # the state is read and written once per step
+                step = step + opt.scaled(2.0 / prof.disk_link.bandwidth) + Expr(const=2.0 * prof.disk_link.latency)
+            fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
+            fam.held.append(Held(opt, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))

@@ -1,0 +1,76 @@
+"""Activation recomputation per layer: "none", "selective" or "full" (`Plan.recompute`).
+
+* full: the layer keeps only its inputs; every tensor it made and saved for its backward is
+  freed after its last forward use, and the whole forward of the layer (compute and the
+  collectives inside it, parameter gathers included) runs again before its backward;
+* selective: as full, but the outputs of matrix multiplications are kept
+  (`cost_model.recompute.SELECTIVE_SAVED_OPS`), so only the other ops run again;
+* during the layer's backward its freed tensors exist again (`Freed.back`).
+The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`).
+"""
+from __future__ import annotations
+
+from ...cost_model.recompute import saved_under_selective
+from ...plan import RECOMPUTE_MODES
+from ..families import Cost, Expr, Families, Freed, Group
+from ..problem import Problem
+from .common import allowed_options, back_row, layer_groups
+
+SELECTIVE, FULL = 1, 2
+
+
+def build(problem: Problem, setting: str) -> Families:
+    allowed = allowed_options("recompute", setting, RECOMPUTE_MODES)
+    groups = layer_groups(problem)
+    fam = Families()
+    for rep, layers in groups.members.items():
+        key = f"recompute:{rep}"
+        fam.groups.append(Group(key, "recompute", RECOMPUTE_MODES, layers, allowed))
+        if allowed == (0,):
+            continue
+        full, sel = forward_expr(problem, groups.nodes[rep])
+        fam.costs += [Cost(full, (key, FULL), len(layers), f"recompute {rep} (full)"),
+                      Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
+        for layer in layers:
+            fam.freed += freed_in(problem, layer, groups.nodes[layer], key, back_row(groups, layer))
+    return fam
+
+
+def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
+    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps)."""
+    inside = set(names)
+    full, sel = [], []
+    for n in names:
+        d = problem.decisions[n]
+        if d.kind == "op" and any(d.fwd_s):
+            full.append((n, tuple(d.fwd_s)))
+            if not saved_under_selective(d.facts.op):
+                sel.append((n, tuple(d.fwd_s)))
+    comm = tuple((k, tuple(map(tuple, e.fwd))) for k, e in enumerate(problem.edges) if e.dst in inside)
+    return Expr(tuple(full), comm), Expr(tuple(sel), comm)
+
+
+def freed_in(problem: Problem, layer: str, names, key: str, back: str | None) -> list[Freed]:
+    """What recomputing `layer` frees: tensors it made and only it saves, and parameter copies
+    gathered for its ops (gathered again when it runs again)."""
+    live, inside = problem.live, set(names)
+    out = []
+    for o in names:
+        savers = live.savers.get(o)
+        if not savers or o not in live.fwd_end or live.fwd_end[o] >= live.last or not set(savers) <= inside:
+            continue
+        d = problem.decisions[o]
+        gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
+        out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], live.last, back,
+                         f"activation {o} of {layer}", f"act:{o}"))
+    for k, e in enumerate(problem.edges):
+        if e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "param":
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), back))
+    return out
+
+
+def copy_freed(problem: Problem, k: int, gates, back: str | None) -> Freed:
+    """The gathered copy edge k keeps for its consumer's backward, freed after the consumer runs."""
+    e = problem.edges[k]
+    return Freed(Expr((), ((k, tuple(map(tuple, e.saved))),)), tuple(gates), e.dst_pos, problem.live.last, back,
+                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}")
