@@ -69,6 +69,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
 
+# layout tests fix the memory families to their defaults (their executors have tests of their own)
+LAYOUTS_ONLY = dict(recompute="none", offload="none", residency="keep")
+
+
 def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None):
     model, inputs, kwargs, loss_fn = build_any(name)
     ref = copy.deepcopy(model)
@@ -80,14 +84,15 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     if pins:
         # the saved-plan path: plan once (rank 0, as offline), ship the JSON, apply without solving
         import torch.distributed as dist
-        saved = [autopar.plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes).to_json()
-                 if rank == 0 else None]
+        saved = [autopar.plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
+                              **LAYOUTS_ONLY).to_json() if rank == 0 else None]
         dist.broadcast_object_list(saved, src=0)
         saved = saved[0]
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs,
                                          plan=autopar.Plan.from_json(saved))
     else:
-        dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes)
+        dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
+                                         **LAYOUTS_ONLY)
     # the user's model is untouched
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

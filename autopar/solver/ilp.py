@@ -179,8 +179,8 @@ class StrategyILP:
         state: dict = {}
         self._node_terms(state, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
         if not p.live.points:
-            for z in self.terms.freed_at(p.live.last):    # optimizer state offloaded
-                state[z] = state.get(z, 0.0) - GIB
+            for z, n in self.terms.freed_at(p.live.last).items():    # optimizer state offloaded
+                state[z] = state.get(z, 0.0) - n * GIB
             return [pulp.LpAffineExpression([(v, c / GIB) for v, c in state.items()])]
         acts: dict = {}
         live: set[str] = set()
@@ -216,8 +216,8 @@ class StrategyILP:
             for part in (acts, copies, temps):
                 for v, c in part.items():
                     total[v] = total.get(v, 0.0) + c
-            for z in self.terms.freed_at(where):
-                total[z] = total.get(z, 0.0) - GIB    # z is in GiB already
+            for z, n in self.terms.freed_at(where).items():
+                total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
             rows.append(total)
         rows += self.terms.backward_rows(rows[-1]).values()
         return [pulp.LpAffineExpression([(v, c / GIB) for v, c in row.items() if abs(c) > 1e-6]) for row in rows]

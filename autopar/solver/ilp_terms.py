@@ -9,7 +9,9 @@ Objective: + sum_c count_c w[c]. Memory rows (D) at forward point t: - sum_{f: a
 backward row b: the last forward row + sum_{f: back_f = b} z[f]; (L) tier[T]: sum_h count_h v[h] <= capacity_T.
 E is linear in the layout choice (Expr); M is its upper bound, so (H) and (K) hold trivially when the
 option is off, and (J) lets an item be freed only when one of its gates is on. A group with one
-allowed option has no variables: its gates are constants. Every non-default option also costs
+allowed option has no variables: its gates are constants. Terms that are the same function of the
+same variables (a term of each copy of a linked layer) share one w, z or v, counted as often as
+they occur, so linked layers keep the ILP small. Every non-default option also costs
 TIE_S in the objective (not in any price): between plans of equal time the solver keeps the
 defaults (a parameter is not re-gathered where re-gathering would be free but useless).
 """
@@ -35,10 +37,13 @@ class FamilyTerms:
                 self.g[grp.key] = {o: ilp.lp.add_variable(f"g_{k}_{o}", 0, 1, cat="Binary") for o in grp.allowed}
                 ilp.lp += pulp.LpAffineExpression([(v, 1.0) for v in self.g[grp.key].values()]) == 1, f"G_one_option_{k}"
         self.z: list[tuple] = []       # (Freed, z variable) for items some allowed gate can free
+        shared: dict = {}
         for k, f in enumerate(fam.freed):
-            z = self._freed_var(k, f)
-            if z is not None:
-                self.z.append((f, z))
+            key = self._signature(f.expr, f.gates)
+            if key not in shared:
+                shared[key] = self._freed_var(k, f)
+            if shared[key] is not None:
+                self.z.append((f, shared[key]))
 
     def gate(self, gate: Gate):
         """("off", None): not allowed; ("on", None): the group's only option; ("var", g)."""
@@ -61,6 +66,21 @@ class FamilyTerms:
         for k, table in expr.edges:
             self.ilp.add_edge_terms(coef, k, table, scale)
         return coef
+
+    def _signature(self, expr: Expr, gates) -> tuple:
+        """What a term is as a function of the ILP's variables (linked copies map to the same ones)."""
+        coef = self.coef(expr)
+        return (tuple(gates), round(expr.const, 6),
+                tuple(sorted((v.name, round(c, 6)) for v, c in coef.items() if c)))
+
+    def _merged(self, terms, gates_of):
+        """Terms with equal signatures as (term, total count), in first-seen order."""
+        merged: dict = {}
+        for t in terms:
+            key = self._signature(t.expr, gates_of(t))
+            first, count = merged.get(key, (t, 0.0))
+            merged[key] = (first, count + t.count)
+        return list(merged.values())
 
     def _gated_lower(self, name: str, expr: Expr, gate: Gate, scale: float):
         """A variable u >= scale * expr when the gate is on (0 when off): (H) and (K)."""
@@ -99,14 +119,18 @@ class FamilyTerms:
             for o, g in self.g.get(grp.key, {}).items():
                 if o != grp.allowed[0]:
                     coef[g] = coef.get(g, 0.0) + TIE_S
-        for k, c in enumerate(self.fam.costs):
+        for k, (c, count) in enumerate(self._merged(self.fam.costs, lambda c: (c.gate,))):
             w = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0)
             if w is not None:
-                coef[w] = coef.get(w, 0.0) + c.count
+                coef[w] = coef.get(w, 0.0) + count
 
-    def freed_at(self, t: int) -> list:
-        """z variables of the items freed at forward point t."""
-        return [z for f, z in self.z if f.after < t <= f.until]
+    def freed_at(self, t: int) -> dict:
+        """z variable -> how many items it stands for that are freed at forward point t."""
+        out: dict = {}
+        for f, z in self.z:
+            if f.after < t <= f.until:
+                out[z] = out.get(z, 0) + 1
+        return out
 
     def backward_rows(self, end_row: dict) -> dict[str, dict]:
         rows = {}
@@ -114,17 +138,17 @@ class FamilyTerms:
             row = dict(end_row)
             for f, z in self.z:
                 if f.back == key:
-                    row[z] = row.get(z, 0.0) + GIB
+                    row[z] = row.get(z, 0.0) + GIB      # each item returns once: z stands for one of them
             rows[key] = row
         return rows
 
     def add_tiers(self, capacity: dict[str, float]) -> None:
         """(L): what the host and disk tiers hold fits their capacity per device."""
         rows: dict[str, list] = {}
-        for k, h in enumerate(self.fam.held):
+        for k, (h, count) in enumerate(self._merged(self.fam.held, lambda h: (h.gate, h.tier))):
             v = self._gated_lower(f"v_{k}", h.expr, h.gate, 1.0 / GIB)
             if v is not None:
-                rows.setdefault(h.tier, []).append((v, h.count))
+                rows.setdefault(h.tier, []).append((v, count))
         for tier, terms in rows.items():
             self.ilp.lp += pulp.LpAffineExpression(terms) <= capacity[tier] / GIB, f"L_tier_{tier}"
 
