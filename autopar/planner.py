@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ class PlanOptions:
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())   # a line every 5 s of solving
     cache_dir: str | None = None                # reuse plans solved before (see plan_cache.py)
     symbolic: bool = True                       # price the plan in B and S too (Plan.estimate_at; scaling.py)
+    on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
@@ -53,6 +54,7 @@ def fingerprint(cap: Captured) -> str:
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
+    _phase(opts, "capture")
     return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
 
 
@@ -64,6 +66,7 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
     key = cache.key(fingerprint(cap), mesh, opts.to_dict()) if cache else None
     if cache and (hit := cache.get(key)) is not None:
         hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
+        _phase(opts, "done", "from the plan cache")
         return hit
     plan = _solve_captured(cap, mesh, opts, t0, source)
     if cache:
@@ -72,12 +75,15 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
 
 
 def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
+    _phase(opts, "strategies")
     infos = annotate(cap.gm)
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer,
                             batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     result = solve(problem, budget, opts.time_limit, progress=opts.progress)
     plan = assemble(cap, problem, result.choice, mesh, opts)
+    _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
     t_scaling = time.perf_counter()
     plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source)
     t_scaling = time.perf_counter() - t_scaling
@@ -85,7 +91,13 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0, scaling_s=t_scaling)
+    _phase(opts, "done")
     return plan
+
+
+def _phase(opts: PlanOptions, name: str, note: str = "") -> None:
+    if opts.on_phase is not None:
+        opts.on_phase(name, note)
 
 
 def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions) -> Plan:
