@@ -46,7 +46,8 @@ class Option:
 
     def describe(self) -> str:
         ins = " ".join("(" + ", ".join(i) + ")" for i in self.inputs)
-        return f"({', '.join(self.output)})" + (f" from {ins}" if ins else "") + f" [{'/'.join(self.labels)}]"
+        how = f" [{'/'.join(self.labels)}]" if self.labels else ""
+        return f"({', '.join(self.output)})" + (f" from {ins}" if ins else "") + how
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ def _ms(s: float) -> str:
 
 
 def _lay(layout) -> str:
-    return "(" + ", ".join(layout) + ")"
+    return "(" + ", ".join(layout) + ")" if layout else "-"
 
 
 def render_html(plan: Plan) -> str:
@@ -177,8 +177,15 @@ def collapse_layers(placements: dict[str, tuple[str, ...]]) -> list[tuple[str, t
     return rows
 
 
+def _in_graph_order(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """plan.placements in the order the model uses its parameters (a loaded plan's dict is sorted)."""
+    order = [n.op.removeprefix("param ") for n in plan.nodes if n.executor == "param"]
+    names = [f for f in order if f in plan.placements] + sorted(set(plan.placements) - set(order))
+    return {f: plan.placements[f] for f in names}
+
+
 def _parameters(plan: Plan) -> str:
-    rows = collapse_layers(plan.placements)
+    rows = collapse_layers(_in_graph_order(plan))
     if not rows:
         return ""
     whole = [all(p == "R" for p in lay) and any(s > 1 for s in plan.mesh["shape"]) for _, lay in rows]
@@ -239,7 +246,7 @@ def _ops(plan: Plan) -> str:
         whole = bool(n.output) and all(p == "R" for p in n.output) and all(lab == "replicate" for lab in n.labels)
         cls = ' class="fallback"' if n.fallback else ' class="replicated"' if whole else ""
         coll = "; ".join(f"{c.phase} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
-        cells = [n.name, n.op, n.module, " ".join(_lay(i) for i in n.inputs), _lay(n.output) if n.output else "-",
+        cells = [n.name, n.op, n.module, " ".join(_lay(i) for i in n.inputs), _lay(n.output),
                  "/".join(n.labels), _ms(n.compute_s), coll]
         out.append(f"<tr{cls}>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
     return "\n".join(out) + "</table></details>"

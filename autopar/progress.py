@@ -25,9 +25,9 @@ DELAY_S = 2.0     # planning quicker than this prints nothing
 
 
 class PhaseProgress:
-    def __init__(self, stream: TextIO | None = None, delay_s: float = DELAY_S):
+    def __init__(self, stream: TextIO | None = None, delay_s: float | None = None):
         self.stream = stream if stream is not None else sys.stderr
-        self.delay_s = delay_s
+        self.delay_s = DELAY_S if delay_s is None else delay_s
         self.t0 = self.t_phase = time.perf_counter()
         self.phase: str | None = None
         self.announced = False
