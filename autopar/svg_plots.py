@@ -97,7 +97,7 @@ def line_chart(xs: Sequence[float], series: Sequence[tuple[str, Sequence[float]]
     body = _legend(kinds, 14)
     body.append(f'<line x1="{left}" y1="{h - bottom}" x2="{WIDTH - right}" y2="{h - bottom}" stroke="#333"/>')
     body.append(f'<line x1="{left}" y1="{top_pad}" x2="{left}" y2="{h - bottom}" stroke="#333"/>')
-    for frac in (0.5, 1.0):
+    for frac in (0.0, 0.5, 1.0):
         body.append(_text(left - 6, py(top * frac / 1.08) + 4, fmt(top * frac / 1.08), "end"))
     for i, x in enumerate(xs):
         body.append(_text(px(i), h - bottom + 16, f"{x:g}", "middle"))
