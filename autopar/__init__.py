@@ -21,6 +21,6 @@ def compile_backend(mesh: Mesh, **options):
     return _cb(mesh, **options)
 
 
-__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline", "autoparallelize",
-           "compile_backend", "AutoparError", "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError", "ShardingError", "Replicate",
-           "Shard", "Partial"]
+__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
+           "autoparallelize", "compile_backend", "AutoparError", "CaptureError", "InfeasibleError", "MeshError",
+           "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

@@ -135,7 +135,8 @@ def _scaling(plan: Plan) -> str:
     if not rows:
         return "<h2>Scaling with the batch</h2><p class=\"note\">No batch size splits evenly under this plan.</p>"
     xs = [b for b, _ in rows]
-    time_chart = line_chart(xs, [("step", [e.step_time_s for _, e in rows]), ("compute", [e.compute_s for _, e in rows]),
+    time_chart = line_chart(xs, [("step", [e.step_time_s for _, e in rows]),
+                                 ("compute", [e.compute_s for _, e in rows]),
                                  ("communication", [e.comm_s for _, e in rows])],
                             title="step time against the global batch", x_label="global batch", fmt=_ms)
     mem_chart = line_chart(xs, [("peak memory", [e.peak_memory_bytes for _, e in rows])],

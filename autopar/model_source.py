@@ -95,6 +95,9 @@ def load_hf_config(path: str, batch: int, seq: int, layers: int | None = None) -
                                f"it ({e})") from None
     if layers is not None:
         config.num_hidden_layers = layers
+    if seq > getattr(config, "max_position_embeddings", seq):
+        raise ModelSourceError(f"--seq {seq} exceeds the config's max_position_embeddings "
+                               f"{config.max_position_embeddings}")
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
@@ -102,8 +105,5 @@ def load_hf_config(path: str, batch: int, seq: int, layers: int | None = None) -
         raise ModelSourceError(f"config file {path!r} (model_type {cfg['model_type']!r}) has no causal LM in "
                                f"transformers: {str(e).splitlines()[0]}") from None
     model.train()
-    if seq > getattr(config, "max_position_embeddings", seq):
-        raise ModelSourceError(f"--seq {seq} exceeds the config's max_position_embeddings "
-                               f"{config.max_position_embeddings}")
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return ModelSource(model, (), {"input_ids": tokens, "labels": tokens.clone()}, Path(path).name)

@@ -86,7 +86,7 @@ def test_memory_decisions_and_fallbacks_are_shown(gpt_plan):
     row = re.search(r"<tr[^>]*><td>blocks\.0</td>.*?</tr>", html).group(0)
     cells = re.findall(r"<td>(.*?)</td>", row)
     assert cells[6:9] == ["full", "1 of 12 regathered", "activations host; optimizer device/disk"]
-    assert f'<p class="alert">1 ops have no sharding rule' in html and first.name in html
+    assert '<p class="alert">1 ops have no sharding rule' in html and first.name in html
     assert re.search(rf'<tr class="fallback"><td>{first.name}</td>', html)
 
 
