@@ -12,6 +12,7 @@ from .errors import AutoparError, CaptureError, InfeasibleError, MeshError, Plan
 from .mesh import Mesh
 from .plan import Estimate, Plan
 from .estimate import StepEstimate, estimate  # noqa: E402  (binds the function over the submodule's name)
+from .explain import Explanation, explain  # noqa: E402  (likewise)
 
 
 def compile_backend(mesh: Mesh, **options):
@@ -20,6 +21,6 @@ def compile_backend(mesh: Mesh, **options):
     return _cb(mesh, **options)
 
 
-__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "Pipeline", "autoparallelize",
-           "compile_backend", "AutoparError", "CaptureError", "InfeasibleError", "MeshError", "PlanMismatchError", "ShardingError", "Replicate",
-           "Shard", "Partial"]
+__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
+           "autoparallelize", "compile_backend", "AutoparError", "CaptureError", "InfeasibleError", "MeshError",
+           "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

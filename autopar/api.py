@@ -1,6 +1,8 @@
 """The public entry points: `plan` (inspect, no cluster needed) and `autoparallelize` (run)."""
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -9,6 +11,7 @@ from .errors import PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
+from .progress import PhaseProgress
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 
 
@@ -30,7 +33,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     batch_axes: mesh axes over which inputs arrive already split on dim 0 (a DistributedSampler).
     sharded_outputs: return outputs as DTensors in their planned layout instead of whole.
     time_limit: solver seconds; at the limit the best plan found is used and its gap reported.
-    progress: print a line every 5 s of solving (default: when stderr is a terminal).
+    progress: say on stderr which phase runs once planning takes over 2 s, and a line every 5 s of
+        solving (default: when stderr is a terminal).
     cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
     symbolic: also price the plan as a function of batch size and sequence length (`plan.estimate_at`,
         `plan.largest_batch`, the report's scaling table); costs one more trace of the model.
@@ -43,11 +47,13 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
     """
-    opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
-                       sharded_outputs, optimizer, time_limit, **({} if progress is None else {"progress": progress}),
-                       cache_dir=cache_dir, symbolic=symbolic, recompute=recompute, residency=residency,
-                       offload=offload, precision=precision)
-    return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
+    show = sys.stderr.isatty() if progress is None else progress
+    with PhaseProgress() if show else contextlib.nullcontext() as phases:
+        opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
+                           sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
+                           on_phase=phases, recompute=recompute, residency=residency, offload=offload,
+                           precision=precision)
+        return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,

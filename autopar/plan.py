@@ -150,6 +150,11 @@ class Plan:
         from .report import render_report
         return render_report(self, **kw)
 
+    def to_html(self) -> str:
+        """The plan as one self-contained HTML page with charts (`autopar/html_report.py`)."""
+        from .html_report import render_html
+        return render_html(self)
+
     def diff(self, other: Plan) -> list[str]:
         """Human-readable differences in parameter placements and node layouts."""
         out = []

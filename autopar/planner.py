@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -40,6 +40,7 @@ class PlanOptions:
     residency: str = "auto"                     # "auto" | "keep" | "regather"
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
+    on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
@@ -47,6 +48,14 @@ class PlanOptions:
                 "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
                 "optimizer": self.optimizer, "symbolic": self.symbolic, "recompute": self.recompute,
                 "residency": self.residency, "offload": self.offload, "precision": self.precision}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> PlanOptions:
+        """The options a plan was made with (`Plan.options`), to rebuild its planning problem."""
+        keep = {k: d[k] for k in ("memory_budget", "sharded_outputs", "optimizer", "symbolic", "recompute",
+                                  "residency", "offload", "precision") if k in d}
+        return cls(pins=dict(d.get("pins") or {}) or None, batch_axes=tuple(d.get("batch_axes") or ()) or None,
+                   progress=False, **keep)
 
     @property
     def frees_activations(self) -> bool:
@@ -64,6 +73,7 @@ def fingerprint(cap: Captured) -> str:
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
+    _phase(opts, "capture")
     return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
 
 
@@ -75,6 +85,7 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
     key = cache.key(fingerprint(cap), mesh, opts.to_dict()) if cache else None
     if cache and (hit := cache.get(key)) is not None:
         hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
+        _phase(opts, "done", "from the plan cache")
         return hit
     plan = _solve_captured(cap, mesh, opts, t0, source)
     if cache:
@@ -83,14 +94,17 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
 
 
 def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
+    _phase(opts, "strategies")
     infos = annotate(cap.gm)
-    problem = _problem(cap, infos, mesh, opts)
+    problem = planning_problem(cap, infos, mesh, opts)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
         result = solve(problem, budget, opts.time_limit, progress=opts.progress)
     except InfeasibleError as e:
         raise _with_hint(e, cap, infos, mesh, opts) from None
     plan = assemble(cap, problem, result.choice, mesh, opts, result.options)
+    _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
     t_scaling = time.perf_counter()
     plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
     t_scaling = time.perf_counter() - t_scaling
@@ -98,10 +112,16 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0, scaling_s=t_scaling)
+    _phase(opts, "done")
     return plan
 
 
-def _problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:
+def _phase(opts: PlanOptions, name: str, note: str = "") -> None:
+    if opts.on_phase is not None:
+        opts.on_phase(name, note)
+
+
+def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:
     """The planning problem: the layout family, then the others as the options allow."""
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
                             sharded_outputs=opts.sharded_outputs, precision=opts.precision,
@@ -119,7 +139,7 @@ def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanO
     if not fixed or e.min_memory_bytes is None:
         return e
     free = replace(opts, **dict.fromkeys(fixed, "auto"))
-    need = min_memory(_problem(cap, infos, mesh, free))
+    need = min_memory(planning_problem(cap, infos, mesh, free))
     if need >= e.min_memory_bytes * (1 - 1e-9):
         return InfeasibleError(f"{e} Allowing {', '.join(f'{k}=auto' for k in fixed)} would not lower that.",
                                e.min_memory_bytes)

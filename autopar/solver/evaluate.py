@@ -117,3 +117,18 @@ def chosen_options(fam: Families, options: Mapping[str, int]) -> dict[str, dict[
         for m in g.members:
             out.setdefault(g.family, {})[m] = name
     return out
+
+
+def recorded_options(fam: Families, recorded: Mapping[str, Mapping[str, str]]) -> dict[str, int]:
+    """The group options a plan records (family -> {member: option name}; `chosen_options` inverted).
+    A member the record does not name takes its group's default."""
+    out = {}
+    for g in fam.groups:
+        names = sorted({recorded.get(g.family, {}).get(m) for m in g.members} - {None})
+        if len(names) > 1:
+            raise ValueError(f"the plan gives {g.family} options {names} to {', '.join(g.members)}, which are "
+                             f"linked (repeated layers share one decision): give them one option")
+        if names and names[0] not in g.options:
+            raise ValueError(f"{g.family} option {names[0]!r} for {g.members[0]} is not one of {g.options}")
+        out[g.key] = g.options.index(names[0]) if names else g.allowed[0]
+    return out
