@@ -219,7 +219,8 @@ def _decisions(plan: Plan, layer: str) -> list[str]:
 
 
 def _layers(plan: Plan) -> str:
-    memory = bool(plan.recompute or plan.residency or plan.offload)
+    memory = any(v not in ("none", "keep", "device")
+                 for d in (plan.recompute, plan.residency, plan.offload) for v in d.values())
     head = ["layer", "ops", "compute", "communication", "output layout", "strategy of its heaviest op"]
     head += ["recompute", "residency", "offload"] if memory else []
     out = ["<h2>Layers</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in head + ["fallbacks"]) + "</tr>"]

@@ -61,7 +61,7 @@ def test_the_commands_make_a_plan_and_its_page(ran):
     plan = autopar.Plan.load(d / "p.json")
     assert plan.model == "GPT" and plan.mesh["shape"] == [2, 2]
     assert (d / "again.html").read_text() == (d / "r.html").read_text() == plan.to_html()
-    assert autopar.Plan.load(d / "pinned.json").placements["blocks.1.fc.weight"] == ("S(0)", "R")
+    assert autopar.Plan.load(d / "pinned.json").placements["blocks.1.fc.weight"] == ("R", "S(0)")
 
 
 def test_the_hf_config_command_plans_llama3_8b_sliced(ran):
