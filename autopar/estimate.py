@@ -35,7 +35,7 @@ How a step is composed, from the same per-op and per-edge prices the planner use
   the fraction of the last microbatch's backward it may hide behind (0: after the backward, as
   Megatron's local DDP; 1: fully behind it but the last bucket, as PyTorch DDP). A parameter
   used on the first and the last stage (tied embeddings) is also all-reduced between them.
-* The optimizer step is memory-bound (`cost_model.compute.optimizer_step_time`).
+* The optimizer step: `cost_model.compute.optimizer_seconds`, as the planner prices it.
 * Memory per device: parameter state (`precision`: "mixed" = 16-bit params and grads with fp32
   master and moments; "same" = all in the parameter dtype), plus activations saved for the
   backward times the microbatches in flight (`cost_model.pipeline.in_flight_microbatches`);
@@ -56,7 +56,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .compat import pytree
 from .cost_model.autograd import gradient_sums_time
 from .cost_model.comm import bucketed_time, collective_bytes_on_wire
-from .cost_model.compute import MIXED_PRECISION_STEP_EXTRA_BYTES, grad_accumulation_time, optimizer_step_time
+from .cost_model.compute import grad_accumulation_time, optimizer_seconds
 from .cost_model.memory import state_bytes_per_element
 from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
 from .errors import PlanMismatchError
@@ -66,6 +66,9 @@ from .passes.rewrite import output_modules, reshards_edge
 from .passes.shape_prop import annotate, tensor_meta
 from .placement import layout_str
 from .plan import Plan
+from .cost_model.recompute import saved_under_selective
+from .planner import PlanOptions, communication, plan_assignment, planning_problem
+from .solver.evaluate import evaluate
 from .solver.ilp import solve
 from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost, op_cost_args
 from .strategies.strategy import shard_count
@@ -226,24 +229,6 @@ def _segments(nodes, layers: str | None) -> tuple[dict[str, str], list[str]]:
     return seg, order
 
 
-def _choice_from_plan(problem, plan: Plan) -> dict[str, int]:
-    by_name = {n.name: n for n in plan.nodes}
-    choice = {}
-    for leader in problem.leaders:
-        d = problem.decisions[leader]
-        node = by_name.get(leader)
-        if node is None:
-            raise PlanMismatchError(f"the plan has no node {leader!r}: it was made for another graph")
-        want = (tuple(tuple(i) for i in node.inputs), tuple(node.output))
-        for i, s in enumerate(d.strategies):
-            if (tuple(layout_str(x) for x in s.inputs), layout_str(s.output)) == want:
-                choice[leader] = i
-                break
-        else:
-            raise PlanMismatchError(f"node {leader!r}: the plan's layouts {want} are not a strategy autopar knows")
-    return choice
-
-
 def _grad_sync_once_per_step(problem, by_name, weight: float) -> None:
     """Reprice parameter edges for the solver: a parameter's gradient is synchronised once per step,
     not once per microbatch, so its leg weighs `weight` = 1/m against per-microbatch costs (the
@@ -327,23 +312,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     cap = capture(model, micro, example_kwargs)
     infos = annotate(cap.gm)
     if isinstance(plan, Plan):
-        if p > 1 or m > 1:
-            raise ValueError("an autopar Plan has no pipeline or microbatches yet: pass pins for a hand-written "
-                             "pipelined configuration")
-        if list(plan.mesh["shape"]) != list(smesh.shape):
-            raise PlanMismatchError(f"the plan was made for mesh {plan.mesh['shape']}, not {smesh.shape}")
-        sharded_outputs = plan.options.get("sharded_outputs", False)
-        problem = build_problem(cap, infos, smesh, pins=None, optimizer=optimizer,
-                                batch_axes=plan.options.get("batch_axes") or None,
-                                sharded_outputs=sharded_outputs)
-        choice = _choice_from_plan(problem, plan)
-    else:
-        sharded_outputs = False
-        problem = build_problem(cap, infos, smesh, pins=dict(plan) if plan else None, optimizer=optimizer,
-                                batch_axes=batch_axes)
-        if m > 1:
-            _grad_sync_once_per_step(problem, by_name={n.name: n for n in cap.gm.graph.nodes}, weight=1.0 / m)
-        choice = solve(problem, float("inf"), time_limit).choice
+        return _estimate_plan(cap, infos, mesh, plan, pipe, recompute, num_layers, grad_overlap)
+    sharded_outputs = False
+    problem = build_problem(cap, infos, smesh, pins=dict(plan) if plan else None, optimizer=optimizer,
+                            batch_axes=batch_axes)
+    if m > 1:
+        _grad_sync_once_per_step(problem, by_name={n.name: n for n in cap.gm.graph.nodes}, weight=1.0 / m)
+    choice = solve(problem, float("inf"), time_limit).choice
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     nodes = list(cap.gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -521,10 +496,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             tied = sum(state_elems[f] * param_itemsize[f] for f in first_last)
             t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, launch)
         sync_d.append(t_sync)
-        extra = MIXED_PRECISION_STEP_EXTRA_BYTES if precision == "mixed" else 0.0
-        opt_step = (elems * profile.optimizer_element_time if profile.optimizer_element_time > 0   # measured
-                    else optimizer_step_time(elems, profile, optimizer, extra_bytes_per_element=extra))
-        opt_d.append(opt_step + tensors * profile.optimizer_param_overhead)
+        opt_d.append(optimizer_seconds(elems, tensors, profile, optimizer, mixed=precision == "mixed"))
         state_d.append(state)
 
     # exposed sync: hidden behind grad_overlap of the device's last backward, never the last bucket
@@ -572,6 +544,40 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         layout_summary={problem.decisions[n].fqn: layout_str(chosen[n].output) for n in problem.decisions
                         if problem.decisions[n].kind == "param"},
         runtime_s=m * dev_total(slow, "runtime"), graph_nodes=n_nodes)
+
+
+def _estimate_plan(cap, infos, mesh: Mesh, plan: Plan, pipe: Pipeline, recompute: bool, num_layers, grad_overlap):
+    """An autopar plan's step, as the planner priced it: its layouts and memory decisions read back on
+    its own planning problem and priced by the one evaluator (`solver.evaluate`), so it equals
+    `plan.estimate` exactly. Pipelines, microbatches, recomputation and depth scaling are decided
+    by the plan itself, not here."""
+    if pipe.stages > 1 or pipe.microbatches > 1 or recompute or num_layers is not None or grad_overlap:
+        raise ValueError("an autopar Plan decides its own recomputation and has no pipeline or microbatches yet: "
+                         "estimate it as planned (no pipeline=, recompute=, num_layers=, grad_overlap=), or pass "
+                         "pins for a hand-written configuration")
+    if list(plan.mesh["shape"]) != list(mesh.shape):
+        raise PlanMismatchError(f"the plan was made for mesh {plan.mesh['shape']}, not {mesh.shape}")
+    problem = planning_problem(cap, infos, mesh, PlanOptions.from_dict(plan.options))
+    choice, options = plan_assignment(problem, plan)
+    ev = evaluate(problem, choice, options)
+    _, per_axis = communication(problem, choice, cap)
+    ng = problem.needs_grad
+    model_flops = sum(infos[n].flops * (3.0 if ng.get(n) else 1.0) for n, d in problem.decisions.items()
+                      if d.kind == "op")
+    modes = {**dict.fromkeys(problem.layer.values(), "none"), **plan.recompute}
+    again = sum(infos[n].flops for n, d in problem.decisions.items() if d.kind == "op" and (
+        modes.get(problem.layer.get(n)) == "full" or (modes.get(problem.layer.get(n)) == "selective"
+                                                      and not saved_under_selective(d.facts.op))))
+    fwd_bwd = ev.step_s - ev.grad_sync_s - ev.optimizer_s
+    return StepEstimate(
+        step_time_s=ev.step_s, pipeline_s=fwd_bwd, compute_s=ev.compute_s + ev.family_s.get("recompute", 0.0),
+        comm_s=ev.comm_s - ev.grad_sync_s, p2p_s=0.0, bubble_s=0.0, grad_sync_s=ev.grad_sync_s,
+        grad_sync_exposed_s=ev.grad_sync_s, optimizer_s=ev.optimizer_s, peak_memory_bytes=ev.peak_bytes,
+        param_state_bytes=ev.state_bytes, activation_bytes=ev.peak_bytes - ev.state_bytes, model_flops=model_flops,
+        hardware_flops=model_flops + again, devices=mesh.size, microbatches=1, stages=1, virtual_stages=1,
+        layers=len(set(problem.layer.values())), recompute=any(v != "none" for v in plan.recompute.values()),
+        grad_overlap=0.0, per_device_s=(fwd_bwd,), comm_bytes_per_axis=per_axis,
+        layout_summary=dict(plan.placements), runtime_s=ev.runtime_s, graph_nodes=ev.graph_nodes)
 
 
 def _param_multiplicity(segments: set, layer_segs: list[str], n_layers_here: int, k: int, d: int, p: int) -> float:

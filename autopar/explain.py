@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .api import _as_tuple, check_plan
-from .errors import AutoparError, PlanMismatchError
+from .errors import AutoparError
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.shape_prop import annotate
 from .placement import layout_str
 from .plan import Plan
-from .planner import PlanOptions, planning_problem
-from .solver.evaluate import evaluate, recorded_options
+from .planner import PlanOptions, plan_assignment, planning_problem
+from .solver.evaluate import evaluate
 from .solver.problem import Problem
 
 TIE_S = 1e-12     # step times closer than this are equal (float sums in another order)
@@ -84,9 +84,7 @@ def explain(model, example_inputs, mesh: Mesh, plan: Plan, name: str, *, example
     o = plan.options
     problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(o))
     node = _node_named(problem, plan, name)
-    choice = plan_choice(problem, plan)
-    memory = recorded_options(problem.families, {"recompute": plan.recompute, "residency": plan.residency,
-                                                 "offload": plan.offload})
+    choice, memory = plan_assignment(problem, plan)
     budget = plan.scaling.memory_budget or o.get("memory_budget") or mesh.profile.memory_capacity
     leader = problem.decisions[node].leader
     options: dict[tuple, Option] = {}
@@ -118,29 +116,3 @@ def _node_named(problem: Problem, plan: Plan, name: str) -> str:
     hint = f" (similar: {', '.join(close)})" if close else ""
     raise UnknownNameError(f"{name!r} is neither a node nor a parameter of this plan{hint}: use a parameter "
                            f"name as in model.named_parameters() or a node name from plan.report(detail=True)")
-
-
-def plan_choice(problem: Problem, plan: Plan) -> dict[str, int]:
-    """The plan as one choice index per decision: the option whose layouts and strategy match the
-    plan's for the leader and every node that follows it."""
-    saved = {n.name: n for n in plan.nodes}
-    members: dict[str, list] = {}
-    for d in problem.decisions.values():
-        members.setdefault(d.leader, []).append(d)
-    choice = {}
-    for leader in problem.leaders:
-        found = [i for i in range(problem.n_choices(leader)) if all(_same(d, i, saved) for d in members[leader])]
-        if not found:
-            raise PlanMismatchError(f"the plan's layouts for node {leader!r} are not among its options: the plan "
-                                    f"was made with other options or another autopar version; re-plan")
-        choice[leader] = found[0]
-    return choice
-
-
-def _same(d, i: int, saved) -> bool:
-    n = saved.get(d.name)
-    if n is None:
-        return True
-    s = d.strategies[i]
-    ok = layout_str(s.output) == n.output and tuple(layout_str(x) for x in s.inputs) == n.inputs
-    return ok and (d.kind != "op" or not s.labels or tuple(s.labels) == n.labels)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import InfeasibleError, PlanOptionError
+from .errors import InfeasibleError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
@@ -19,7 +19,7 @@ from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Tim
 from .plan_cache import PlanCache
 from .scaling import build_scaling
 from .solver.decisions import add_families
-from .solver.evaluate import chosen_options, effective_options, evaluate
+from .solver.evaluate import chosen_options, effective_options, evaluate, recorded_options
 from .solver.ilp import min_memory, solve
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 from .strategies import op_name, rule_for
@@ -157,20 +157,10 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
     compute, comm, peak, state = ev.compute_s, ev.comm_s, ev.peak_bytes, ev.state_bytes
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
-    collectives: dict[str, list[Collective]] = {}
-    per_axis = dict.fromkeys(mesh.axis_names, 0.0)
-    for c in chosen_edges(problem, choice, cap):
-        e = c.edge
-        for phase, rc in edge_legs(problem, c):
-            for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
-                per_axis[ax] += nbytes
-            if rc.seconds > 0 or rc.collectives:
-                for kind in rc.collectives:
-                    collectives.setdefault(e.dst, []).append(
-                        Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
+    collectives, per_axis = communication(problem, choice, cap)
     act_peak = max(peak - state, 0.0)
     estimate = Estimate(ev.step_s, compute, comm, peak, state, act_peak, per_axis, dict(ev.family_s),
-                        dict(ev.tiers), dict(ev.freed_bytes))
+                        dict(ev.tiers), dict(ev.freed_bytes), ev.grad_sync_s, ev.optimizer_s, ev.runtime_s)
     nodes = []
     placements = {}
     for node in cap.gm.graph.nodes:
@@ -203,6 +193,22 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
                 offload=decided.get("offload", {}))
 
 
+def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
+    """The collectives on the way into each node (consumer -> [Collective]) and the bytes each
+    device sends per step over each mesh axis, under a layout choice."""
+    collectives: dict[str, list[Collective]] = {}
+    per_axis = dict.fromkeys(problem.mesh.axis_names, 0.0)
+    for c in chosen_edges(problem, choice, cap):
+        e = c.edge
+        for phase, rc in edge_legs(problem, c):
+            for ax, nbytes in zip(problem.mesh.axis_names, rc.bytes_per_axis):
+                per_axis[ax] += nbytes
+            for kind in rc.collectives:
+                collectives.setdefault(e.dst, []).append(
+                    Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
+    return collectives, per_axis
+
+
 def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
     if not opts.symbolic:
         return Scaling(unavailable="not asked for (symbolic=False)")
@@ -229,3 +235,35 @@ def _module_path(node) -> str:
 
 
 __all__ = ["PlanOptions", "make_plan", "assemble", "InfeasibleError"]
+
+
+def plan_assignment(problem: Problem, plan: Plan) -> tuple[dict[str, int], dict[str, int]]:
+    """A saved plan read back on its planning problem: one choice index per layout decision (the
+    option whose layouts and strategy match the plan's for the leader and every node that follows
+    it) and one option per memory-family group (`plan.recompute`, `.residency`, `.offload`)."""
+    saved = {n.name: n for n in plan.nodes}
+    members: dict[str, list] = {}
+    for d in problem.decisions.values():
+        members.setdefault(d.leader, []).append(d)
+    choice = {}
+    for leader in problem.leaders:
+        found = [i for i in range(problem.n_choices(leader)) if all(_same(d, i, saved) for d in members[leader])]
+        if not found:
+            raise PlanMismatchError(f"the plan's layouts for node {leader!r} are not among its options: the plan "
+                                    f"was made with other options or another autopar version; re-plan")
+        choice[leader] = found[0]
+    try:
+        options = recorded_options(problem.families, {"recompute": plan.recompute, "residency": plan.residency,
+                                                      "offload": plan.offload})
+    except ValueError as e:
+        raise PlanMismatchError(f"{e}; re-plan") from None
+    return choice, options
+
+
+def _same(d, i: int, saved) -> bool:
+    n = saved.get(d.name)
+    if n is None:
+        return True
+    s = d.strategies[i]
+    ok = layout_str(s.output) == n.output and tuple(layout_str(x) for x in s.inputs) == n.inputs
+    return ok and (d.kind != "op" or not s.labels or tuple(s.labels) == n.labels)

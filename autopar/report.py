@@ -34,9 +34,13 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
     axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
     lines = [f"autopar plan for {plan.model} on mesh ({axes}) of {m['device']}",
              f"  estimated step: {_ms(est.step_time_s)} = compute {_ms(est.compute_s)} + communication "
-             f"{_ms(est.comm_s)} (forward + backward, no overlap assumed)",
+             f"{_ms(est.comm_s)} (of it gradient sync {_ms(est.grad_sync_s)}; forward + backward, no overlap "
+             f"assumed)" + "".join(f" + {k} {_ms(v)}" for k, v in est.family_s.items() if v)
+             + f" + optimizer step {_ms(est.optimizer_s)} + runtime {_ms(est.runtime_s)}",
              f"  peak memory per device: {_gib(est.peak_memory_bytes)} = parameters/grads/optimizer "
-             f"{_gib(est.param_state_bytes)} + activations {_gib(est.activation_bytes)}",
+             f"{_gib(est.param_state_bytes)} + activations {_gib(est.activation_bytes)}"
+             + "".join(f"; {k} frees {_gib(v)}" for k, v in est.freed_bytes.items() if v)
+             + "".join(f"; {_gib(v)} on {k}" for k, v in est.tier_bytes.items() if v),
              "  communication per device per step: " + ", ".join(
                  f"{ax} {_gib(b)}" for ax, b in est.comm_bytes_per_axis.items()),
              f"  solver: {sol.solver} {sol.status} in {plan.timings.solve_s:.2f} s ({sol.n_variables} variables, "
@@ -81,6 +85,7 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
         for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {k:<44} {_ms(v)}")
         lines.append("")
+    lines += _memory_lines(plan)
     lines += _batch_norm_lines(plan)
     lines += _scaling_lines(plan)
     if plan.fallbacks:
@@ -105,6 +110,22 @@ def batch_norm_decisions(plan: Plan) -> dict[str, tuple[str, ...]]:
             "synchronized" if lab == "sync-stats" else "channels split" if lab == "split" else "whole"
             for lab in n.labels)
     return out
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """The memory decisions that differ from the defaults, grouped by option."""
+    lines = []
+    for family, chosen, default in (("Recomputation", plan.recompute, "none"),
+                                    ("Parameter residency", plan.residency, "keep"),
+                                    ("Offload", plan.offload, "device")):
+        by: dict[str, list[str]] = defaultdict(list)
+        for key, option in chosen.items():
+            if option != default:
+                by[option].append(key)
+        if by:
+            lines.append(f"{family} ({len(chosen) - sum(map(len, by.values()))} of {len(chosen)} at {default}):")
+            lines += [f"  {option:<10} {', '.join(keys)}" for option, keys in sorted(by.items())]
+    return lines + [""] if lines else []
 
 
 def _batch_norm_lines(plan: Plan) -> list[str]:

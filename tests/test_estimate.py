@@ -47,19 +47,34 @@ def test_flops_equal_flop_counter_mode_on_the_demo_gpt():
 
 
 # -- agreement with the planner ------------------------------------------------------------------
-def test_estimate_of_a_plan_equals_the_planners_own_estimate():
+def test_estimate_of_a_plan_is_the_planners_own_price():
+    """estimate() prices an autopar plan through the planner's one evaluator: equal to the last bit,
+    memory decisions included; pins of the same layouts give the same step."""
     torch.manual_seed(0)
     model = MLP(d_in=64, hidden=256, d_out=32, depth=2)
     x = torch.randn(64, 64)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     plan = autopar.plan(model, (x,), mesh)
-    est = estimate(model, (x,), mesh, plan, bucket_bytes=0)
-    assert est.compute_s + est.comm_s + est.grad_sync_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
-    assert est.step_time_s == pytest.approx(plan.estimate.step_time_s + est.optimizer_s, rel=1e-9)
+    est = estimate(model, (x,), mesh, plan)
+    _assert_same_price(est, plan)
     assert est.layout_summary == plan.placements
-    # pins give the same plan back when they pin what the planner chose
     again = estimate(model, (x,), mesh, dict(plan.placements), bucket_bytes=0)
     assert again.step_time_s == pytest.approx(est.step_time_s, rel=1e-9)
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, (x,), mesh, recompute="none", offload="none", memory_budget=1)
+    tight = autopar.plan(model, (x,), mesh, memory_budget=0.8 * e.value.min_memory_bytes, symbolic=False)
+    assert {*tight.recompute.values(), *tight.offload.values(), *tight.residency.values()} - {"none", "device", "keep"}
+    _assert_same_price(estimate(model, (x,), mesh, tight), tight)
+    with pytest.raises(ValueError, match="decides its own recomputation"):
+        estimate(model, (x,), mesh, plan, recompute=True)
+
+
+def _assert_same_price(est, plan):
+    p = plan.estimate
+    assert est.step_time_s == p.step_time_s and est.peak_memory_bytes == p.peak_memory_bytes
+    assert est.param_state_bytes == p.param_state_bytes and est.optimizer_s == p.optimizer_s
+    assert est.grad_sync_s == p.grad_sync_s and est.runtime_s == p.runtime_s
+    assert est.comm_bytes_per_axis == p.comm_bytes_per_axis
 
 
 def test_hand_written_pins_are_priced_as_written():

@@ -42,7 +42,7 @@ __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "H
            "RANDOM_OPS", "random_time",
            "matmul_efficiency_at", "matmul_time", "matmul_backward_time", "optimizer_step_time", "POINTWISE_EFFICIENCY",
            "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
-           "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time"]
+           "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time", "optimizer_seconds"]
 
 # Pointwise and reduction kernels mix non-FMA work (exp, div, compares, index math) and reach
 # about half the vector FMA peak at best. v1 guess; it seldom matters since they are memory-bound.
@@ -198,6 +198,18 @@ def optimizer_step_time(local_elements: float, profile: DeviceProfile, optimizer
         return 0.0
     nbytes = local_elements * (OPTIMIZER_STEP_BYTES[optimizer] + extra_bytes_per_element)
     return nbytes / (profile.memory_bandwidth * profile.memory_efficiency) + profile.kernel_overhead
+
+
+def optimizer_seconds(local_elements: float, tensors: float, profile: DeviceProfile, optimizer: str = "adamw",
+                      mixed: bool = False) -> float:
+    """Seconds of one optimizer step on a device holding `local_elements` elements in `tensors`
+    parameter tensors: the profile's measured rate per element where it has one, else the
+    memory-bound fused kernel (mixed precision: the master-weight passes too), plus the
+    optimizer's per-tensor cost. The one price of the step (planner and `autopar.estimate`)."""
+    extra = MIXED_PRECISION_STEP_EXTRA_BYTES if mixed else 0.0
+    step = (local_elements * profile.optimizer_element_time if profile.optimizer_element_time > 0
+            else optimizer_step_time(local_elements, profile, optimizer, extra_bytes_per_element=extra))
+    return step + tensors * profile.optimizer_param_overhead
 
 
 def grad_accumulation_time(grad_bytes: float, tensors: float, profile: DeviceProfile) -> float:

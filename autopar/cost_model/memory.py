@@ -34,6 +34,11 @@ OPTIMIZER_STATE_COPIES = {"adamw": ADAMW_STATE_COPIES, "adam": ADAMW_STATE_COPIE
 PRECISIONS = ("auto", "same", "mixed")
 
 
+def is_mixed(param_itemsize: int, precision: str = "auto") -> bool:
+    """Is a parameter of this size trained in mixed precision (fp32 master weights)?"""
+    return precision == "mixed" or (precision == "auto" and param_itemsize == 2)
+
+
 def state_bytes(param_itemsize: int, optimizer: str = "adamw", precision: str = "auto") -> tuple[float, float]:
     """(bytes per element kept with the parameter: itself and its gradient, bytes per element of
     optimizer state: moments and the fp32 master weight in mixed precision)."""
@@ -41,10 +46,8 @@ def state_bytes(param_itemsize: int, optimizer: str = "adamw", precision: str = 
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZER_STATE_COPIES)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if precision == "auto":
-        precision = "mixed" if param_itemsize == 2 else "same"
     copies = OPTIMIZER_STATE_COPIES[optimizer]
-    if precision == "same":
+    if not is_mixed(param_itemsize, precision):
         return 2.0 * param_itemsize, float((copies - 2) * param_itemsize)
     return 2.0 * param_itemsize, 4.0 * (copies - 1)
 

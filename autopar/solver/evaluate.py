@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..cost_model.compute import optimizer_seconds
 from ..cost_model.symbolic import smax, ssum
+from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
 from .problem import Problem
 
@@ -26,10 +28,14 @@ class Evaluation:
     backward: dict[str, float] = field(default_factory=dict)      # bytes of each backward row
     tiers: dict[str, float] = field(default_factory=dict)         # bytes held in "host" and "disk"
     freed_bytes: dict[str, float] = field(default_factory=dict)   # family -> bytes it frees at the peak point
+    grad_sync_s: float = 0.0          # the part of comm_s that synchronises parameter gradients
+    optimizer_s: float = 0.0          # the optimizer step on the device (offloaded parameters: family_s)
+    runtime_s: float = 0.0            # autopar runtime's per-node cost (profile.runtime_op_overhead)
+    graph_nodes: int = 0              # modules of the rank's graph (LocalOp, Reshard, ...)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + sum(self.family_s.values())
+        return self.compute_s + self.comm_s + sum(self.family_s.values()) + self.optimizer_s + self.runtime_s
 
 
 def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None = None) -> Evaluation:
@@ -60,8 +66,12 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if at >= 0 and f.after < positions[at] <= f.until:
             g = next(g for g, i in f.gates if on.get(g) == i)
             by_family[fam.group(g).family] = by_family.get(fam.group(g).family, 0.0) + b
+    offloaded = {f.key[4:] for f, _ in freed if f.key.startswith("opt:")}
+    nodes = graph_nodes(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
-                      tuple(points), backward, tiers, by_family)
+                      tuple(points), backward, tiers, by_family, grad_sync_total(problem, choice),
+                      optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
+                      nodes)
 
 
 def compute_total(p: Problem, choice: Mapping[str, int]):
@@ -70,6 +80,40 @@ def compute_total(p: Problem, choice: Mapping[str, int]):
 
 def comm_total(p: Problem, choice: Mapping[str, int]):
     return ssum(e.cost[a][b] for e, a, b in picked_edges(p, choice))
+
+
+def grad_sync_total(p: Problem, choice: Mapping[str, int]):
+    """Seconds of the gradient legs of parameter edges (the data-parallel all-reduces and
+    reduce-scatters), one collective per parameter and use, as the runtime issues them."""
+    return ssum(e.cost[a][b] - e.fwd[a][b] for e, a, b in picked_edges(p, choice)
+                if p.decisions[e.src].kind == "param" and e.fwd is not None)
+
+
+def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset()) -> float:
+    """The optimizer step on the device over every parameter whose state is not offloaded."""
+    params = [d for d in p.decisions.values() if d.kind == "param" and d.name not in offloaded]
+    total = 0.0
+    for mixed in (False, True):      # one fused step over the parameters of each precision
+        group = [d for d in params if d.mixed == mixed]
+        if group:
+            total += optimizer_seconds(ssum(d.elements[choice[d.leader]] for d in group), len(group),
+                                       p.mesh.profile, p.optimizer, mixed)
+    return total
+
+
+def graph_nodes(p: Problem, choice: Mapping[str, int]) -> int:
+    """Modules of the rank's graph the runtime runs per step (passes/rewrite.py): one per op but
+    getitem, a Reshard per edge that needs one, two per graph output."""
+    n = sum(1 for d in p.decisions.values() if d.kind == "op" and d.facts.op != "getitem")
+    for e, a, b in picked_edges(p, choice):
+        src = p.decisions[e.src]
+        if e.dst == "output":
+            n += output_modules(False)
+        else:
+            t = p.decisions[e.dst].strategies[choice[p.decisions[e.dst].leader]]
+            n += int(reshards_edge(src.kind, tuple(src.strategies[choice[src.leader]].output),
+                                   tuple(t.inputs[e.slot])))
+    return n
 
 
 def picked_edges(p: Problem, choice: Mapping[str, int]):

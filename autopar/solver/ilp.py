@@ -34,7 +34,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pulp

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..cost_model import op_times
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
-from ..cost_model.memory import Liveness, liveness, state_bytes
+from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
@@ -55,6 +55,7 @@ class Decision:
     fwd_s: list[float] = field(default_factory=list)       # forward seconds per choice (part of compute_s)
     opt_bytes: list[float] = field(default_factory=list)   # optimizer part of state_bytes (offloadable)
     elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
+    mixed: bool = False                                    # a parameter trained in mixed precision
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class Problem:
     needs_grad: dict[str, bool] = field(default_factory=dict)   # node -> does its output need a gradient
     families: Families = field(default_factory=lambda: Families())   # decisions beyond layouts (families.py)
     layer: dict[str, str] = field(default_factory=dict)  # node -> its layer (`passes.layers.layer_key`)
+    optimizer: str = "adamw"
 
     def n_choices(self, leader: str) -> int:
         return len(self.decisions[leader].strategies)
@@ -303,7 +305,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                                                 [0.0] * len(layouts), [e * (kept_b + opt_b) for e in elems],
                                                 fqn=slot.target, facts=OpFacts(op="param", work=work),
                                                 fwd_s=[0.0] * len(layouts), opt_bytes=[e * opt_b for e in elems],
-                                                elements=elems)
+                                                elements=elems, mixed=is_mixed(meta.dtype.itemsize, precision))
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
@@ -366,7 +368,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     leaders = [n for n in order if decisions[n].leader == n]
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
     layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
-    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer)
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
