@@ -120,6 +120,9 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     assert raw["_measured"]["launch"]["ranks"] == 2 and raw["_measured"]["launch"]["cores"] == os.cpu_count()
     assert all(k in raw["_notes"] for k in ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead"))
     assert raw["_measured"]["per_rank"][0]["runtime"]["graph_nodes"] > 0
+    # the offload tiers: a real file round trip and the host optimizer step, measured
+    assert p.disk_link.bandwidth > 1e6 and p.disk_link.latency > 0 and p.host_optimizer_element_time > 0
+    assert "disk_link" in raw["_notes"] and "host_optimizer_element_time" in raw["_notes"]
 
 
 def test_dropout_pays_for_its_random_numbers_where_the_profile_says_so():

@@ -115,7 +115,37 @@ def _measure_compute(device: str, quick: bool) -> dict:
         host = torch.empty(nbytes // 4, pin_memory=True)
         t = _timeit(lambda: src.copy_(host, non_blocking=True), reps, sync)
         out["host_bandwidth"] = nbytes / t
+    out.update(_measure_offload_tiers(quick))
     return out
+
+
+def _measure_offload_tiers(quick: bool) -> dict:
+    """The disk tier (a file written and synced, then read back memory-mapped, as the offload
+    executor does) and the optimizer step on the host (AdamW over fp32 CPU tensors)."""
+    import torch
+    nbytes = (8 if quick else 64) * 2 ** 20
+    data = torch.ones(nbytes // 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "probe.bin")
+
+        def write(t: torch.Tensor) -> None:
+            with open(path, "wb") as f:
+                f.write(t.numpy().tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+
+        def read(n: int) -> None:
+            torch.from_file(path, shared=False, size=n, dtype=torch.float32).sum()
+
+        t_small = _timeit(lambda: (write(data[:1024]), read(1024)), 5, lambda: None)
+        t_big = _timeit(lambda: (write(data), read(data.numel())), 2 if quick else 3, lambda: None)
+    param = torch.nn.Parameter(torch.zeros(2 ** 18 if quick else 2 ** 20))
+    param.grad = torch.ones_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    opt.step()
+    t_opt = _timeit(opt.step, 3 if quick else 5, lambda: None)
+    return {"disk_bandwidth": 2 * nbytes / max(t_big - t_small, 1e-9), "disk_latency": t_small / 2,
+            "host_optimizer_element_time": t_opt / param.numel()}
 
 
 def _fit_ring(kind: str, n: int, small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
@@ -471,6 +501,8 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         optimizer_param_overhead=med([r["optimizer_param_overhead"] for r in rt]),
         optimizer_element_time=med([r["optimizer_element_time"] for r in rt]),
         rng_element_time=med([c["rng_element_time"] for c in comp]),
+        disk_link=Link(med([c["disk_bandwidth"] for c in comp]), med([c["disk_latency"] for c in comp])),
+        host_optimizer_element_time=med([c["host_optimizer_element_time"] for c in comp]),
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -487,6 +519,11 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                  "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
                  "come from the base profile " + base_p.name,
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
+        "disk_link": "a file of 64 MiB written, fsync'ed and read back memory-mapped (torch.from_file), as the "
+                     "disk offload tier does, minus the same for 4 KiB (latency: half of that small round trip); "
+                     "median over ranks",
+        "host_optimizer_element_time": "torch.optim.AdamW().step() over one fp32 CPU tensor of 2^20 elements, per "
+                                       "element: the optimizer step of offloaded parameters; median over ranks",
         "rng_element_time": "aten.native_dropout(x, 0.1, train=True) of fp32 x (up to 4M elements on CPU), minus "
                             "the time its bytes (read x, write y and a 1-byte mask) take at memory_bandwidth, per "
                             "element; median over ranks",
