@@ -82,10 +82,10 @@ def test_ilp_equals_exhaustive_search(mesh_shape):
     ilp = solve(problem, memory_budget=float("inf"))
     sizes = [problem.n_choices(l) for l in problem.leaders]
     assert 100 < math.prod(sizes) < 2.5e5, sizes
-    best = min(evaluate(problem, dict(zip(problem.leaders, c))).step_s
+    best = min(evaluate(problem, dict(zip(problem.leaders, c))).objective_s
                for c in itertools.product(*(range(s) for s in sizes)))
     assert ilp.objective == pytest.approx(best, rel=1e-6)
-    assert evaluate(problem, ilp.choice).step_s == pytest.approx(best, rel=1e-6)
+    assert evaluate(problem, ilp.choice).objective_s == pytest.approx(best, rel=1e-6)
 
 
 def test_plan_round_trips_through_json(tmp_path):

@@ -46,7 +46,7 @@ def test_linked_layers_keep_the_optimum(mesh_shape):
     a = solve(linked, float("inf"))
     b = solve(free, float("inf"))
     assert a.objective == pytest.approx(b.objective, rel=1e-3)
-    assert evaluate(linked, a.choice).step_s == pytest.approx(a.objective, rel=1e-6)
+    assert evaluate(linked, a.choice).objective_s == pytest.approx(a.objective, rel=1e-6)
 
 
 def test_same_inputs_same_plan_byte_for_byte():

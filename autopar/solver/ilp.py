@@ -24,6 +24,9 @@ budget.
 linearises the edge cost exactly when x is integral. An edge with one class on either side
 is linear in the other side's x and needs no y. Pins remove choices before the ILP.
 
+The objective is `Evaluation.objective_s` of the solution (`evaluate.py`): the step less the
+optimizer step and the runtime's per-node cost, which the layouts barely move.
+
 The other decision families (recomputation, residency, offload) add option variables g, gated
 cost terms w, freed bytes z and tier bytes v, rows (G)-(L): `ilp_terms.py` states them. (D) then
 also has one row per backward row of a family (a recomputed layer's backward) and subtracts the
