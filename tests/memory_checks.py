@@ -78,8 +78,10 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             meter.reset_peak()
             before_step = meter.device_bytes
             opt.step()
-            seen.update(opt_step_device=meter.peak_device_bytes - before_step, peak_host_step=meter.peak_host_bytes,
-                        pool_after_step=dmodel.memory.pool.bytes, device_after_step=meter.device_bytes)
+            seen.update(opt_step_device=meter.peak_device_bytes - before_step,
+                        pool_after_step=dmodel.memory.pool.bytes, device_after_step=meter.device_bytes,
+                        peak_device=max(seen["peak_fwd_bwd"], meter.peak_device_bytes),
+                        peak_host=max(seen["peak_host_fwd_bwd"], meter.peak_host_bytes))
         worst["losses"].append(float(loss.detach()))
         if compare:
             torch.manual_seed(100 + step)
