@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import os
 import sys
 
@@ -63,6 +64,9 @@ def train_variant(model, inputs, mesh, plan, compare=True):
     masks = {}                                  # per parameter: elements whose gradient is signal
     for step in range(STEPS):
         torch.manual_seed(100 + step)           # the same dropout masks in every variant
+        # the same collection points on every rank: garbage of earlier steps collected, none during this one
+        gc.collect()
+        gc.disable()
         meter = MemoryMeter()
         meter.track(*dmodel.parameters())
         for tier, t in opt.state_tensors():
@@ -82,6 +86,7 @@ def train_variant(model, inputs, mesh, plan, compare=True):
                         pool_after_step=dmodel.memory.pool.bytes, device_after_step=meter.device_bytes,
                         peak_device=max(seen["peak_fwd_bwd"], meter.peak_device_bytes),
                         peak_host=max(seen["peak_host_fwd_bwd"], meter.peak_host_bytes))
+        gc.enable()
         worst["losses"].append(float(loss.detach()))
         if compare:
             torch.manual_seed(100 + step)
