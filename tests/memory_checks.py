@@ -34,6 +34,9 @@ TP_PINS = {"blocks.*.attn.qkv.*": ("S(0)",), "blocks.*.fc.*": ("S(0)",), "blocks
 ZERO3_PINS = {"blocks.*.weight": ("S(0)",), **{f"linear{s}": ("S(0)",) for s in ["", *(f"_{i}" for i in range(1, 8))]}}
 
 
+NO_MEMORY_DECISIONS = {"recompute": {}, "residency": {}, "offload": {}}
+
+
 def gpt(dropout: float = 0.0, hidden: int = 32, seq: int = 16, batch: int = 4, layers: int = 2):
     torch.manual_seed(0)
     model = GPT(vocab=64, seq=seq, hidden=hidden, heads=4, layers=layers, dropout=dropout)
@@ -51,7 +54,11 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
     model, inputs = gpt(dropout, **(model_kw or {}))
     mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
     plan = saved_plan(model, inputs, mesh, pins)
-    return {name: train_variant(copy.deepcopy(model), inputs, mesh, dataclasses.replace(plan, **dec), compare)
+    # only the variant's decisions: the planner's own memory choices cleared
+    # only the variant's decisions (the planner's own memory choices cleared); None: the plan as planned
+    return {name: train_variant(copy.deepcopy(model), inputs, mesh,
+                                plan if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
+                                compare)
             for name, dec in variants.items()}
 
 
@@ -114,7 +121,8 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             if masks[k].any():
                 worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[masks[k]], p.detach()[masks[k]]))
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
-    worst.update(seen, notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
+    worst.update(seen, decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
+                 notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
                  gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherParam"),
                  regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))
@@ -133,8 +141,8 @@ def mixed_precision_state(rank, world):
     model, inputs = gpt()
     model = model.to(torch.bfloat16)
     mesh = autopar.Mesh((2,), ("dp",), device=shard_happy_profile())
-    plan = dataclasses.replace(saved_plan(model, inputs, mesh, None),
-                               offload={"optimizer:blocks.0": "host", "optimizer:blocks.1": "disk"})
+    plan = dataclasses.replace(saved_plan(model, inputs, mesh, None), **{
+        **NO_MEMORY_DECISIONS, "offload": {"optimizer:blocks.0": "host", "optimizer:blocks.1": "disk"}})
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
 

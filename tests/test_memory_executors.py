@@ -29,6 +29,7 @@ DP_VARIANTS = {
     "act_disk": {"offload": each("disk", "activations:")},
     "opt_host": {"offload": each("host", "optimizer:")},
     "opt_disk": {"offload": {"optimizer:blocks.0": "disk"}},
+    "planner": None,          # the memory decisions autopar.plan made itself
 }
 RECOMPUTE_VARIANTS = {k: DP_VARIANTS[k] for k in ("none", "full", "selective")}
 REGATHERED = [f"blocks.{i}.{w}.weight" for i in range(2) for w in LINEARS]
@@ -84,6 +85,10 @@ def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
         # each regathered weight is whole when gathered (one axis): its fp32 bytes, no longer kept
         whole_bytes = 4 * sum(2 * r["regather"]["local_numel"][k] for k in REGATHERED)
         assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == whole_bytes
+
+
+def test_the_planners_own_memory_decisions_train_exactly(dp):
+    exact(dp, "planner")
 
 
 def test_activation_offload_to_host_moves_saved_tensors_into_the_pool(dp):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..compat import tensor_version
@@ -65,6 +66,8 @@ class SavedTensors:
         return saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
+        if isinstance(t, DTensor):      # a DTensor (checkpoint saving a region's inputs): alive anyway
+            return t
         hit = self.rt.copies.pack(t)
         if hit is not None:
             return hit
