@@ -57,9 +57,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
-                    example_kwargs: dict | None = None, **options):
+                    example_kwargs: dict | None = None, offload_dir: str | None = None, **options):
     """Return a module that runs `model` over `mesh` on this rank (call on every rank).
 
+    offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
+        module; default: the system's temporary directory).
     Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree). The user's
     model is not modified; the returned module holds this rank's parameter shards.
     """
@@ -76,7 +78,7 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
         plan = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_dict(chosen[0])
     else:
         check_plan(plan, cap, mesh)
-    return DistributedModule(model, cap, plan, device_mesh)
+    return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
 
 
 def check_plan(plan: Plan, cap, mesh: Mesh) -> None:

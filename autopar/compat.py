@@ -9,6 +9,10 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `OpOverload`, `OpOverloadPacket`, `HigherOrderOperator`: the types of graph call targets
   (torch._ops), to tell an ATen op from a Python function or a higher-order region.
 * `is_mutable(op)`: whether an ATen op writes an input (its schema, torch._ops internals).
+* `TorchDispatchMode`: torch.utils._python_dispatch's base class for seeing every ATen op (the
+  memory meter counts allocations with it; torch's FlopCounterMode and checkpoint use it too).
+* `tensor_version(t)`: the in-place version counter of a tensor (Tensor._version), which tells a
+  tensor saved twice unchanged from one written in between.
 * `sym_expr(size)`, `sym_hint(size)`: the sympy expression and the example value behind a
   symbolic size of a traced tensor (torch.SymInt's node).
 """
@@ -18,13 +22,18 @@ import sympy
 import torch
 import torch.utils._pytree as pytree  # noqa: F401 - re-exported
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
-           "sym_hint"]
+           "sym_hint", "TorchDispatchMode", "tensor_version"]
 
 
 def is_mutable(op: OpOverload) -> bool:
     return bool(op._schema.is_mutable)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    return t._version
 
 
 def sym_expr(size) -> sympy.Expr:

@@ -25,6 +25,8 @@ RUNS = [
     ["bench_megatron.py"],
     ["bench_cpu_plans.py"],
     ["bench_kernels.py"],
+    # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)
+    ["bench_memory.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

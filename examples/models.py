@@ -35,8 +35,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.0):
         super().__init__()
+        # residual dropout (GPT-2's resid_pdrop); none in the graph at 0
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1 = nn.LayerNorm(hidden)
         self.attn = CausalSelfAttention(hidden, heads)
         self.ln2 = nn.LayerNorm(hidden)
@@ -44,18 +46,19 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.fc2(F.gelu(self.fc(self.ln2(x)))))
 
 
 class GPT(nn.Module):
     """Token + position embedding, pre-LN blocks, weight-tied LM head, cross-entropy loss."""
 
-    def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2):
+    def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 dropout: float = 0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)
         self.wpe = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.wte.weight

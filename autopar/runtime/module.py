@@ -7,6 +7,8 @@ Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -16,6 +18,9 @@ from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
+from .memory import MemoryRuntime, apply_memory_plan
+from .offload import HostPool
+from .optimizer import PlannedOptimizer
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
@@ -32,7 +37,7 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
 
 
 class DistributedModule(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh):
+    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
         super().__init__()
         self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh}   # plain dict: not a submodule
         whole = tuple(Replicate() for _ in device_mesh.shape)
@@ -47,13 +52,17 @@ class DistributedModule(torch.nn.Module):
                         f"values; materialise the model (e.g. model.to_empty(device='cpu') and initialise it, or "
                         f"load a checkpoint) before autoparallelize")
                 layout = parse_layout(plan.placements.get(canon, tuple("R" for _ in device_mesh.shape)))
-                dt = distribute_tensor(src.detach().to(_device(device_mesh)), device_mesh, layout)
+                # a copy: a replicated shard must not alias the user's parameter, which the optimizer would write
+                dt = distribute_tensor(src.detach().to(_device(device_mesh), copy=True), device_mesh, layout)
                 made[canon] = torch.nn.Parameter(dt, requires_grad=src.requires_grad)
             _set_path(self, fqn, made[canon], "param")
         for fqn, buf in model.named_buffers():
             _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
         self._whole = whole
-        self._graph = rewrite(cap, plan, device_mesh)
+        param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
+                    for name, slot in cap.inputs.items() if slot.kind == "param"}
+        self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
+        self._graph = apply_memory_plan(rewrite(cap, plan, device_mesh), plan, param_of, self._memory)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
 
@@ -84,7 +93,23 @@ class DistributedModule(torch.nn.Module):
                     layout = self._input_layout if x.ndim else self._whole
                     x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
                 values.append(x)
-        return split_outputs(cap, self._graph(*values), buffers=self)
+        mem = self._memory
+        mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
+        with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
+            outs = self._graph(*values)
+        return split_outputs(cap, outs, buffers=self)
+
+    @property
+    def memory(self) -> MemoryRuntime:
+        """The stores behind the plan's memory decisions: `.pool` (host tier, its bytes), `.disk`
+        (disk tier, its files), `.notes` (decisions that could not act, and why)."""
+        return self._memory
+
+    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
+        """`cls(**kwargs)` over this module's parameters, honouring the plan: optimizer state and fp32
+        master weights in the tier `plan.offload["optimizer:<layer or parameter>"]` says (see
+        runtime/optimizer.py)."""
+        return PlannedOptimizer(self, cls, **kwargs)
 
 
 def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):
@@ -99,6 +124,10 @@ def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):
         else:
             user.append(val)
     return pytree.tree_unflatten(user, cap.out_spec)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
 def _device(device_mesh) -> torch.device:

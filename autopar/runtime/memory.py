@@ -1,0 +1,148 @@
+"""The plan's memory decisions, applied to the rank graph (one executor per family, wired here).
+
+* residency (regather.py): each Reshard that gathers a parameter becomes a `GatherParam`;
+* recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
+  becomes a `LayerRegion` (regions.py);
+* every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
+  the layer it is saved in ("device" outside offloaded layers):
+    1. in a gathered parameter copy -> kept ("keep") or dropped and gathered again ("regather");
+    2. a parameter's or buffer's own storage -> kept (it lives anyway);
+    3. otherwise -> kept on "device", or moved to the host pool or a file ("host", "disk").
+  A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
+  keeps (almost) nothing, and its gathers are run again by the recomputation itself, so neither
+  residency nor offload has anything left to act on there.
+Optimizer offload and master weights are the optimizer's (optimizer.py).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+from torch.autograd.graph import saved_tensors_hooks
+
+from ..compat import tensor_version
+from ..errors import AutoparError
+from ..placement import parse_layout
+from ..plan import RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
+from .offload import DiskStore, HostPool, OffloadedTensor
+from .regather import GatherParam, GatheredCopies, RegatheredCopy, gathers
+from .regions import LayerRegion, group_layers, node_layers
+from .reshard import Reshard
+
+log = logging.getLogger("autopar")
+
+
+@dataclass(slots=True)
+class MemoryRuntime:
+    """Per DistributedModule: the stores the executors share."""
+    copies: GatheredCopies = field(default_factory=GatheredCopies)
+    pool: HostPool = field(default_factory=HostPool)
+    offload_dir: str | None = None
+    disk: DiskStore | None = None
+    resident: frozenset[int] = frozenset()      # storages of parameters and buffers (this forward)
+    regathers: bool = False                     # some parameter is regathered: route the whole forward
+    outer: SavedTensors | None = None           # the router around the whole forward, if any
+    notes: list[str] = field(default_factory=list)
+
+    def disk_store(self) -> DiskStore:
+        if self.disk is None:
+            self.disk = DiskStore(self.offload_dir)
+        return self.disk
+
+
+class SavedTensors:
+    """Saved-tensor hooks for one tier (see module docstring). A tensor saved twice in one forward
+    (the same storage, view and version) is moved once."""
+
+    def __init__(self, rt: MemoryRuntime, tier: str):
+        self.rt, self.tier = rt, tier
+        self._moved: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+
+    def hooks(self):
+        return saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, DTensor):      # a DTensor (checkpoint saving a region's inputs): alive anyway
+            return t
+        hit = self.rt.copies.pack(t)
+        if hit is not None:
+            return hit
+        storage = t.untyped_storage()
+        if self.tier == "device" or storage.data_ptr() in self.rt.resident:
+            return t
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, tensor_version(t))
+        seen = self._moved.get(key)
+        if seen is not None and seen[0]() is storage and seen[1]() is not None:
+            return seen[1]()
+        moved = OffloadedTensor(t, self.tier, self.rt.pool, self.rt.disk_store() if self.tier == "disk" else None)
+        self._moved[key] = (weakref.ref(storage), weakref.ref(moved))
+        weakref.finalize(moved, self._moved.pop, key, None)
+        return moved
+
+    @staticmethod
+    def unpack(x):
+        return x.load() if isinstance(x, (RegatheredCopy, OffloadedTensor)) else x
+
+
+def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> fx.GraphModule:
+    """gm running plan's recompute / residency / activation offload decisions.
+    param_of: placeholder name -> canonical parameter FQN."""
+    activations = {k.split(":", 1)[1]: v for k, v in plan.offload.items() if k.startswith("activations:")}
+    _check(plan, gm, param_of, activations)
+    rt.regathers = "regather" in plan.residency.values()
+    if rt.regathers or any(v != "device" for v in activations.values()):
+        _gather_params(gm, plan, param_of, rt)
+    routers = {tier: SavedTensors(rt, tier) for tier in TIERS}
+
+    def make_region(layer: str, body: fx.GraphModule) -> LayerRegion | None:
+        mode, tier = plan.recompute.get(layer, "none"), activations.get(layer, "device")
+        if mode == "none" and tier == "device":
+            return None
+        if mode != "none" and tier != "device":
+            note = (f"layer {layer}: recompute={mode} with activations on {tier}: the recomputed layer keeps "
+                    f"nothing to offload, so only recomputation runs")
+            if note not in rt.notes:
+                rt.notes.append(note)
+                log.warning(note)
+        return LayerRegion(layer, body, mode, routers[tier].hooks if tier != "device" else None)
+
+    gm = group_layers(gm, make_region)
+    rt.outer = routers["device"] if rt.regathers else None
+    return gm
+
+
+def _gather_params(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> None:
+    """Each Reshard gathering a parameter -> a GatherParam with the parameter's residency."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), Reshard):
+            continue
+        src = node.args[0]
+        fqn = param_of.get(getattr(src, "name", None))
+        if fqn is None or src.op != "placeholder":
+            continue
+        mod = gm.get_submodule(node.target)
+        stored = parse_layout(plan.placements.get(fqn, ("R",) * len(mod.layout)))
+        if gathers(stored, mod.layout):
+            gm.add_submodule(node.target, GatherParam(mod.layout, fqn, plan.residency.get(fqn, "keep"), rt.copies))
+
+
+def _check(plan: Plan, gm: fx.GraphModule, param_of: dict[str, str], activations: dict[str, str]) -> None:
+    layers = sorted({k for k in node_layers(gm).values() if k is not None})
+    params = set(param_of.values())
+    problems = []
+    for field_, prefix, table, modes, known in (("recompute", "", plan.recompute, RECOMPUTE_MODES, layers),
+                                                ("offload", "activations:", activations, TIERS, layers),
+                                                ("residency", "", plan.residency, RESIDENCY_MODES, params)):
+        for key, mode in table.items():
+            where = f"plan.{field_}[{prefix + key!r}]"
+            if key not in known:
+                problems.append(f"{where}: no {'parameter' if known is params else 'layer'} {key!r} in this model")
+            if mode not in modes:
+                problems.append(f"{where} = {mode!r} is not one of {modes}")
+    if problems:
+        raise AutoparError("the plan's memory decisions do not fit this model: " + "; ".join(problems)
+                           + f". Layers here: {', '.join(layers) or 'none'}")

@@ -1,0 +1,190 @@
+"""The optimizer a plan asks for: state and fp32 master weights on device, host or disk.
+
+`dmodel.optimizer(torch.optim.AdamW, lr=1e-3)` builds one torch optimizer per place:
+
+* "direct": fp32 parameters whose optimizer tier is "device": the optimizer runs on the parameters
+  themselves (DTensor shards), as `torch.optim.AdamW(dmodel.parameters())` would;
+* "device": 16-bit parameters on "device": an fp32 master copy of each shard on the device; the
+  optimizer steps the master with the gradient cast to fp32, and the parameter receives the
+  master rounded to its dtype (mixed precision: 2 + 4 master + 8 state (+ 2 gradient) bytes per
+  parameter, the 16 B/param the planner prices for bf16 + AdamW);
+* "host": the fp32 master and the optimizer state live in the module's `HostPool`; each step copies
+  the gradient shard to the host, runs the optimizer there (ZeRO-Offload), and copies the updated
+  master back into the parameter shard;
+* "disk": as "host", with master and state in memory-mapped files of the module's `DiskStore`.
+
+The tier of a parameter is `plan.offload["optimizer:<FQN>"]`, else `plan.offload["optimizer:<its
+layer>"]`, else "device". torch's optimizer creates its state lazily on the first step; state it
+creates for the host or disk tier is moved into the pool or a file right after that step.
+`state_dict()` holds each inner optimizer's state dict and the master weights by FQN;
+`load_state_dict` puts them back in their tiers.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import AutoparError
+from ..passes.layers import layer_key
+from ..plan import TIERS
+from .offload import host_scope
+
+MASTER_DTYPE = torch.float32
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(slots=True)
+class _Master:
+    fqn: str
+    param: torch.nn.Parameter          # the DTensor shard the model computes with
+    master: torch.Tensor               # fp32 copy of its local shard, in the tier
+
+
+def optimizer_tier(offload: dict[str, str], names: list[str]) -> str:
+    """The tier of a parameter known by `names` (its FQN and aliases), from plan.offload."""
+    for key in [f"optimizer:{n}" for n in names] + [f"optimizer:{layer_key(n)}" for n in names if layer_key(n)]:
+        if key in offload:
+            return offload[key]
+    return "device"
+
+
+class PlannedOptimizer:
+    """See module docstring. `step`, `zero_grad`, `state_dict`, `load_state_dict`, `param_groups`."""
+
+    def __init__(self, module, cls: type[torch.optim.Optimizer], **kwargs):
+        self.module = module
+        mem = module.memory
+        self._pool, self._mem = mem.pool, mem
+        names: dict[int, list[str]] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
+            params[id(p)] = p
+        _check_keys(module.plan.offload, [n for ns in names.values() for n in ns])
+        direct: list[torch.nn.Parameter] = []
+        self._masters: dict[str, list[_Master]] = {}
+        for key, p in params.items():
+            tier = optimizer_tier(module.plan.offload, names[key])
+            if tier == "device" and p.dtype not in _LOW_PRECISION:
+                direct.append(p)
+            else:
+                self._masters.setdefault(tier, []).append(_Master(names[key][0], p, self._new_master(p, tier)))
+        self._inner: dict[str, torch.optim.Optimizer] = {}
+        if direct:
+            self._inner["direct"] = cls(direct, **kwargs)
+        for tier, ms in self._masters.items():
+            self._inner[tier] = cls([m.master for m in ms], **kwargs)
+        self._placed: set[int] = set()     # storages of state tensors already in their tier
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self._inner.values() for g in opt.param_groups]
+
+    def tier_of(self, fqn: str) -> str:
+        for tier, ms in self._masters.items():
+            if any(m.fqn == fqn for m in ms):
+                return tier
+        return "device"
+
+    def master(self, fqn: str) -> torch.Tensor | None:
+        """The fp32 master shard of a parameter (None for an fp32 parameter stepped in place)."""
+        return next((m.master for ms in self._masters.values() for m in ms if m.fqn == fqn), None)
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(tier, tensor) for every master weight and state tensor ("direct" for state of parameters
+        stepped in place), e.g. for a memory meter's baseline."""
+        out = [(tier, m.master) for tier, ms in self._masters.items() for m in ms]
+        for tier, opt in self._inner.items():
+            out += [(tier, v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    # -- stepping ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        for tier, ms in self._masters.items():
+            with host_scope() if tier != "device" else contextlib.nullcontext():
+                for m in ms:
+                    g = m.param.grad
+                    m.master.grad = None if g is None else _local(g).to(m.master.device, MASTER_DTYPE, copy=True)
+                self._inner[tier].step()
+                for m in ms:
+                    m.master.grad = None
+                self._place_state(tier)
+            for m in ms:
+                _local(m.param).copy_(m.master, non_blocking=self._pool.pin)
+        if "direct" in self._inner:
+            self._inner["direct"].step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.module.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizers": {k: opt.state_dict() for k, opt in self._inner.items()},
+                "master": {m.fqn: m.master for ms in self._masters.values() for m in ms}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["optimizers"]) != set(self._inner):
+            raise AutoparError(f"optimizer state for {sorted(state['optimizers'])} does not fit this plan's optimizer "
+                               f"placement {sorted(self._inner)}: load it into an optimizer of the same plan")
+        for k, opt in self._inner.items():
+            opt.load_state_dict(state["optimizers"][k])
+        for ms in self._masters.values():
+            for m in ms:
+                m.master.copy_(state["master"][m.fqn])
+        self._placed.clear()       # torch made new state tensors: place them all
+        for tier in self._masters:
+            self._place_state(tier)
+
+    # -- tiers ---------------------------------------------------------------------------
+    def _new_master(self, p: torch.nn.Parameter, tier: str) -> torch.Tensor:
+        local = _local(p).detach()
+        with torch.no_grad():
+            if tier == "device":
+                return local.to(MASTER_DTYPE, copy=True)
+            with host_scope():
+                if tier == "host":
+                    return self._pool.put(local.to(MASTER_DTYPE))
+                mapped = self._mem.disk_store().mapped(tuple(local.shape), MASTER_DTYPE)
+                return mapped.copy_(local)
+
+    def _place_state(self, tier: str) -> None:
+        """Move state tensors the optimizer created into the tier (host pool / files)."""
+        if tier == "device":
+            return
+        opt = self._inner[tier]
+        for state in opt.state.values():
+            for k, v in state.items():
+                if not isinstance(v, torch.Tensor) or v.untyped_storage().data_ptr() in self._placed:
+                    continue
+                if tier == "host":
+                    placed = self._pool.put(v)
+                else:
+                    placed = self._mem.disk_store().mapped(tuple(v.shape), v.dtype).copy_(v)
+                state[k] = placed
+                self._placed.add(placed.untyped_storage().data_ptr())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_keys(offload: dict[str, str], fqns: list[str]) -> None:
+    known = set(fqns) | {layer_key(n) for n in fqns if layer_key(n)}
+    for key, tier in offload.items():
+        if not key.startswith("optimizer:"):
+            continue
+        what = key.split(":", 1)[1]
+        if what not in known:
+            raise AutoparError(f"plan.offload[{key!r}]: {what!r} is no parameter or layer of this model "
+                               f"(layers: {', '.join(sorted(k for k in known if k not in fqns)) or 'none'})")
+        if tier not in TIERS:
+            raise AutoparError(f"plan.offload[{key!r}] = {tier!r} is not one of {TIERS}")

@@ -1,0 +1,103 @@
+"""Parameter residency: a gathered parameter copy kept to the backward, or freed and gathered again.
+
+Where a parameter's stored shard is gathered for use (its Reshard goes from the stored layout to one
+with more Replicate), the rewrite's `Reshard` becomes a `GatherParam`, which records the gathered
+copy's storage in a `GatheredCopies` registry with the plan's residency for that parameter.
+Saved-tensor hooks (memory.py) then treat any tensor an op saves for the backward that lives in
+that storage (the copy itself or a view, such as the transposed weight a matmul saves):
+
+* "keep": saved as is; the copy lives from the forward to the backward (today's behaviour);
+* "regather": `RegatheredCopy` keeps only the shard (the parameter itself), the target layout
+  and the view's geometry; the gathered copy is freed once the forward no longer uses it, and
+  unpacking in the backward gathers it again (FSDP's `reshard_after_forward`, ZeRO-3).
+
+Why saved-tensor hooks rather than wrapping each consuming op: the gathered copy reaches the ops
+that save it through views made by other ops (a transpose, a split), so the consumer that saves it
+is not always the Reshard's direct user; matching saved tensors by storage finds every such view,
+whatever op saves it, with one mechanism torch already runs for every saved tensor. The gather in
+the backward is the same collective as in the forward (the same DTensor redistribution), so the
+unpacked copy is bit-identical to the forward's. Collectives run in autograd's order, which is the
+same on every rank.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..placement import layout_str
+from .reshard import reshard, to_layout
+
+
+def gathers(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Does moving from src to dst make a sharded axis whole (an all-gather of some axis)?"""
+    return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))
+
+
+@dataclass(frozen=True, slots=True)
+class RegatheredCopy:
+    """A saved view of a freed gathered copy: gathered again, and viewed again, on unpack."""
+    shard: DTensor
+    layout: tuple[Placement, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def load(self) -> torch.Tensor:
+        with torch.no_grad():
+            whole = to_layout(self.shard.detach(), self.layout).to_local()
+        return whole.as_strided(self.size, self.stride, self.offset)
+
+
+class GatheredCopies:
+    """Storages of this step's gathered parameter copies -> (parameter shard, layout, residency).
+
+    Entries leave when their storage is freed (a finalizer), so a storage address is never
+    mistaken for a later tensor's."""
+
+    def __init__(self):
+        self._live: dict[int, tuple[DTensor, tuple[Placement, ...], str]] = {}
+
+    def add(self, gathered: DTensor, shard: DTensor, layout: tuple[Placement, ...], residency: str) -> None:
+        storage = gathered.to_local().untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == shard.to_local().untyped_storage().data_ptr() or ptr in self._live:
+            return
+        self._live[ptr] = (shard, layout, residency)
+        weakref.finalize(storage, self._live.pop, ptr, None)
+
+    def pack(self, t: torch.Tensor) -> RegatheredCopy | torch.Tensor | None:
+        """A saved tensor in a gathered copy: itself ("keep") or a `RegatheredCopy` ("regather");
+        None if it is not in one."""
+        hit = self._live.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return None
+        shard, layout, residency = hit
+        if residency == "keep":
+            return t
+        return RegatheredCopy(shard.detach(), layout, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class GatherParam(torch.nn.Module):
+    """Graph op: `w = self.reshard_x(p_w)` gathering a parameter, recorded in `copies` (see module
+    docstring). Differentiates as `Reshard` (the gradient goes back to the stored layout)."""
+
+    def __init__(self, layout: Sequence[Placement], fqn: str, residency: str, copies: GatheredCopies):
+        super().__init__()
+        self.layout, self.fqn, self.residency = tuple(layout), fqn, residency
+        self._copies = [copies]          # in a list: not a submodule, not a parameter
+
+    def forward(self, x: DTensor) -> DTensor:
+        y = reshard(x, self.layout)
+        self._copies[0].add(y, x, self.layout, self.residency)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.fqn} -> {', '.join(layout_str(self.layout))}, {self.residency}"

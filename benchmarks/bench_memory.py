@@ -1,0 +1,84 @@
+"""Measured peak live memory per rank of a small GPT on 2 gloo ranks, one plan per memory family.
+
+    python benchmarks/bench_memory.py [--hidden 128] [--seq 64] [--batch 8] [--layers 2]
+
+Each plan is `autopar.plan`'s own for a (2,) "dp" mesh (or, for residency, one pinned to ZeRO-3:
+block weights stored split over dp and gathered per use) with one family's decision set on every
+block (`dataclasses.replace(plan, recompute=..., residency=..., offload=...)`):
+
+  none           nothing recomputed or offloaded
+  recompute      recompute "full" / "selective" (matmul outputs kept)
+  keep/regather  ZeRO-3 weights whose gathered copies are kept to the backward / gathered again
+  act-host       activations saved by the blocks moved to the host pool
+  opt-host       the blocks' fp32 master weights and AdamW state in the host pool, stepped there
+
+Each trains 3 AdamW steps next to one process (the worst relative difference of loss, gradients
+and parameters is printed: the decisions must not change the numbers) and the third step is
+measured with `MemoryMeter`: live tensor bytes per rank, counted per storage, device and host
+apart; the baseline is the parameters and the optimizer state alive before the step.
+Columns: peak device bytes over the step (forward, backward, optimizer), device bytes alive
+between forward and backward (what the forward keeps for the backward), peak host bytes.
+Prints one JSON line per plan and rank, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+BLOCKS = lambda n: [f"blocks.{i}" for i in range(n)]   # noqa: E731
+LINEARS = ("attn.qkv", "attn.proj", "fc", "fc2")
+
+
+def variants(layers: int) -> tuple[dict, dict]:
+    blocks = BLOCKS(layers)
+    dp = {"none": {}, "recompute-full": {"recompute": {b: "full" for b in blocks}},
+          "recompute-selective": {"recompute": {b: "selective" for b in blocks}},
+          "act-host": {"offload": {f"activations:{b}": "host" for b in blocks}},
+          "opt-host": {"offload": {f"optimizer:{b}": "host" for b in blocks}}}
+    zero3 = {"zero3-keep": {}, "zero3-regather": {"residency": {f"{b}.{w}.weight": "regather"
+                                                                 for b in blocks for w in LINEARS}}}
+    return dp, zero3
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    args = ap.parse_args(argv)
+    from memory_checks import ZERO3_PINS, run_variants
+    from rank_pool import get_pool, shutdown_all
+    model_kw = dict(hidden=args.hidden, seq=args.seq, batch=args.batch, layers=args.layers)
+    dp, zero3 = variants(args.layers)
+    pins = {**ZERO3_PINS, **{f"linear_{i}": ("S(0)",) for i in range(8, 4 * args.layers)}}
+    rows = []
+    try:
+        pool = get_pool(2)
+        for plan_pins, vs in ((None, dp), (pins, zero3)):
+            for rank, result in enumerate(pool.run(run_variants, (2,), ("dp",), plan_pins, vs, 0.0, model_kw,
+                                                   timeout=600)):
+                for name, r in result.items():
+                    row = {"bench": "memory", "plan": name, "rank": rank, "model": model_kw,
+                           "peak_device_bytes": r["peak_device"], "kept_for_backward_bytes": r["fwd_device"],
+                           "peak_host_bytes": r["peak_host"],
+                           "worst_rel_diff": max(r["loss"], r["grad"], r["param"])}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        shutdown_all()
+    print(f"\n{'plan':<22}{'rank':>5}{'peak device B':>15}{'kept fwd->bwd B':>17}{'peak host B':>13}{'max rel diff':>14}")
+    for r in rows:
+        print(f"{r['plan']:<22}{r['rank']:>5}{r['peak_device_bytes']:>15,}{r['kept_for_backward_bytes']:>17,}"
+              f"{r['peak_host_bytes']:>13,}{r['worst_rel_diff']:>14.1e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Rank functions for the memory executor tests and benchmark: a plan's memory decisions, trained
+on real gloo ranks against one process, with what each step did to memory measured.
+
+`run_variants(rank, world, model, mesh_shape, axes, pins, variants)` plans once (rank 0, shipped
+as JSON as a saved plan would be), then for each variant `{"recompute": {...}, "residency":
+{...}, "offload": {...}}` sets those dicts on the plan (`dataclasses.replace`), trains STEPS
+AdamW steps with `dmodel.optimizer(...)` next to the single-process model, and returns per variant
+the worst relative differences (loss, gradients, parameters) and the measurements of the last step.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import autopar  # noqa: E402
+from autopar.runtime.memory_meter import MemoryMeter  # noqa: E402
+from dist_checks import LR, STEPS, ZERO_GRAD, rel, shard_happy_profile, well_posed_elements  # noqa: E402
+from models import GPT, gpt_inputs  # noqa: E402
+
+# Megatron tensor parallelism on a 1-axis "tp" mesh: column qkv/fc, row proj/fc2 (ops left partial)
+TP_PINS = {"blocks.*.attn.qkv.*": ("S(0)",), "blocks.*.fc.*": ("S(0)",), "blocks.*.attn.proj.weight": ("S(1)",),
+           "blocks.*.fc2.weight": ("S(1)",), "linear_1": ("P",), "linear_3": ("P",), "linear_5": ("P",),
+           "linear_7": ("P",)}
+# ZeRO-3 on a 1-axis "dp" mesh: block weights stored split over dp, every linear batch-split (so it
+# gathers its weight)
+ZERO3_PINS = {"blocks.*.weight": ("S(0)",), **{f"linear{s}": ("S(0)",) for s in ["", *(f"_{i}" for i in range(1, 8))]}}
+
+
+NO_MEMORY_DECISIONS = {"recompute": {}, "residency": {}, "offload": {}}
+
+
+def gpt(dropout: float = 0.0, hidden: int = 32, seq: int = 16, batch: int = 4, layers: int = 2):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=seq, hidden=hidden, heads=4, layers=layers, dropout=dropout)
+    return model, gpt_inputs(batch=batch, seq=seq, vocab=64)
+
+
+def saved_plan(model, inputs, mesh, pins):
+    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it)."""
+    text = [autopar.plan(model, inputs, mesh, pins=pins, symbolic=False).to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(text, src=0)
+    return autopar.Plan.from_json(text[0])
+
+
+def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, model_kw=None, compare=True):
+    model, inputs = gpt(dropout, **(model_kw or {}))
+    mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
+    plan = saved_plan(model, inputs, mesh, pins)
+    # only the variant's decisions: the planner's own memory choices cleared
+    # only the variant's decisions (the planner's own memory choices cleared); None: the plan as planned
+    return {name: train_variant(copy.deepcopy(model), inputs, mesh,
+                                plan if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
+                                compare)
+            for name, dec in variants.items()}
+
+
+def train_variant(model, inputs, mesh, plan, compare=True):
+    ref = copy.deepcopy(model)
+    dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
+    opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses": []}
+    masks = {}                                  # per parameter: elements whose gradient is signal
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)           # the same dropout masks in every variant
+        # the same collection points on every rank: garbage of earlier steps collected, none during this one
+        gc.collect()
+        gc.disable()
+        meter = MemoryMeter()
+        meter.track(*dmodel.parameters())
+        for tier, t in opt.state_tensors():
+            if tier != "disk":                       # files are not memory
+                meter.track(t, host=tier == "host")
+        with meter:
+            loss = dmodel(*inputs)
+            seen = {"fwd_device": meter.device_bytes, "fwd_host": meter.host_bytes,
+                    "pool_after_fwd": dmodel.memory.pool.bytes, "files_after_fwd": _files(dmodel)}
+            loss.backward()
+            seen.update(peak_fwd_bwd=meter.peak_device_bytes, pool_after_bwd=dmodel.memory.pool.bytes,
+                        files_after_bwd=_files(dmodel), peak_host_fwd_bwd=meter.peak_host_bytes)
+            meter.reset_peak()
+            before_step = meter.device_bytes
+            opt.step()
+            seen.update(opt_step_device=meter.peak_device_bytes - before_step,
+                        pool_after_step=dmodel.memory.pool.bytes, device_after_step=meter.device_bytes,
+                        peak_device=max(seen["peak_fwd_bwd"], meter.peak_device_bytes),
+                        peak_host=max(seen["peak_host_fwd_bwd"], meter.peak_host_bytes))
+        gc.enable()
+        worst["losses"].append(float(loss.detach()))
+        if compare:
+            torch.manual_seed(100 + step)
+            ref_loss = ref(*inputs)
+            ref_loss.backward()
+            worst["loss"] = max(worst["loss"], rel(loss.detach(), ref_loss.detach()))
+            params = dict(dmodel.named_parameters())
+            scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+            for k, p in ref.named_parameters():
+                mine = params[k].grad.full_tensor()
+                if p.grad.abs().max() <= ZERO_GRAD * scale:    # analytically zero: rounding noise (dist_checks)
+                    worst["grad"] = max(worst["grad"], float((mine - p.grad).abs().max()) / scale)
+                    masks.setdefault(k, torch.zeros_like(p.grad, dtype=torch.bool))
+                else:
+                    worst["grad"] = max(worst["grad"], rel(mine, p.grad))
+                    masks.setdefault(k, well_posed_elements(p.grad))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        else:
+            worst["grads"] = {k: p.grad.full_tensor() for k, p in dmodel.named_parameters()}
+        opt.zero_grad()
+    params = dict(dmodel.named_parameters())
+    if compare:
+        for k, p in ref.named_parameters():
+            if masks[k].any():
+                worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[masks[k]], p.detach()[masks[k]]))
+    worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
+    worst.update(seen, decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
+                 notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
+                 local_numel={k: p.to_local().numel() for k, p in params.items()},
+                 gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherParam"),
+                 regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))
+    return worst
+
+
+def _files(dmodel) -> int:
+    disk = dmodel.memory.disk
+    return len(disk.files()) if disk is not None else 0
+
+
+def mixed_precision_state(rank, world):
+    """bf16 GPT on (2,) "dp": optimizer of blocks.0 on the host, blocks.1 on disk, the rest on the
+    device. Returns master/parameter agreement and whether a state_dict reloaded into a fresh
+    optimizer continues bit for bit."""
+    model, inputs = gpt()
+    model = model.to(torch.bfloat16)
+    mesh = autopar.Mesh((2,), ("dp",), device=shard_happy_profile())
+    plan = dataclasses.replace(saved_plan(model, inputs, mesh, None), **{
+        **NO_MEMORY_DECISIONS, "offload": {"optimizer:blocks.0": "host", "optimizer:blocks.1": "disk"}})
+    dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
+    opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
+
+    def step():
+        dmodel(*inputs).float().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    saved = copy.deepcopy(opt.state_dict())
+    params = {k: p.detach().to_local().clone() for k, p in dmodel.named_parameters()}
+    step()
+    after = {k: p.detach().to_local().clone() for k, p in dmodel.named_parameters()}
+    with torch.no_grad():
+        for k, p in dmodel.named_parameters():
+            p.to_local().copy_(params[k])
+    fresh = dmodel.optimizer(torch.optim.AdamW, lr=LR)
+    fresh.load_state_dict(saved)
+    opt = fresh
+    step()
+    named = dict(dmodel.named_parameters())
+    masters = {k: fresh.master(k) for k in named}
+    return {"tiers": {k: fresh.tier_of(k) for k in named},
+            "master_dtypes": sorted({str(m.dtype) for m in masters.values()}),
+            "param_dtypes": sorted({str(p.dtype) for p in named.values()}),
+            "param_is_rounded_master": all(torch.equal(named[k].to_local(), m.to(torch.bfloat16))
+                                           for k, m in masters.items()),
+            "master_finer_than_param": any(not torch.equal(m, named[k].to_local().float()) for k, m in masters.items()),
+            "reloaded_max_diff": max(float((named[k].detach().to_local().float() - after[k].float()).abs().max())
+                                     for k in named),
+            "pool_bytes": dmodel.memory.pool.bytes, "files": _files(dmodel)}
+
+
+def bad_memory_plans(rank, world):
+    """The errors a hand-edited plan naming no layer / parameter, or an unknown mode, gets."""
+    from autopar.errors import AutoparError
+    model, inputs = gpt()
+    mesh = autopar.Mesh((2,), ("dp",), device=shard_happy_profile())
+    plan = saved_plan(model, inputs, mesh, None)
+    out = []
+    for dec in ({"recompute": {"blocks.9": "full"}}, {"recompute": {"blocks.0": "sometimes"}},
+                {"residency": {"blocks.0.nope.weight": "regather"}}, {"offload": {"activations:block.0": "host"}},
+                {"offload": {"optimizer:blocks.7": "host"}}):
+        try:
+            dmodel = autopar.autoparallelize(model, mesh, inputs, plan=dataclasses.replace(plan, **dec))
+            dmodel.optimizer(torch.optim.AdamW, lr=LR)
+            out.append(None)
+        except AutoparError as e:
+            out.append(str(e))
+    return out

@@ -1,0 +1,144 @@
+"""The plan's memory decisions, executed: each trains exactly like one process and does to memory
+what it says (measured on real gloo ranks with `autopar.runtime.memory_meter.MemoryMeter`).
+
+Plans come from `autopar.plan`; the decisions are set on them by hand (`dataclasses.replace(plan,
+recompute=..., residency=..., offload=...)`), as a planner that chose them would.
+"""
+from __future__ import annotations
+
+import pytest
+
+from rank_pool import get_pool
+
+from memory_checks import TP_PINS, ZERO3_PINS, bad_memory_plans, mixed_precision_state, run_variants
+
+TOL = 1e-4
+BLOCKS = ("blocks.0", "blocks.1")
+LINEARS = ("attn.qkv", "attn.proj", "fc", "fc2")
+
+
+def each(value, prefix=""):
+    return {f"{prefix}{b}": value for b in BLOCKS}
+
+
+DP_VARIANTS = {
+    "none": {},
+    "full": {"recompute": each("full")},
+    "selective": {"recompute": each("selective")},
+    "act_host": {"offload": each("host", "activations:")},
+    "act_disk": {"offload": each("disk", "activations:")},
+    "opt_host": {"offload": each("host", "optimizer:")},
+    "opt_disk": {"offload": {"optimizer:blocks.0": "disk"}},
+    "planner": None,          # the memory decisions autopar.plan made itself
+}
+RECOMPUTE_VARIANTS = {k: DP_VARIANTS[k] for k in ("none", "full", "selective")}
+REGATHERED = [f"blocks.{i}.{w}.weight" for i in range(2) for w in LINEARS]
+
+
+@pytest.fixture(scope="module")
+def dp():
+    return get_pool(2).run(run_variants, (2,), ("dp",), None, DP_VARIANTS)
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return get_pool(2).run(run_variants, (2,), ("tp",), TP_PINS, RECOMPUTE_VARIANTS)
+
+
+def exact(results, name):
+    for r in results:
+        for key in ("loss", "grad", "param"):
+            assert r[name][key] < TOL, (name, key, r[name][key])
+
+
+@pytest.mark.parametrize("mesh", ["dp", "tp"])
+def test_recompute_trains_exactly_and_keeps_less(request, mesh):
+    results = request.getfixturevalue(mesh)
+    for name in ("full", "selective"):
+        exact(results, name)
+        assert results[0][name]["regions"] == list(BLOCKS)
+    for r in results:
+        kept = {k: r[k]["fwd_device"] for k in RECOMPUTE_VARIANTS}   # bytes alive between forward and backward
+        assert kept["full"] < kept["selective"] < kept["none"], kept
+        assert r["full"]["peak_fwd_bwd"] < r["none"]["peak_fwd_bwd"]
+
+
+def test_recompute_replays_dropout(rank_pool, dp):
+    results = rank_pool(2).run(run_variants, (2,), ("dp",), None, RECOMPUTE_VARIANTS, 0.1, None, False)
+    for r in results:
+        base = r["none"]
+        assert base["losses"] != dp[0]["none"]["losses"], "dropout must change the loss"
+        for name in ("full", "selective"):
+            assert r[name]["losses"] == base["losses"]
+            for k, g in base["grads"].items():
+                assert float((r[name]["grads"][k] - g).abs().max()) <= TOL * float(g.abs().max()), k
+            for k, p in base["params"].items():
+                assert float((r[name]["params"][k] - p).abs().max()) <= TOL * float(p.abs().max()), k
+
+
+def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
+    results = rank_pool(2).run(run_variants, (2,), ("dp",), ZERO3_PINS,
+                               {"keep": {}, "regather": {"residency": {k: "regather" for k in REGATHERED}}})
+    exact(results, "regather")
+    for r in results:
+        assert r["regather"]["gathers"] > 0
+        # each regathered weight is whole when gathered (one axis): its fp32 bytes, no longer kept
+        whole_bytes = 4 * sum(2 * r["regather"]["local_numel"][k] for k in REGATHERED)
+        assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == whole_bytes
+
+
+def test_the_planners_own_memory_decisions_train_exactly(dp):
+    exact(dp, "planner")
+
+
+def test_activation_offload_to_host_moves_saved_tensors_into_the_pool(dp):
+    exact(dp, "act_host")
+    for r in dp:
+        moved = r["act_host"]
+        assert moved["pool_after_fwd"] > 0 and moved["fwd_host"] == moved["pool_after_fwd"]
+        assert moved["fwd_device"] < r["none"]["fwd_device"]
+        assert moved["pool_after_bwd"] == 0
+
+
+def test_activation_offload_to_disk_writes_files_and_removes_them(dp):
+    exact(dp, "act_disk")
+    for r in dp:
+        moved = r["act_disk"]
+        assert moved["files_after_fwd"] > 0 and moved["files_after_bwd"] == 0
+        assert moved["fwd_device"] < r["none"]["fwd_device"]
+        assert moved["fwd_host"] == 0
+
+
+def test_optimizer_offload_keeps_master_and_state_off_the_device(dp):
+    exact(dp, "opt_host")
+    exact(dp, "opt_disk")
+    for r in dp:
+        host = r["opt_host"]
+        offloaded = [k for k, t in host["tiers"].items() if t == "host"]
+        assert sorted({k.rsplit(".", 2)[0].split(".attn")[0] for k in offloaded}) == list(BLOCKS)
+        # fp32 master + two AdamW moments per element, and AdamW's 4-byte step counter per tensor
+        assert host["pool_after_step"] == sum(12 * host["local_numel"][k] + 4 for k in offloaded)
+        assert host["opt_step_device"] < r["none"]["opt_step_device"]
+        disk = r["opt_disk"]
+        on_disk = [k for k, t in disk["tiers"].items() if t == "disk"]
+        assert all(k.startswith("blocks.0.") for k in on_disk) and on_disk
+        assert disk["files_after_bwd"] == 4 * len(on_disk)       # master, two moments, step
+        assert disk["pool_after_step"] == 0
+
+
+def test_bf16_parameters_get_fp32_master_weights_and_state_dict_round_trips(rank_pool):
+    for r in rank_pool(2).run(mixed_precision_state):
+        assert r["param_dtypes"] == ["torch.bfloat16"] and r["master_dtypes"] == ["torch.float32"]
+        assert {r["tiers"]["blocks.0.fc.weight"], r["tiers"]["blocks.1.fc.weight"], r["tiers"]["wte.weight"]} == \
+            {"host", "disk", "device"}
+        assert r["param_is_rounded_master"] and r["master_finer_than_param"]
+        assert r["reloaded_max_diff"] == 0.0
+        assert r["pool_bytes"] > 0 and r["files"] > 0
+
+
+def test_memory_decisions_naming_nothing_are_errors(rank_pool):
+    messages = rank_pool(2).run(bad_memory_plans)[0]
+    assert all(messages), messages
+    for m, culprit in zip(messages, ("blocks.9", "sometimes", "blocks.0.nope.weight", "block.0", "blocks.7")):
+        assert culprit in m, m
+    assert "Layers here: blocks.0, blocks.1" in messages[0]
