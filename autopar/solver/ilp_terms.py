@@ -2,14 +2,16 @@
 
 Variables, beside the layout family's x and y (`ilp.py`):
     g[G,o]   binary, one per allowed option o of group G;  (G) sum_o g[G,o] = 1
-    w[c]     >= 0, seconds of cost term c;                 (H) w[c] >= E_c(x,y) - M_c (1 - g[gate c])
-    z[f]     >= 0, GiB freed by item f;                    (I) z[f] <= E_f(x,y),  (J) z[f] <= M_f sum_{gates} g
-    v[h]     >= 0, GiB held in a tier by term h;           (K) v[h] >= E_h(x,y) - M_h (1 - g[gate h])
-Objective: + sum_c count_c w[c]. Memory rows (D) at forward point t: - sum_{f: after_f < t <= until_f} z[f];
-backward row b: the last forward row + sum_{f: back_f = b} z[f]; (L) tier[T]: sum_h count_h v[h] <= capacity_T.
-E is linear in the layout choice (Expr); M is its upper bound, so (H) and (K) hold trivially when the
-option is off, and (J) lets an item be freed only when one of its gates is on. A group with one
-allowed option has no variables: its gates are constants. Terms that are the same function of the
+    p[v,g]   in [0, 1], the product of a layout variable v (x or y) and an option g, exactly:
+             (M) p <= v, p <= g, p >= v + g - 1
+    z[f]     >= 0, GiB freed by item f;                    (I) z[f] <= E_f(x,y),  (J) z[f] <= sum_{gates} E_f(p)
+E is linear in the layout variables (Expr) and E(p) is E with every variable v replaced by p[v,g] and
+its constant by constant * g: E when the option is on, 0 when off. Objective: + sum_c count_c E_c(p).
+Memory rows (D) at forward point t: - sum_{f: after_f < t <= until_f} z[f]; backward row b: the last
+forward row + sum_{f: back_f = b} z[f]; (L) tier[T]: sum_h count_h E_h(p) <= capacity_T. A cost term
+that could be negative is clamped at 0 through a variable (H) w >= E(p), w >= 0. A group with one
+allowed option has no variables: its gates are constants. The products keep the LP relaxation
+tight (a big-M form, z <= M g, left the solver to branch over thousands of nodes on small models). Terms that are the same function of the
 same variables (a term of each copy of a linked layer) share one w, z or v, counted as often as
 they occur, so linked layers keep the ILP small. Every non-default option also costs
 TIE_S in the objective (not in any price): between plans of equal time the solver keeps the
@@ -31,6 +33,7 @@ class FamilyTerms:
         fam = ilp.p.families
         self.fam = fam
         self.g: dict[str, dict[int, pulp.LpVariable]] = {}
+        self.products: dict[tuple[str, str], pulp.LpVariable] = {}
         self.allowed = {grp.key: grp.allowed for grp in fam.groups}
         for k, grp in enumerate(fam.groups):
             if len(grp.allowed) > 1:
@@ -82,22 +85,46 @@ class FamilyTerms:
             merged[key] = (first, count + t.count)
         return list(merged.values())
 
-    def _gated_lower(self, name: str, expr: Expr, gate: Gate, scale: float):
-        """A variable u >= scale * expr when the gate is on (0 when off): (H) and (K)."""
+    def product(self, v, g):
+        """p = v * g for a layout variable v in [0, 1] and an option's binary g, linearised exactly
+        (McCormick: p <= v, p <= g, p >= v + g - 1); shared by every term that needs it."""
+        key = (v.name, g.name)
+        if key not in self.products:
+            lp = self.ilp.lp
+            p = lp.add_variable(f"p_{len(self.products)}", 0, 1)
+            n = len(self.products)
+            lp += pulp.LpAffineExpression([(p, 1.0), (v, -1.0)]) <= 0, f"M_le_x_{n}"
+            lp += pulp.LpAffineExpression([(p, 1.0), (g, -1.0)]) <= 0, f"M_le_g_{n}"
+            lp += pulp.LpAffineExpression([(p, 1.0), (v, -1.0), (g, -1.0)]) >= -1, f"M_ge_{n}"
+            self.products[key] = p
+        return self.products[key]
+
+    def gated(self, expr: Expr, gate: Gate, scale: float = 1.0):
+        """scale * expr when the gate is on, 0 when off, as (coefficients, constant); None when off."""
         kind, g = self.gate(gate)
-        bound = max(0.0, expr.bound()) * scale
-        if kind == "off" or bound <= 0:
+        if kind == "off":
             return None
+        coef = self.coef(expr, scale)
+        if kind == "on":
+            return coef, expr.const * scale
+        out = {self.product(v, g): c for v, c in coef.items()}
+        if expr.const:
+            out[g] = out.get(g, 0.0) + expr.const * scale
+        return out, 0.0
+
+    def _gated_lower(self, name: str, expr: Expr, gate: Gate, scale: float):
+        """A variable u >= scale * expr when the gate is on, >= 0 always: (H) and (K). A term that
+        cannot be negative needs no u: its gated coefficients are returned as they are."""
+        terms = self.gated(expr, gate, scale)
+        if terms is None:
+            return None
+        coef, const = terms
+        if all(c >= 0 for c in coef.values()) and const >= 0 and expr.const >= 0:
+            return coef, const
         u = self.ilp.lp.add_variable(name, 0)
-        row = {u: 1.0}
-        for v, c in self.coef(expr, -scale).items():
-            row[v] = row.get(v, 0.0) + c
-        rhs = expr.const * scale
-        if kind == "var":
-            row[g] = row.get(g, 0.0) - bound
-            rhs -= bound
-        self.ilp.lp += pulp.LpAffineExpression(list(row.items())) >= rhs, f"{name.upper()}_lower"
-        return u
+        row = {u: 1.0, **{v: -c for v, c in coef.items()}}
+        self.ilp.lp += pulp.LpAffineExpression(list(row.items())) >= const, f"{name.upper()}_lower"
+        return {u: 1.0}, 0.0
 
     def _freed_var(self, k: int, f):
         gates = [self.gate(gt) for gt in f.gates]
@@ -109,9 +136,13 @@ class FamilyTerms:
             row[v] = row.get(v, 0.0) + c
         self.ilp.lp += pulp.LpAffineExpression(list(row.items())) <= f.expr.const / GIB, f"I_freed_{k}"
         if not any(kind == "on" for kind, _ in gates):
-            bound = max(0.0, f.expr.bound()) / GIB
-            cap = [(z, 1.0)] + [(g, -bound) for kind, g in gates if kind == "var"]
-            self.ilp.lp += pulp.LpAffineExpression(cap) <= 0, f"J_gated_{k}"
+            cap = {z: 1.0}
+            for gt in f.gates:
+                terms = self.gated(f.expr, gt, 1.0 / GIB)
+                if terms is not None:
+                    for v, c in terms[0].items():
+                        cap[v] = cap.get(v, 0.0) - c
+            self.ilp.lp += pulp.LpAffineExpression(list(cap.items())) <= 0, f"J_gated_{k}"
         return z
 
     def objective_terms(self, coef: dict) -> None:
@@ -120,9 +151,10 @@ class FamilyTerms:
                 if o != grp.allowed[0]:
                     coef[g] = coef.get(g, 0.0) + TIE_S
         for k, (c, count) in enumerate(self._merged(self.fam.costs, lambda c: (c.gate,))):
-            w = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0)
-            if w is not None:
-                coef[w] = coef.get(w, 0.0) + count
+            terms = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0)
+            if terms is not None:        # the constant of an always-on option is the same in every plan
+                for v, x in terms[0].items():
+                    coef[v] = coef.get(v, 0.0) + count * x
 
     def freed_at(self, t: int) -> dict:
         """z variable -> how many items it stands for that are freed at forward point t."""
@@ -145,12 +177,17 @@ class FamilyTerms:
     def add_tiers(self, capacity: dict[str, float]) -> None:
         """(L): what the host and disk tiers hold fits their capacity per device."""
         rows: dict[str, list] = {}
+        consts: dict[str, float] = {}
         for k, (h, count) in enumerate(self._merged(self.fam.held, lambda h: (h.gate, h.tier))):
-            v = self._gated_lower(f"v_{k}", h.expr, h.gate, 1.0 / GIB)
-            if v is not None:
-                rows.setdefault(h.tier, []).append((v, count))
-        for tier, terms in rows.items():
-            self.ilp.lp += pulp.LpAffineExpression(terms) <= capacity[tier] / GIB, f"L_tier_{tier}"
+            terms = self._gated_lower(f"v_{k}", h.expr, h.gate, 1.0 / GIB)
+            if terms is not None:
+                row = rows.setdefault(h.tier, {})
+                for v, x in terms[0].items():
+                    row[v] = row.get(v, 0.0) + count * x
+                consts[h.tier] = consts.get(h.tier, 0.0) + count * terms[1]
+        for tier, row in rows.items():
+            self.ilp.lp += (pulp.LpAffineExpression(list(row.items())) <= capacity[tier] / GIB - consts.get(tier, 0.0),
+                            f"L_tier_{tier}")
 
     def options(self) -> dict[str, int]:
         """The chosen option of every group."""

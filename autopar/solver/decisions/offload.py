@@ -2,8 +2,9 @@
 
 * "activations:<layer>": the tensors the layer saves for its backward are copied out as they
   are saved and freed on the device after their last forward use, then fetched back for the
-  layer's backward (saved-tensor hooks). The copies overlap the layer's compute, forward and
-  backward: only what that compute does not hide costs time, plus each copy's latency.
+  layer's backward (saved-tensor hooks). The copies are priced as the runtime makes them
+  (`runtime/offload.py`): synchronously, each way, with each copy's latency (copies on a side
+  stream overlapping compute are not built yet, so no overlap is assumed).
 * "optimizer:<layer or parameter>": optimizer state and, in mixed precision, the fp32 master
   weights live in the tier and the optimizer step runs on the host (ZeRO-Offload): each step
   sends the gradient out and the updated parameter back over the host link and pays the
@@ -73,14 +74,11 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
         if layer != rep:
             continue
         saved = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
-        window = Expr(tuple((n, tuple(problem.decisions[n].compute_s)) for n in groups.nodes[rep]
-                            if problem.decisions[n].kind == "op"))
         for t in allowed:
             if t:
                 link = _link(problem, t)
-                what = f"offload activations of {rep} to {TIERS[t]}"
-                fam.costs += [Cost(saved.scaled(2.0 / link.bandwidth) + window.scaled(-1.0), (key, t), len(layers), what),
-                              Cost(Expr(const=2.0 * len(items) * link.latency), (key, t), len(layers), what + " (latency)")]
+                moves = saved.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * len(items) * link.latency)
+                fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
                 fam.held.append(Held(saved, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
 
 

@@ -1,12 +1,14 @@
-"""Parameter residency: "keep" or "regather" per parameter (`Plan.residency`), linked per layer.
+"""Parameter residency: "keep" or "regather" (`Plan.residency`, per parameter FQN), decided per
+layer as FSDP wraps a block (all its gathered parameters alike; repeated layers linked), and per
+parameter outside the layers.
 
 A parameter stored sharded and gathered for use (layout family: a stored shard, a kept copy)
 either keeps the gathered copy from its forward use to its backward ("keep"; with the shard
 stored over the data axes this is ZeRO-2's memory and FSDP with reshard_after_forward=False),
 or frees it after the forward and gathers it again for the backward ("regather": ZeRO-3, FSDP's
-default). The second gather runs while the previous layer's backward computes (FSDP
-prefetches it): its transfer costs only what the consumer's backward compute does not hide, and
-its launch (the per-collective overhead the device profile names) is paid in full.
+default). The second gather is priced as the runtime runs it (`runtime/regather.py`): when the
+backward needs the copy, not prefetched behind the previous layer's backward (FSDP's prefetch is
+not built yet, so no overlap is assumed): the forward gather's seconds once more.
 """
 from __future__ import annotations
 
@@ -23,16 +25,16 @@ def build(problem: Problem, setting: str) -> Families:
     allowed = allowed_options("residency", setting, RESIDENCY_MODES)
     groups = layer_groups(problem)
     fam = Families()
-    launch = problem.mesh.profile.kernel_overhead + problem.mesh.profile.collective_overhead
     copies: dict[str, list[int]] = {}
     for k, e in enumerate(problem.edges):
         if e.keeps_copy and problem.decisions[e.src].kind == "param":
             copies.setdefault(e.src, []).append(k)
     members: dict[str, list[str]] = {}
     for p in copies:
-        members.setdefault(problem.rep.get(p, p), []).append(p)
+        layer = problem.layer.get(p)
+        members.setdefault(groups.rep[layer] if layer in groups.rep else problem.decisions[p].fqn, []).append(p)
     for rep, params in members.items():
-        key = f"residency:{problem.decisions[rep].fqn}"
+        key = f"residency:{rep}"
         fam.groups.append(Group(key, "residency", RESIDENCY_MODES,
                                 tuple(problem.decisions[p].fqn for p in params), allowed))
         if REGATHER not in allowed:
@@ -41,9 +43,6 @@ def build(problem: Problem, setting: str) -> Families:
             for k in copies[p]:
                 e = problem.edges[k]
                 fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), back_row(groups, problem.layer.get(e.dst))))
-                d = problem.decisions[e.dst]
-                hidden = tuple(f - c for c, f in zip(d.compute_s, d.fwd_s))     # minus the consumer's backward
-                what = f"re-gather {problem.decisions[p].fqn} for {e.dst}"
-                fam.costs += [Cost(Expr(((e.dst, hidden),), ((k, tuple(map(tuple, e.fwd))),)), (key, REGATHER), 1.0, what),
-                              Cost(Expr(const=launch), (key, REGATHER), 1.0, what + " (launch)")]
+                fam.costs.append(Cost(Expr((), ((k, tuple(map(tuple, e.fwd))),)), (key, REGATHER), 1.0,
+                                      f"re-gather {problem.decisions[p].fqn} for {e.dst}"))
     return fam
