@@ -100,7 +100,7 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
-        result = solve(problem, budget, opts.time_limit, progress=opts.progress)
+        result = _solve_within(problem, budget, opts)
     except InfeasibleError as e:
         raise _with_hint(e, cap, infos, mesh, opts) from None
     plan = assemble(cap, problem, result.choice, mesh, opts, result.options)
@@ -119,6 +119,26 @@ def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sou
 def _phase(opts: PlanOptions, name: str, note: str = "") -> None:
     if opts.on_phase is not None:
         opts.on_phase(name, note)
+
+
+BUDGET_RETRIES = 3     # re-solves when the solver's feasibility tolerance lets a plan over the budget
+
+
+def _solve_within(problem: Problem, budget: float, opts: PlanOptions):
+    """Solve, and check the answer with the evaluator: a MIP solver accepts rows a tolerance over
+    their bound, so a plan it returns may price a few bytes over the budget; then solve again
+    with the budget lowered by the excess."""
+    target = budget
+    for _ in range(BUDGET_RETRIES):
+        result = solve(problem, target, opts.time_limit, progress=opts.progress)
+        over = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options)
+                        ).peak_bytes - budget
+        if over <= 0:
+            return result
+        target -= over + 1.0
+    raise InfeasibleError(f"the solver's plans stay {over:.0f} bytes over the budget of {budget:.0f} bytes per "
+                          f"device after {BUDGET_RETRIES} tries (its feasibility tolerance): raise memory_budget "
+                          f"slightly", budget + over)
 
 
 def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:

@@ -16,8 +16,10 @@ Each trains 3 AdamW steps next to one process (the worst relative difference of 
 and parameters is printed: the decisions must not change the numbers) and the third step is
 measured with `MemoryMeter`: live tensor bytes per rank, counted per storage, device and host
 apart; the baseline is the parameters and the optimizer state alive before the step.
-Columns: peak device bytes over the step (forward, backward, optimizer), device bytes alive
-between forward and backward (what the forward keeps for the backward), peak host bytes.
+Columns: peak device bytes over the step (forward, backward, optimizer) measured, and as the planner
+predicts it for the same decisions (`autopar.estimate` of the plan: the one evaluator), device bytes alive
+between forward and backward (what the forward keeps for the backward), peak host bytes measured
+and predicted.
 Prints one JSON line per plan and rank, then a table.
 """
 from __future__ import annotations
@@ -66,17 +68,21 @@ def main(argv=None) -> list[dict]:
                                                    timeout=600)):
                 for name, r in result.items():
                     row = {"bench": "memory", "plan": name, "rank": rank, "model": model_kw,
-                           "peak_device_bytes": r["peak_device"], "kept_for_backward_bytes": r["fwd_device"],
-                           "peak_host_bytes": r["peak_host"],
+                           "peak_device_bytes": r["peak_device"], "predicted_peak_bytes": r["predicted_peak"],
+                           "error": r["predicted_peak"] / r["peak_device"] - 1,
+                           "kept_for_backward_bytes": r["fwd_device"], "peak_host_bytes": r["peak_host"],
+                           "predicted_host_bytes": r["predicted_host"],
                            "worst_rel_diff": max(r["loss"], r["grad"], r["param"])}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
         shutdown_all()
-    print(f"\n{'plan':<22}{'rank':>5}{'peak device B':>15}{'kept fwd->bwd B':>17}{'peak host B':>13}{'max rel diff':>14}")
+    print(f"\n{'plan':<22}{'rank':>5}{'peak device B':>15}{'predicted B':>14}{'error':>8}{'kept fwd->bwd B':>17}"
+          f"{'peak host B':>13}{'predicted B':>13}{'max rel diff':>14}")
     for r in rows:
-        print(f"{r['plan']:<22}{r['rank']:>5}{r['peak_device_bytes']:>15,}{r['kept_for_backward_bytes']:>17,}"
-              f"{r['peak_host_bytes']:>13,}{r['worst_rel_diff']:>14.1e}")
+        print(f"{r['plan']:<22}{r['rank']:>5}{r['peak_device_bytes']:>15,}{r['predicted_peak_bytes']:>14,.0f}"
+              f"{r['error']:>+8.1%}{r['kept_for_backward_bytes']:>17,}{r['peak_host_bytes']:>13,}"
+              f"{r['predicted_host_bytes']:>13,.0f}{r['worst_rel_diff']:>14.1e}")
     return rows
 
 

@@ -121,12 +121,25 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             if masks[k].any():
                 worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[masks[k]], p.detach()[masks[k]]))
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
+    predicted = autopar.estimate(ref, inputs, mesh, plan)      # the planner's price of these decisions
     worst.update(seen, decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
+                 predicted_peak=predicted.peak_memory_bytes, predicted_host=predicted_tier(ref, inputs, mesh, plan),
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
                  gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherParam"),
                  regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))
     return worst
+
+
+def predicted_tier(model, inputs, mesh, plan) -> float:
+    """Bytes the plan's decisions put in the host tier, as the planner prices them."""
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    from autopar.planner import PlanOptions, plan_assignment, planning_problem
+    from autopar.solver.evaluate import evaluate
+    cap = capture(model, inputs)
+    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
+    return evaluate(problem, *plan_assignment(problem, plan)).tiers.get("host", 0.0)
 
 
 def _files(dmodel) -> int:

@@ -117,6 +117,15 @@ class Poly2:
 
     __radd__ = __add__
 
+    def __neg__(self) -> Poly2:
+        return Poly2(-self.c)
+
+    def __sub__(self, other):
+        return self + (-other)
+
+    def __rsub__(self, other):
+        return (-self) + other
+
     def at(self, b: float, s: float) -> float:
         return float(np.array([1, b, b * b]) @ self.c @ np.array([1, s, s * s]))
 

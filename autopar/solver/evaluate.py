@@ -59,12 +59,13 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     positions = problem.live.positions
     points = [pt - ssum(b for f, b in freed if f.after < t <= f.until) for pt, t in zip(points, positions)]
     end = points[-1] if points else state
-    backward = {key: end + ssum(b for f, b in freed if f.back == key) for key in fam.backs}
+    backward = {key: end + ssum(b for f, b in freed if f.back == key and any(on.get(g) == i for g, i in f.returns))
+                for key in fam.backs}
     tiers: dict[str, float] = {}
     for h in fam.held:
         if on.get(h.gate[0]) == h.gate[1]:
             tiers[h.tier] = tiers.get(h.tier, 0.0) + h.count * h.expr.value(problem, choice)
-    state_dev = state - ssum(b for f, b in freed if f.key.startswith("opt:"))
+    state_dev = state - ssum(b for f, b in freed if f.after < 0)      # kept off the device the whole step
     peak = smax(state_dev, *points, *backward.values())
     at = max(range(len(points)), key=lambda i: points[i]) if points else -1
     by_family: dict[str, float] = {}
@@ -72,7 +73,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if at >= 0 and f.after < positions[at] <= f.until:
             g = next(g for g, i in f.gates if on.get(g) == i)
             by_family[fam.group(g).family] = by_family.get(fam.group(g).family, 0.0) + b
-    offloaded = {f.key[4:] for f, _ in freed if f.key.startswith("opt:")}
+    offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
                       tuple(points), backward, tiers, by_family, grad_sync_total(problem, choice),
@@ -131,16 +132,19 @@ def picked_edges(p: Problem, choice: Mapping[str, int]):
 
 
 def memory_points(p: Problem, choice: Mapping[str, int]):
-    """(parameter state bytes, total bytes at each liveness point) under a layout choice, before
-    any family frees anything."""
+    """(training state bytes, total bytes at each liveness point of the forward) under a layout
+    choice, before any family frees anything. The forward has no gradients yet (the optimizer's
+    zero_grad sets them to None): its points count the state less them; the state in full is the
+    memory after the backward."""
     picked = [(e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)]
     state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
+    fwd_state = state - ssum(d.grad_bytes[choice[d.leader]] for d in p.decisions.values() if d.grad_bytes)
     points = []
     for live, where in zip(p.live.points, p.live.positions):
         acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
         copies = ssum(b for pos, b, _ in picked if pos <= where)
         temps = ssum(t for pos, _, t in picked if pos == where)
-        points.append(state + acts + copies + temps)
+        points.append(fwd_state + acts + copies + temps)
     return state, points
 
 

@@ -10,7 +10,8 @@ linear in the layout choice:
 * `Freed`: bytes the device stops holding at the forward points in (after, until] when any of
   its `gates` is on (a saved activation recomputed or offloaded, a gathered parameter copy
   freed after use; an item is freed once, whichever gates free it), held again in the backward
-  row `back` (the layer's backward, where it is recomputed or fetched);
+  row `back` (the layer's backward) when one of its `returns` gates is on (a recomputed layer's
+  tensors all exist again at once; offloaded ones are fetched one op at a time and are not);
 * `Held`: bytes another tier ("host", "disk") holds when an option is on, against that tier's
   capacity.
 
@@ -84,9 +85,10 @@ class Freed:
     gates: tuple[Gate, ...]
     after: int                    # freed at forward points with position > after ...
     until: int                    # ... and <= until
-    back: str | None = None       # the backward row it is held again in
+    back: str | None = None       # the backward row it is held again in ...
     what: str = ""
     key: str = ""                 # the item: terms with one key free the same bytes
+    returns: tuple[Gate, ...] = ()   # ... under these gates
 
 
 @dataclass(frozen=True, slots=True)

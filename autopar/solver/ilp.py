@@ -63,7 +63,10 @@ class SolveResult:
 
 
 def pick_solver(time_limit: float | None):
-    highs = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
+    # memory rows are in GiB: HiGHS's default feasibility tolerances (1e-7 on rows, 1e-6 in the MIP)
+    # would let a plan ~1 kB over its budget; 1e-9 keeps that to a byte
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, primal_feasibility_tolerance=1e-9,
+                       mip_feasibility_tolerance=1e-9)
     if highs.available():
         return highs, "HiGHS"
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1), "CBC"
@@ -157,13 +160,13 @@ class StrategyILP:
                 if table[0][e.b_of[j]]:
                     coef[v] = coef.get(v, 0.0) + scale * table[0][e.b_of[j]]
 
-    def _node_terms(self, coef: dict, field: str, names) -> None:
+    def _node_terms(self, coef: dict, field: str, names, scale: float = 1.0) -> None:
         for name in names:
             d = self.p.decisions[name]
             for i, c in enumerate(getattr(d, field)):
                 if c:
                     v = self.var(d.leader)[i]
-                    coef[v] = coef.get(v, 0.0) + c
+                    coef[v] = coef.get(v, 0.0) + scale * c
 
     def objective(self) -> pulp.LpAffineExpression:
         coef: dict = {}
@@ -178,12 +181,16 @@ class StrategyILP:
         variables, trip the solver's tolerances). Built in one sweep over the points: between
         neighbours only the activations defined or freed, and the copies kept since, change."""
         p = self.p
-        state: dict = {}
-        self._node_terms(state, "state_bytes", [n for n, d in p.decisions.items() if d.kind == "param"])
+        params = [n for n, d in p.decisions.items() if d.kind == "param"]
+        whole: dict = {}                 # after the backward: every gradient exists, no activation
+        self._node_terms(whole, "state_bytes", params)
+        for z, n in self.terms.freed_at(-1, throughout=True).items():     # optimizer state offloaded
+            whole[z] = whole.get(z, 0.0) - n * GIB
+        state: dict = {}                 # in the forward: no gradient yet (zero_grad sets them to None)
+        self._node_terms(state, "state_bytes", params)
+        self._node_terms(state, "grad_bytes", params, -1.0)
         if not p.live.points:
-            for z, n in self.terms.freed_at(p.live.last).items():    # optimizer state offloaded
-                state[z] = state.get(z, 0.0) - n * GIB
-            return [pulp.LpAffineExpression([(v, c / GIB) for v, c in state.items()])]
+            return [pulp.LpAffineExpression([(v, c / GIB) for v, c in whole.items()])]
         acts: dict = {}
         live: set[str] = set()
         kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
@@ -222,6 +229,7 @@ class StrategyILP:
                 total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
             rows.append(total)
         rows += self.terms.backward_rows(rows[-1]).values()
+        rows.append(whole)
         return [pulp.LpAffineExpression([(v, c / GIB) for v, c in row.items() if abs(c) > 1e-6]) for row in rows]
 
     def _add_nodes(self, coef: dict, names, sign: float) -> None:

@@ -156,21 +156,29 @@ class FamilyTerms:
                 for v, x in terms[0].items():
                     coef[v] = coef.get(v, 0.0) + count * x
 
-    def freed_at(self, t: int) -> dict:
-        """z variable -> how many items it stands for that are freed at forward point t."""
+    def freed_at(self, t: int, throughout: bool = False) -> dict:
+        """z variable -> how many items it stands for that are freed at forward point t (or, with
+        `throughout`, for the whole step: optimizer state kept off the device)."""
         out: dict = {}
         for f, z in self.z:
-            if f.after < t <= f.until:
+            if (f.after < 0 if throughout else f.after < t <= f.until):
                 out[z] = out.get(z, 0) + 1
         return out
 
     def backward_rows(self, end_row: dict) -> dict[str, dict]:
+        """Each backward row: the end of the forward plus what comes back there (E_f when one of
+        the item's `returns` gates is on)."""
         rows = {}
         for key in self.fam.backs:
             row = dict(end_row)
-            for f, z in self.z:
-                if f.back == key:
-                    row[z] = row.get(z, 0.0) + GIB      # each item returns once: z stands for one of them
+            for f in self.fam.freed:
+                if f.back != key:
+                    continue
+                for gt in f.returns:
+                    terms = self.gated(f.expr, gt, 1.0)
+                    if terms is not None:
+                        for v, c in terms[0].items():
+                            row[v] = row.get(v, 0.0) + c
             rows[key] = row
         return rows
 

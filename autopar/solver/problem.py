@@ -56,6 +56,7 @@ class Decision:
     opt_bytes: list[float] = field(default_factory=list)   # optimizer part of state_bytes (offloadable)
     elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
     mixed: bool = False                                    # a parameter trained in mixed precision
+    grad_bytes: list[float] = field(default_factory=list)  # its gradient's part of state_bytes (absent in the forward)
 
 
 @dataclass(slots=True)
@@ -305,7 +306,8 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                                                 [0.0] * len(layouts), [e * (kept_b + opt_b) for e in elems],
                                                 fqn=slot.target, facts=OpFacts(op="param", work=work),
                                                 fwd_s=[0.0] * len(layouts), opt_bytes=[e * opt_b for e in elems],
-                                                elements=elems, mixed=is_mixed(meta.dtype.itemsize, precision))
+                                                elements=elems, mixed=is_mixed(meta.dtype.itemsize, precision),
+                                                grad_bytes=[e * meta.dtype.itemsize for e in elems])
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))

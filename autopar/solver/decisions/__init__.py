@@ -33,7 +33,8 @@ def merge_freed(fam: Families) -> Families:
         if old is None:
             by_key[f.key] = f
         else:
-            by_key[f.key] = replace(old, gates=old.gates + f.gates, back=old.back or f.back)
+            by_key[f.key] = replace(old, gates=old.gates + f.gates, back=old.back or f.back,
+                                    returns=old.returns + f.returns)
     fam.freed = list(by_key.values())
-    fam.backs = list(dict.fromkeys(f.back for f in fam.freed if f.back is not None))
+    fam.backs = list(dict.fromkeys(f.back for f in fam.freed if f.back is not None and f.returns))
     return fam

@@ -62,15 +62,17 @@ def freed_in(problem: Problem, layer: str, names, key: str, back: str | None) ->
         d = problem.decisions[o]
         gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
         out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], live.last, back,
-                         f"activation {o} of {layer}", f"act:{o}"))
+                         f"activation {o} of {layer}", f"act:{o}", returns=gates))
     for k, e in enumerate(problem.edges):
         if e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "param":
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), back))
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), back, returns=True))
     return out
 
 
-def copy_freed(problem: Problem, k: int, gates, back: str | None) -> Freed:
-    """The gathered copy edge k keeps for its consumer's backward, freed after the consumer runs."""
+def copy_freed(problem: Problem, k: int, gates, back: str | None, returns: bool) -> Freed:
+    """The gathered copy edge k keeps for its consumer's backward, freed after the consumer runs
+    (`returns`: all there again in the backward row, as when its layer is recomputed)."""
     e = problem.edges[k]
     return Freed(Expr((), ((k, tuple(map(tuple, e.saved))),)), tuple(gates), e.dst_pos, problem.live.last, back,
-                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}")
+                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}",
+                 returns=tuple(gates) if returns else ())

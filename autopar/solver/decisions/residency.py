@@ -42,7 +42,8 @@ def build(problem: Problem, setting: str) -> Families:
         for p in params:
             for k in copies[p]:
                 e = problem.edges[k]
-                fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), back_row(groups, problem.layer.get(e.dst))))
+                fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), back_row(groups, problem.layer.get(e.dst)),
+                                            returns=False))
                 fam.costs.append(Cost(Expr((), ((k, tuple(map(tuple, e.fwd))),)), (key, REGATHER), 1.0,
                                       f"re-gather {problem.decisions[p].fqn} for {e.dst}"))
     return fam
