@@ -32,3 +32,7 @@ class PlanMismatchError(AutoparError):
 class PlanOptionError(AutoparError, ValueError):
     """A planning option has a value autopar does not know, or one the mesh cannot serve
     (e.g. offload to a tier the device profile does not have)."""
+class PlanFileError(AutoparError):
+    """A plan or plan-cache file (or plan dict) that is not a valid plan: unreadable, not JSON, a field
+    missing, of the wrong type or out of range, an expression outside the cost grammar. The message
+    names the file and the field; nothing in the file is ever evaluated."""
