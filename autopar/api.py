@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -10,12 +9,11 @@ import torch
 
 from .errors import PlanFileError, PlanMismatchError
 from .mesh import Mesh
-from .passes.capture import Captured, capture
-from .passes.shape_prop import tensor_inputs, tensor_meta
-from .placement import Shard, parse_layout
+from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
+from .runtime.fit import layout_misfits
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -91,51 +89,7 @@ def check_plan(plan: Plan, cap, mesh: Mesh) -> None:
     if list(plan.mesh["shape"]) != list(mesh.shape) or list(plan.mesh["axis_names"]) != list(mesh.axis_names):
         raise PlanMismatchError(f"this plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
                                 f"not {mesh.shape} {mesh.axis_names}: re-plan for this mesh")
-    check_layouts(plan, cap)
-
-
-def check_layouts(plan: Plan, cap: Captured) -> None:
-    """Every layout in `plan` fits the tensor it is for in this graph: a parameter the model has, shard
-    dims the tensor has, sizes the mesh axes split evenly (a plan file may have been edited)."""
-    graph = {n.name: n for n in cap.gm.graph.nodes}
-    sizes = plan.mesh["shape"]
-    params = {cap.param_names.get(slot.target, slot.target): _shape(graph[name])
-              for name, slot in cap.inputs.items() if slot.kind == "param"}
-    for fqn, layout in plan.placements.items():
-        if fqn not in params:
-            raise PlanFileError(f"plan placements.{fqn}: this model has no parameter {fqn!r}; re-plan the model")
-        _check_fits(layout, params[fqn], sizes, f"placements.{fqn}")
-    for i, np in enumerate(plan.nodes):
-        if np.executor == "output":
-            continue
-        node = graph.get(np.name)
-        if node is None:
-            raise PlanFileError(f"plan nodes[{i}]: this model's graph has no node {np.name!r}; re-plan the model")
-        _check_fits(np.output, _shape(node), sizes, f"nodes[{i}].output ({np.name})")
-        if np.executor in ("param", "input") or node.target is operator.getitem:
-            continue
-        ins = tensor_inputs(node)
-        if len(np.inputs) != len(ins):
-            raise PlanFileError(f"plan nodes[{i}].inputs ({np.name}): {len(np.inputs)} layouts for {len(ins)} tensor "
-                                f"inputs; re-plan the model")
-        for j, (layout, a) in enumerate(zip(np.inputs, ins)):
-            _check_fits(layout, _shape(a), sizes, f"nodes[{i}].inputs[{j}] ({np.name})")
-
-
-def _shape(node) -> tuple[int, ...] | None:
-    metas = tensor_meta(node.meta.get("val"))
-    return metas[0].shape if metas else None
-
-
-def _check_fits(layout, shape: tuple[int, ...] | None, sizes, field: str) -> None:
-    if shape is None:
-        return
-    parts: dict[int, int] = {}
-    for p, n in zip(parse_layout(layout), sizes):
-        if isinstance(p, Shard):
-            parts[p.dim] = parts.get(p.dim, 1) * n
-    for dim, n in parts.items():
-        if dim >= len(shape) or shape[dim] % n:
-            what = f"has no dim {dim}" if dim >= len(shape) else f"dim {dim} of size {shape[dim]} is not divisible by {n}"
-            raise PlanFileError(f"plan {field}: layout {tuple(layout)} does not fit the tensor of shape {list(shape)} "
-                                f"({what}); re-plan the model")
+    misfits = layout_misfits(plan, cap)
+    if misfits:
+        raise PlanFileError(f"plan {misfits[0]}; re-plan the model" + (f" ({len(misfits) - 1} more such layouts)"
+                                                                       if len(misfits) > 1 else ""))

@@ -8,6 +8,7 @@ Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -21,6 +22,7 @@ from ..passes.rewrite import rewrite
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
+from .respecialize import input_shapes, input_shapes_of, respecialize
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
@@ -39,7 +41,9 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
 class DistributedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
         super().__init__()
-        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh}   # plain dict: not a submodule
+        # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
+        # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
+        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
         whole = tuple(Replicate() for _ in device_mesh.shape)
         params = dict(model.named_parameters(remove_duplicate=False))
         made: dict[str, torch.nn.Parameter] = {}
@@ -62,9 +66,12 @@ class DistributedModule(torch.nn.Module):
         param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                     for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
+        self._param_of = param_of
         self._graph = apply_memory_plan(rewrite(cap, plan, device_mesh), plan, param_of, self._memory)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+        self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
+        self._autopar["programs"][_key(input_shapes_of(cap))] = (cap, self._graph)
 
     @property
     def plan(self) -> Plan:
@@ -75,9 +82,22 @@ class DistributedModule(torch.nn.Module):
         """The per-rank graph, with every reshard and collective explicit (print `.code`)."""
         return self._graph
 
+    def _program(self, args, kwargs, leaves):
+        """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
+        re-specialised to other sizes (`respecialize.py`; an error on every rank if they do not divide)."""
+        a = self._autopar
+        shapes = input_shapes(a["cap"], leaves, self._n_batch)
+        key = _key(shapes)
+        if key not in a["programs"]:
+            cap = respecialize(a["model"], a["cap"], a["plan"], args, kwargs, shapes)
+            a["programs"][key] = (cap, apply_memory_plan(rewrite(cap, a["plan"], a["mesh"]), a["plan"], self._param_of,
+                                                         self._memory))
+        return a["programs"][key]
+
     def forward(self, *args, **kwargs):
-        cap, mesh = self._autopar["cap"], self._autopar["mesh"]
+        mesh = self._autopar["mesh"]
         leaves = flatten_inputs(args, kwargs)
+        cap, graph = self._program(args, kwargs, leaves)
         values = []
         for name, slot in cap.inputs.items():
             if slot.kind == "param":
@@ -96,7 +116,7 @@ class DistributedModule(torch.nn.Module):
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
-            outs = self._graph(*values)
+            outs = graph(*values)
         return split_outputs(cap, outs, buffers=self)
 
     @property
@@ -128,6 +148,8 @@ def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):
 
 def _storage(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+def _key(shapes: dict[str, tuple[int, ...]]) -> tuple:
+    return tuple(sorted(shapes.items()))
 
 
 def _device(device_mesh) -> torch.device:
