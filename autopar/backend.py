@@ -9,6 +9,11 @@ as whole DTensors and reshards them to their planned layouts; the reshard's back
 the gradient whole again (all-reduce or all-gather per the plan), so `param.grad` on every
 rank is the full gradient. Compute and activations are distributed as planned; parameter
 memory is not saved in this mode (use `autoparallelize` for sharded parameter storage).
+
+Re-capturing Dynamo's graph lifts its tensor constants (and any buffers it holds) to inputs
+that are not among Dynamo's arguments: each call feeds them from the capture, and feeds Dynamo's
+arguments by their index. Non-tensor results (a Hugging Face `DynamicCache`) stay Dynamo's:
+the graph returns the cache's tensors and Dynamo rebuilds the object around them.
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ def compile_backend(mesh: Mesh, **options):
                 raise TypeError(f"autopar's compile backend needs static shapes: input {i} is {type(x).__name__}; "
                                 f"use torch.compile(..., dynamic=False)")
         cap = capture(gm, tuple(example_inputs))
-        users = [name for name, slot in cap.inputs.items() if slot.kind == "input"]
-        for name, x in zip(users, example_inputs):
-            if isinstance(x, torch.nn.Parameter):
+        # placeholder -> Dynamo's argument; lifted constants and buffers of `gm` are not arguments
+        arg_of = {name: slot.target for name, slot in cap.inputs.items() if slot.kind == "input"}
+        for name, i in arg_of.items():
+            if isinstance(example_inputs[i], torch.nn.Parameter):
                 cap.inputs[name] = InputSlot("param", name)
                 cap.param_names[name] = name
         if dist.is_initialized():
@@ -53,17 +59,22 @@ def compile_backend(mesh: Mesh, **options):
         whole = tuple(Replicate() for _ in device_mesh.shape)
         layouts = {name: parse_layout(plan.placements[cap.inputs[name].target]) for name in cap.inputs
                    if cap.inputs[name].kind == "param" and cap.inputs[name].target in plan.placements}
-        names = list(cap.inputs)
 
         def run(*args):
             values = []
-            for name, a in zip(names, args):
+            for name, slot in cap.inputs.items():
+                if name in arg_of:
+                    a = args[arg_of[name]]
+                elif slot.kind == "constant":
+                    a = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+                else:           # a buffer `gm` holds
+                    a = gm.get_buffer(slot.target)
                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
                     a = DTensor.from_local(a, device_mesh, whole, run_check=False)
                     if name in layouts:
                         a = reshard(a, layouts[name])
                 values.append(a)
-            return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=None)))
+            return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=gm)))
 
         plans.append(plan)
         return run
