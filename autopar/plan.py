@@ -124,6 +124,7 @@ class Plan:
     estimate: Estimate
     solver: SolverInfo
     fallbacks: list[str] = field(default_factory=list)   # "node (op)" replicated because no rule knows the op
+    indivisible: list[str] = field(default_factory=list)  # "param [shape]: no dim divisible by tp=4": replicated
     version: int = PLAN_FORMAT_VERSION
     scaling: Scaling = field(default_factory=lambda: Scaling(unavailable="not computed"))
     timings: Timings = field(default_factory=Timings, compare=False)
@@ -149,9 +150,10 @@ class Plan:
         from .scaling import largest_batch
         return largest_batch(self.scaling, seq, memory_budget)
 
-    def report(self, **kw) -> str:
+    def report(self, *, detail: bool = False, symbolic: bool = True) -> str:
+        """A readable report; detail=True: one row per op; symbolic=False: without the scaling table."""
         from .report import render_report
-        return render_report(self, **kw)
+        return render_report(self, detail=detail, symbolic=symbolic)
 
     def to_html(self) -> str:
         """The plan as one self-contained HTML page with charts (`autopar/html_report.py`)."""

@@ -84,6 +84,8 @@ class _Reader:
                     estimate=self.estimate(d["estimate"]), solver=self.solver(d["solver"]),
                     fallbacks=[self.string(f, f"fallbacks[{i}]") for i, f in
                                enumerate(self.array(d.get("fallbacks", []), "fallbacks"))],
+                    indivisible=[self.string(f, f"indivisible[{i}]") for i, f in
+                                 enumerate(self.array(d.get("indivisible", []), "indivisible"))],
                     version=version, scaling=self.scaling(d.get("scaling")),
                     recompute=self.modes(d.get("recompute", {}), "recompute", RECOMPUTE_MODES),
                     residency=self.modes(d.get("residency", {}), "residency", RESIDENCY_MODES),

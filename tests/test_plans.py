@@ -161,3 +161,34 @@ def test_collective_output_counts_while_its_consumer_runs():
     assert math.isclose(ok.estimate.peak_memory_bytes, peak, rel_tol=1e-12)
     with pytest.raises(autopar.InfeasibleError):
         autopar.plan(model, inputs, mesh, memory_budget=peak - 64 * 64 * 4 / 2, **fixed)
+
+
+def test_a_budget_of_the_reported_minimum_gives_a_plan_within_it():
+    """`InfeasibleError.min_memory_bytes` is a budget that fits: the plan made with it peaks at or below it
+    (the solver's tolerance once let a plan 1 KiB over through)."""
+    torch.manual_seed(0)
+    model, inputs = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2), (torch.randint(0, 64, (8, 16)),) * 2
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, inputs, mesh, memory_budget=1e3, symbolic=False)
+    need = e.value.min_memory_bytes
+    plan = autopar.plan(model, inputs, mesh, memory_budget=need, symbolic=False)
+    assert plan.estimate.peak_memory_bytes <= need
+    assert need - plan.estimate.peak_memory_bytes < 16 * 2**10       # and the minimum is tight
+
+
+def test_report_says_which_parameters_no_axis_could_split():
+    """A dim that does not divide by an axis is replicated over it, and the report says so."""
+    plan = autopar.plan(MLP(d_in=6, hidden=6, d_out=6, depth=1), (torch.randn(8, 6),), autopar.Mesh((4,), ("tp",)))
+    assert "layers.0.weight [6, 6]: no dim divisible by tp=4" in plan.indivisible
+    assert "head.bias [6]: no dim divisible by tp=4" in plan.indivisible
+    assert "no dim of theirs divides" in plan.report() and "layers.0.weight [6, 6]" in plan.report()
+    even = autopar.plan(MLP(d_in=8, hidden=8, d_out=8, depth=1), (torch.randn(8, 8),), autopar.Mesh((4,), ("tp",)))
+    assert even.indivisible == [] and "no dim of theirs divides" not in even.report()
+
+
+def test_report_without_the_scaling_table():
+    plan = autopar.plan(MLP(), (torch.randn(8, 16),), autopar.Mesh((2,), ("dp",)))
+    assert "Scaling with the global batch" in plan.report()
+    short = plan.report(symbolic=False)
+    assert "Scaling" not in short and short.splitlines()[0] == plan.report().splitlines()[0]
