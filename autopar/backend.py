@@ -29,6 +29,7 @@ from .placement import parse_layout
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 from .runtime.module import split_outputs
+from .runtime import rng
 from .runtime.reshard import reshard
 
 
@@ -56,11 +57,14 @@ def compile_backend(mesh: Mesh, **options):
             plan = plan_captured(cap, mesh, opts)
         device_mesh = mesh.device_mesh()
         program = rewrite(cap, plan, device_mesh)
+        state = rng.RngState.agreed()
+        rng.attach(program, state)
         whole = tuple(Replicate() for _ in device_mesh.shape)
         layouts = {name: parse_layout(plan.placements[cap.inputs[name].target]) for name in cap.inputs
                    if cap.inputs[name].kind == "param" and cap.inputs[name].target in plan.placements}
 
         def run(*args):
+            state.calls += 1
             values = []
             for name, slot in cap.inputs.items():
                 if name in arg_of:

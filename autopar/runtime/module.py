@@ -19,6 +19,7 @@ from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
+from . import rng
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
@@ -63,11 +64,11 @@ class DistributedModule(torch.nn.Module):
         for fqn, buf in model.named_buffers():
             _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
         self._whole = whole
-        param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
-                    for name, slot in cap.inputs.items() if slot.kind == "param"}
+        self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
+                          for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
-        self._param_of = param_of
-        self._graph = apply_memory_plan(rewrite(cap, plan, device_mesh), plan, param_of, self._memory)
+        self._rng = rng.RngState.agreed()
+        self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
@@ -82,6 +83,14 @@ class DistributedModule(torch.nn.Module):
         """The per-rank graph, with every reshard and collective explicit (print `.code`)."""
         return self._graph
 
+    def _build(self, cap: Captured) -> torch.nn.Module:
+        """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
+        its memory decisions applied."""
+        a = self._autopar
+        graph = rewrite(cap, a["plan"], a["mesh"])
+        rng.attach(graph, self._rng)
+        return apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
+
     def _program(self, args, kwargs, leaves):
         """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
         re-specialised to other sizes (`respecialize.py`; an error on every rank if they do not divide)."""
@@ -90,12 +99,16 @@ class DistributedModule(torch.nn.Module):
         key = _key(shapes)
         if key not in a["programs"]:
             cap = respecialize(a["model"], a["cap"], a["plan"], args, kwargs, shapes)
-            a["programs"][key] = (cap, apply_memory_plan(rewrite(cap, a["plan"], a["mesh"]), a["plan"], self._param_of,
-                                                         self._memory))
+            a["programs"][key] = (cap, self._build(cap))
         return a["programs"][key]
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this module's dropout masks (call with the same seed on every rank; `runtime/rng.py`)."""
+        self._rng.seed, self._rng.calls = int(seed), 0
 
     def forward(self, *args, **kwargs):
         mesh = self._autopar["mesh"]
+        self._rng.calls += 1
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
         values = []
