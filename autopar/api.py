@@ -58,18 +58,27 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
-                    example_kwargs: dict | None = None, offload_dir: str | None = None, **options):
+                    example_kwargs: dict | None = None, offload_dir: str | None = None,
+                    collective_timeout: float | None = None, **options):
     """Return a module that runs `model` over `mesh` on this rank (call on every rank).
 
+    Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree); `options` are
+    `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
         module; default: the system's temporary directory).
-    Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree). The user's
-    model is not modified; the returned module holds this rank's parameter shards.
+    collective_timeout: seconds a collective waits for a peer; a dead or hung rank is then a
+        `CollectiveError` naming it and the collective (`runtime/faults.py`).
     """
     import torch.distributed as dist
 
     from .runtime.module import DistributedModule
+    unknown = sorted(set(options) - set(PlanOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"autoparallelize() got unknown option(s) {unknown}")
     device_mesh = mesh.device_mesh()          # validates world size before anything else
+    if collective_timeout is not None:
+        from .runtime.faults import watch_mesh
+        watch_mesh(device_mesh, collective_timeout)
     cap = capture(model, _as_tuple(example_inputs), example_kwargs)
     if plan is None:
         plan_opts = PlanOptions(**{k: options[k] for k in options if k in PlanOptions.__dataclass_fields__})

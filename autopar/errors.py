@@ -36,3 +36,8 @@ class PlanFileError(AutoparError):
     """A plan or plan-cache file (or plan dict) that is not a valid plan: unreadable, not JSON, a field
     missing, of the wrong type or out of range, an expression outside the cost grammar. The message
     names the file and the field; nothing in the file is ever evaluated."""
+
+
+class CollectiveError(AutoparError):
+    """A collective failed or timed out because a rank died or hangs; the message names the ranks
+    that never reached it and what the collective was (`autoparallelize(collective_timeout=...)`)."""
