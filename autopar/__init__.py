@@ -8,8 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import autoparallelize, plan
 from .cost_model.pipeline import Pipeline
-from .errors import (AutoparError, CaptureError, CollectiveError, InfeasibleError, MeshError, PlanFileError, PlanMismatchError,
-                     ShardingError)
+from .errors import (AutoparError, CaptureError, CollectiveError, InfeasibleError, MeshError, PlanFileError,
+                     PlanMismatchError, ShardingError)
 from .mesh import Mesh
 from .plan import Estimate, Plan
 from .estimate import StepEstimate, estimate  # noqa: E402  (binds the function over the submodule's name)
