@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import PlanFileError, PlanMismatchError
+from .errors import AutoparError, PlanFileError, PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
@@ -69,8 +69,6 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
     collective_timeout: seconds a collective waits for a peer; a dead or hung rank is then a
         `CollectiveError` naming it and the collective (`runtime/faults.py`).
     """
-    import torch.distributed as dist
-
     from .runtime.module import DistributedModule
     unknown = sorted(set(options) - set(PlanOptions.__dataclass_fields__))
     if unknown:
@@ -81,14 +79,30 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
         watch_mesh(device_mesh, collective_timeout)
     cap = capture(model, _as_tuple(example_inputs), example_kwargs)
     if plan is None:
-        plan_opts = PlanOptions(**{k: options[k] for k in options if k in PlanOptions.__dataclass_fields__})
+        plan_opts = PlanOptions(**options)
         source = (model, _as_tuple(example_inputs), example_kwargs)     # for the plan's symbolic costs
-        chosen = [plan_captured(cap, mesh, plan_opts, source=source) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
-        plan = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_dict(chosen[0])
+        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
     else:
         check_plan(plan, cap, mesh)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
+
+
+def planned_on_rank0(make) -> Plan:
+    """`make()` on rank 0, its plan broadcast so that every rank runs the same one; an AutoparError
+    it raises (a bad pin, no plan fits) is raised on every rank, not left for the others to hang on."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return make()
+    chosen: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen = [make()]
+        except AutoparError as e:
+            chosen = [e]
+    dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], AutoparError):
+        raise chosen[0]
+    return chosen[0]
 
 
 def check_plan(plan: Plan, cap, mesh: Mesh) -> None:

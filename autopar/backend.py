@@ -18,9 +18,9 @@ the graph returns the cache's tensors and Dynamo rebuilds the object around them
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .api import planned_on_rank0
 from .compat import pytree
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture
@@ -49,12 +49,7 @@ def compile_backend(mesh: Mesh, **options):
             if isinstance(example_inputs[i], torch.nn.Parameter):
                 cap.inputs[name] = InputSlot("param", name)
                 cap.param_names[name] = name
-        if dist.is_initialized():
-            chosen = [plan_captured(cap, mesh, opts) if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(chosen, src=0)
-            plan: Plan = chosen[0]
-        else:
-            plan = plan_captured(cap, mesh, opts)
+        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, opts))
         device_mesh = mesh.device_mesh()
         program = rewrite(cap, plan, device_mesh)
         state = rng.RngState.agreed()

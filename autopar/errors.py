@@ -24,6 +24,9 @@ class InfeasibleError(AutoparError):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
 
+    def __reduce__(self):      # pickled whole (rank 0 sends it to every rank)
+        return type(self), (str(self), self.min_memory_bytes)
+
 
 class PlanMismatchError(AutoparError):
     """A saved plan does not belong to this model, inputs or mesh."""
