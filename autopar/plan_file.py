@@ -35,7 +35,8 @@ PARTIAL_OPS = ("sum", "avg", "max", "min")
 _PHASES = ("forward", "backward")
 _FIXED = ("batch", "seq")
 _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
-                 "optimizer": "str", "symbolic": "bool"}
+                 "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
+                 "precision": "str"}
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -152,10 +153,10 @@ class _Reader:
     def estimate(self, e: Any) -> Estimate:
         self.check_dict(e, "estimate")
         self.fields(e, "estimate", Estimate)
-        nums = {k: self.number(e[k], f"estimate.{k}", least=0) for k in e if k != "comm_bytes_per_axis"}
-        per_axis = {k: self.number(v, f"estimate.comm_bytes_per_axis.{k}", least=0)
-                    for k, v in self.mapping(e.get("comm_bytes_per_axis", {}), "estimate.comm_bytes_per_axis").items()}
-        return Estimate(**nums, comm_bytes_per_axis=per_axis)
+        tables = {x.name for x in fields(Estimate) if x.default_factory is dict}   # name -> number tables
+        return Estimate(**{k: {name: self.number(v, f"estimate.{k}.{name}", least=0)
+                               for name, v in self.mapping(e[k], f"estimate.{k}").items()}
+                           if k in tables else self.number(e[k], f"estimate.{k}", least=0) for k in e})
 
     def solver(self, s: Any) -> SolverInfo:
         self.check_dict(s, "solver")

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import autopar
+from dist_checks import LAYOUTS_ONLY
 
 P = 0.5
 
@@ -33,7 +34,7 @@ def _masks(rank, world_size, seed, reseed):
     torch.manual_seed(seed)
     model = TwoDropouts()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-    dmodel = autopar.autoparallelize(model, autopar.Mesh((2,), ("tp",), device="cpu"), (x,), pins=PINS)
+    dmodel = autopar.autoparallelize(model, autopar.Mesh((2,), ("tp",), device="cpu"), (x,), pins=PINS, **LAYOUTS_ONLY)
     if reseed is not None:
         dmodel.manual_seed(reseed)
     layouts = {n.name: n.output for n in dmodel.plan.nodes if n.name.startswith("native_dropout")}

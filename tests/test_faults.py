@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from dist_checks import shard_happy_profile  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, shard_happy_profile  # noqa: E402
 from models import MLP  # noqa: E402
 
 WORLD, TIMEOUT = 3, 4.0
@@ -30,7 +30,7 @@ def _rank(rank, init_file, fault, conn):
     model = MLP(d_in=12, hidden=24, d_out=12, depth=1)
     x = torch.randn(6, 12, generator=torch.Generator().manual_seed(0))
     mesh = autopar.Mesh((WORLD,), ("tp",), device=shard_happy_profile())
-    dmodel = autopar.autoparallelize(model, mesh, (x,), collective_timeout=TIMEOUT)
+    dmodel = autopar.autoparallelize(model, mesh, (x,), collective_timeout=TIMEOUT, **LAYOUTS_ONLY)
     (dmodel(x) ** 2).sum().backward()          # a step every rank takes
     if rank == WORLD - 1:
         if fault == "killed":
@@ -91,7 +91,7 @@ def _train(rank, init_file, ckpt, resume, conn):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     model, x = _model_and_batch()
     mesh = autopar.Mesh((WORLD,), ("tp",), device=shard_happy_profile())
-    dmodel = autopar.autoparallelize(model, mesh, (x,), collective_timeout=TIMEOUT)
+    dmodel = autopar.autoparallelize(model, mesh, (x,), collective_timeout=TIMEOUT, **LAYOUTS_ONLY)
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-2)
     losses = []
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
 from autopar import PlanFileError  # noqa: E402
-from dist_checks import shard_happy_profile  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, shard_happy_profile  # noqa: E402
 from models import GPT, gpt_inputs  # noqa: E402
 
 MESH = ((2, 2), ("dp", "tp"))
@@ -31,7 +31,8 @@ def _gpt():
 def saved():
     """(plan, its JSON as a dict): a plan that splits, with symbolic costs and divisibility conditions."""
     model, inputs = _gpt()
-    plan = autopar.plan(model, inputs, autopar.Mesh(*MESH, device=shard_happy_profile()), batch_axes=("dp",))
+    plan = autopar.plan(model, inputs, autopar.Mesh(*MESH, device=shard_happy_profile()), batch_axes=("dp",),
+                        **LAYOUTS_ONLY)
     assert plan.scaling.divisible and not plan.scaling.unavailable
     return plan, json.loads(plan.to_json())
 

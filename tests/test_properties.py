@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from dist_checks import rel, shard_happy_profile  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, rel, shard_happy_profile  # noqa: E402
 from models import MLP  # noqa: E402
 
 MESHES = [((4,), ("a",)), ((2, 2), ("a", "b"))]
@@ -31,7 +31,7 @@ def _train(rank, world_size, spec):
     x = torch.randn(batch, d_in, generator=torch.Generator().manual_seed(1))
     mesh = autopar.Mesh(shape, names, device=shard_happy_profile())
     try:
-        dmodel = autopar.autoparallelize(model, mesh, (x,), pins=pins, batch_axes=batch_axes)
+        dmodel = autopar.autoparallelize(model, mesh, (x,), pins=pins, batch_axes=batch_axes, **LAYOUTS_ONLY)
         mine = mesh.local_batch((x,), batch_axes) if batch_axes else (x,)
         out = dmodel(*mine)
         out = out.full_tensor() if hasattr(out, "full_tensor") else out

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from dist_checks import rel, shard_happy_profile  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, rel, shard_happy_profile  # noqa: E402
 from models import GPT, gpt_inputs  # noqa: E402
 
 PLANNED = 8
@@ -28,7 +28,7 @@ def _train_at_other_batches(rank, world_size, batch_axes, batches):
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
     dmodel = autopar.autoparallelize(model, mesh, gpt_inputs(batch=PLANNED, seq=16, vocab=64),
-                                     batch_axes=batch_axes)
+                                     batch_axes=batch_axes, **LAYOUTS_ONLY)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     out = {}

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from dist_checks import shard_happy_profile  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, shard_happy_profile  # noqa: E402
 from models import GPT, gpt_inputs  # noqa: E402
 
 PINS = {"blocks.0.ln1.weight": ("R", "R"), "blocks.0.ln1.bias": ("R", "R"), "wte.weight": ("R", "R"),
@@ -24,7 +24,7 @@ def _train_and_diff(rank, world_size, pins):
     inputs = gpt_inputs(batch=4, seq=16, vocab=64)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
-    dmodel = autopar.autoparallelize(model, mesh, inputs, pins=pins)
+    dmodel = autopar.autoparallelize(model, mesh, inputs, pins=pins, **LAYOUTS_ONLY)
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-2)
     for _ in range(2):
         dmodel(*inputs).backward()
