@@ -51,8 +51,8 @@ def parse_plan_json(text: str, source: str = "plan JSON") -> Plan:
     try:
         d = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise PlanFileError(f"{source}: not a plan: not valid JSON ({e}); the file may be truncated, re-save or "
-                            f"re-plan it") from None
+        raise PlanFileError(f"{source} is not a plan: not valid JSON ({e}); the file may be truncated: re-save "
+                            f"or re-plan it") from None
     return read_plan(d, source)
 
 
@@ -243,9 +243,9 @@ class _Reader:
         return v
 
     def array(self, v: Any, f: str) -> list:
-        if not isinstance(v, list):
+        if not isinstance(v, (list, tuple)):     # a tuple: a dict made in memory (Plan.to_dict)
             self.fail(f, f"expected a list, got {_kind(v)}")
-        return v
+        return list(v)
 
     def string(self, v: Any, f: str) -> str:
         if not isinstance(v, str):

@@ -3,7 +3,11 @@
 Parameters keep the user's qualified names (so optimizers, state_dict and
 torch.distributed.checkpoint see `blocks.0.attn.qkv.weight`), but each is a DTensor holding
 only this rank's shard in its planned layout. Tied parameters stay one Parameter.
-Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
+Buffers are plain per-rank tensors, entered into the graph as whole DTensors. Parameters and
+buffers are copies: training this module never changes the user's model.
+
+A call at other input sizes than planned runs the same plan re-specialised to them
+(`respecialize.py`); dropouts draw their masks as `rng.py` says.
 """
 from __future__ import annotations
 
@@ -24,6 +28,11 @@ from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
 from .respecialize import input_shapes, input_shapes_of, respecialize
+
+
+# Programs kept per module, one per input shapes seen (each a graph module of the model's size):
+# enough for bucketed batch sizes and sequence lengths; beyond, the oldest is captured again.
+MAX_PROGRAMS = 16
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
@@ -98,6 +107,8 @@ class DistributedModule(torch.nn.Module):
         shapes = input_shapes(a["cap"], leaves, self._n_batch)
         key = _key(shapes)
         if key not in a["programs"]:
+            if len(a["programs"]) >= MAX_PROGRAMS:        # drop the oldest re-specialised one
+                del a["programs"][next(k for k in a["programs"] if a["programs"][k][1] is not self._graph)]
             cap = respecialize(a["model"], a["cap"], a["plan"], args, kwargs, shapes)
             a["programs"][key] = (cap, self._build(cap))
         return a["programs"][key]
