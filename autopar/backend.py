@@ -59,7 +59,7 @@ def compile_backend(mesh: Mesh, **options):
                    if cap.inputs[name].kind == "param" and cap.inputs[name].target in plan.placements}
 
         def run(*args):
-            state.calls += 1
+            state.next_call()
             values = []
             for name, slot in cap.inputs.items():
                 if name in arg_of:

@@ -30,8 +30,8 @@ PINS = {"fc1.weight": ("S(0)",), "fc1.bias": ("S(0)",), "fc2.weight": ("S(1)",),
         "native_dropout": ("S(1)",), "native_dropout_1": ("R",)}
 
 
-def _masks(rank, world_size, seed, reseed):
-    torch.manual_seed(seed)
+def _masks(rank, world_size, seed, reseed, per_rank=0):
+    torch.manual_seed(seed + per_rank * rank)
     model = TwoDropouts()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     dmodel = autopar.autoparallelize(model, autopar.Mesh((2,), ("tp",), device="cpu"), (x,), pins=PINS, **LAYOUTS_ONLY)
@@ -65,3 +65,12 @@ def test_replicas_share_masks_shards_differ_and_the_seed_fixes_them(rank_pool):
     assert not torch.equal(steps[0][0], other[0][0][0])                 # another seed, other masks
     reseeded = pool.run(_masks, 8, 7)[0]
     assert torch.equal(reseeded[0][0][0], pool.run(_masks, 9, 7)[0][0][0][0])   # manual_seed decides
+
+
+def test_ranks_seeded_per_rank_still_agree_on_replicated_masks(rank_pool):
+    """Ranks seeded `s + rank` (as for their data) draw as rank 0 does: replicas still agree."""
+    alike = rank_pool(2).run(_masks, 7, None)
+    (r0, r1) = rank_pool(2).run(_masks, 7, None, 1)
+    for (m0, y0), (m1, y1), (a0, b0) in zip(r0[0], r1[0], alike[0][0]):
+        assert torch.equal(m0, m1) and torch.equal(y0, y1)
+        assert torch.equal(m0, a0) and torch.equal(y0, b0)

@@ -115,11 +115,11 @@ class DistributedModule(torch.nn.Module):
 
     def manual_seed(self, seed: int) -> None:
         """Seed this module's dropout masks (call with the same seed on every rank; `runtime/rng.py`)."""
-        self._rng.seed, self._rng.calls = int(seed), 0
+        self._rng.fixed, self._rng.seed = int(seed), None
 
     def forward(self, *args, **kwargs):
         mesh = self._autopar["mesh"]
-        self._rng.calls += 1
+        self._rng.next_call()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
         values = []

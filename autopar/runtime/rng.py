@@ -9,12 +9,15 @@ A dropout runs on this device's local shard. Its mask must be
   (the same mask repeated on every shard would correlate the noise across the tensor);
 * deterministic for a seed: the same seed and calls give the same masks, run after run.
 
-So each dropout draws from its own generator, seeded from (the module's seed, the call count,
-the op's node name, this device's coordinates on the axes that shard the op's output): replicas
-share every input of that seed, shards differ in the last. The module's seed is rank 0's
-`torch.initial_seed()` when the module is built, broadcast to every rank (`RngState.agreed`), so
-`torch.manual_seed(s)` before `autoparallelize` fixes every mask; `DistributedModule.manual_seed`
-sets it later. The result is `native_dropout`'s: (input * mask / (1 - p), mask).
+So each dropout draws from its own generator, seeded from (the step's seed, the forward calls
+since that seed was set, the op's node name, this device's coordinates on the axes that shard the
+op's output): replicas share every input of that seed, shards differ in the last. The step's seed
+is torch's (`torch.initial_seed()`, what `torch.manual_seed` set) moved by a per-rank offset agreed
+when the module is built (rank 0's seed minus this rank's), so ranks seeded alike, or seeded
+`s + rank` for their data, draw as rank 0 does; `torch.manual_seed(s)` before a forward fixes its
+masks (a re-run, or a recomputation in the backward, draws the same ones), and
+`DistributedModule.manual_seed(s)` fixes the module's seed whatever torch's. The result is
+`native_dropout`'s: (input * mask / (1 - p), mask).
 """
 from __future__ import annotations
 
@@ -32,18 +35,27 @@ DROPOUT_OPS = (aten.native_dropout.default,)
 
 @dataclass(slots=True)
 class RngState:
-    """The seed every rank agrees on, and how many forward calls have drawn from it."""
-    seed: int
-    calls: int = 0
+    """How this rank seeds the dropouts of one module (see the module docstring)."""
+    offset: int = 0                   # rank 0's torch seed minus this rank's, when the module was built
+    fixed: int | None = None          # DistributedModule.manual_seed's, overriding torch's
+    seed: int | None = None           # the seed of the current forward
+    calls: int = 0                    # forward calls since `seed` was set
 
     @classmethod
     def agreed(cls) -> RngState:
-        """Rank 0's initial seed, on every rank (one broadcast; the module is built collectively)."""
+        """The offset to rank 0's seed (one broadcast; the module is built collectively)."""
         import torch.distributed as dist
         seed = [torch.initial_seed()]
         if dist.is_initialized():
             dist.broadcast_object_list(seed, src=0)
-        return cls(int(seed[0]))
+        return cls(offset=int(seed[0]) - torch.initial_seed())
+
+    def next_call(self) -> None:
+        """A forward starts: its seed, and its count since that seed was set."""
+        seed = self.fixed if self.fixed is not None else torch.initial_seed() + self.offset
+        if seed != self.seed:
+            self.seed, self.calls = seed, 0
+        self.calls += 1
 
 
 def _generator(state: RngState, node: str, coords: tuple[int, ...], device: torch.device) -> torch.Generator:
