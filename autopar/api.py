@@ -7,12 +7,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import PlanMismatchError
+from .errors import AutoparError, PlanFileError, PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
+from .runtime.fit import layout_misfits
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -57,28 +58,51 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
-                    example_kwargs: dict | None = None, offload_dir: str | None = None, **options):
+                    example_kwargs: dict | None = None, offload_dir: str | None = None,
+                    collective_timeout: float | None = None, **options):
     """Return a module that runs `model` over `mesh` on this rank (call on every rank).
 
+    Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree); `options` are
+    `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
         module; default: the system's temporary directory).
-    Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree). The user's
-    model is not modified; the returned module holds this rank's parameter shards.
+    collective_timeout: seconds a collective waits for a peer; a dead or hung rank is then a
+        `CollectiveError` naming it and the collective (`runtime/faults.py`).
     """
-    import torch.distributed as dist
-
     from .runtime.module import DistributedModule
+    unknown = sorted(set(options) - set(PlanOptions.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"autoparallelize() got unknown option(s) {unknown}")
     device_mesh = mesh.device_mesh()          # validates world size before anything else
+    if collective_timeout is not None:
+        from .runtime.faults import watch_mesh
+        watch_mesh(device_mesh, collective_timeout)
     cap = capture(model, _as_tuple(example_inputs), example_kwargs)
     if plan is None:
-        plan_opts = PlanOptions(**{k: options[k] for k in options if k in PlanOptions.__dataclass_fields__})
+        plan_opts = PlanOptions(**options)
         source = (model, _as_tuple(example_inputs), example_kwargs)     # for the plan's symbolic costs
-        chosen = [plan_captured(cap, mesh, plan_opts, source=source) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
-        plan = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_dict(chosen[0])
+        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
     else:
         check_plan(plan, cap, mesh)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
+
+
+def planned_on_rank0(make) -> Plan:
+    """`make()` on rank 0, its plan broadcast so that every rank runs the same one; an AutoparError
+    it raises (a bad pin, no plan fits) is raised on every rank, not left for the others to hang on."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return make()
+    chosen: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen = [make()]
+        except AutoparError as e:
+            chosen = [e]
+    dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], AutoparError):
+        raise chosen[0]
+    return chosen[0]
 
 
 def check_plan(plan: Plan, cap, mesh: Mesh) -> None:
@@ -88,3 +112,7 @@ def check_plan(plan: Plan, cap, mesh: Mesh) -> None:
     if list(plan.mesh["shape"]) != list(mesh.shape) or list(plan.mesh["axis_names"]) != list(mesh.axis_names):
         raise PlanMismatchError(f"this plan was made for mesh {plan.mesh['shape']} {plan.mesh['axis_names']}, "
                                 f"not {mesh.shape} {mesh.axis_names}: re-plan for this mesh")
+    misfits = layout_misfits(plan, cap)
+    if misfits:
+        raise PlanFileError(f"plan {misfits[0]}; re-plan the model" + (f" ({len(misfits) - 1} more such layouts)"
+                                                                       if len(misfits) > 1 else ""))

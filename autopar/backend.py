@@ -9,13 +9,18 @@ as whole DTensors and reshards them to their planned layouts; the reshard's back
 the gradient whole again (all-reduce or all-gather per the plan), so `param.grad` on every
 rank is the full gradient. Compute and activations are distributed as planned; parameter
 memory is not saved in this mode (use `autoparallelize` for sharded parameter storage).
+
+Re-capturing Dynamo's graph lifts its tensor constants (and any buffers it holds) to inputs
+that are not among Dynamo's arguments: each call feeds them from the capture, and feeds Dynamo's
+arguments by their index. Non-tensor results (a Hugging Face `DynamicCache`) stay Dynamo's:
+the graph returns the cache's tensors and Dynamo rebuilds the object around them.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .api import planned_on_rank0
 from .compat import pytree
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture
@@ -24,6 +29,7 @@ from .placement import parse_layout
 from .plan import Plan
 from .planner import PlanOptions, plan_captured
 from .runtime.module import split_outputs
+from .runtime import rng
 from .runtime.reshard import reshard
 
 
@@ -37,33 +43,37 @@ def compile_backend(mesh: Mesh, **options):
                 raise TypeError(f"autopar's compile backend needs static shapes: input {i} is {type(x).__name__}; "
                                 f"use torch.compile(..., dynamic=False)")
         cap = capture(gm, tuple(example_inputs))
-        users = [name for name, slot in cap.inputs.items() if slot.kind == "input"]
-        for name, x in zip(users, example_inputs):
-            if isinstance(x, torch.nn.Parameter):
+        # placeholder -> Dynamo's argument; lifted constants and buffers of `gm` are not arguments
+        arg_of = {name: slot.target for name, slot in cap.inputs.items() if slot.kind == "input"}
+        for name, i in arg_of.items():
+            if isinstance(example_inputs[i], torch.nn.Parameter):
                 cap.inputs[name] = InputSlot("param", name)
                 cap.param_names[name] = name
-        if dist.is_initialized():
-            chosen = [plan_captured(cap, mesh, opts) if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(chosen, src=0)
-            plan: Plan = chosen[0]
-        else:
-            plan = plan_captured(cap, mesh, opts)
+        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, opts))
         device_mesh = mesh.device_mesh()
         program = rewrite(cap, plan, device_mesh)
+        state = rng.RngState.agreed()
+        rng.attach(program, state)
         whole = tuple(Replicate() for _ in device_mesh.shape)
         layouts = {name: parse_layout(plan.placements[cap.inputs[name].target]) for name in cap.inputs
                    if cap.inputs[name].kind == "param" and cap.inputs[name].target in plan.placements}
-        names = list(cap.inputs)
 
         def run(*args):
+            state.next_call()
             values = []
-            for name, a in zip(names, args):
+            for name, slot in cap.inputs.items():
+                if name in arg_of:
+                    a = args[arg_of[name]]
+                elif slot.kind == "constant":
+                    a = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+                else:           # a buffer `gm` holds
+                    a = gm.get_buffer(slot.target)
                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
                     a = DTensor.from_local(a, device_mesh, whole, run_check=False)
                     if name in layouts:
                         a = reshard(a, layouts[name])
                 values.append(a)
-            return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=None)))
+            return tuple(pytree.tree_leaves(split_outputs(cap, program(*values), buffers=gm)))
 
         plans.append(plan)
         return run

@@ -152,17 +152,16 @@ def _source(a):
 
 
 def _load_plan(path: str):
-    import json
-
+    from .errors import PlanFileError
     from .plan import Plan
     try:
-        return Plan.load(path)
-    except OSError as e:
-        raise CliError(f"cannot read plan {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise CliError(f"{path!r} is not a plan: not JSON ({e.msg} at line {e.lineno})") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise CliError(f"{path!r} is not an autopar plan this version reads ({e})") from None
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read plan {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return Plan.from_json(text, source=path)      # read as data: every field checked (plan_file.py)
+    except PlanFileError as e:
+        raise CliError(str(e)) from None
 
 
 def _write(path: str, text: str) -> None:

@@ -15,6 +15,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   tensor saved twice unchanged from one written in between.
 * `sym_expr(size)`, `sym_hint(size)`: the sympy expression and the example value behind a
   symbolic size of a traced tensor (torch.SymInt's node).
+* `default_store()`: the job's rendezvous key-value store (torch.distributed's c10d internals);
+  `set_group_timeout(group, seconds)`: how long a process group's collectives wait for peers.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
-           "sym_hint", "TorchDispatchMode", "tensor_version"]
+           "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout"]
 
 
 def is_mutable(op: OpOverload) -> bool:
@@ -44,3 +46,15 @@ def sym_expr(size) -> sympy.Expr:
 def sym_hint(size) -> int | None:
     """The example's value of a size (None for a size only known at run time)."""
     return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
+def default_store():
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()
+
+
+def set_group_timeout(group, seconds: float) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

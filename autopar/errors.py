@@ -24,6 +24,9 @@ class InfeasibleError(AutoparError):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
 
+    def __reduce__(self):      # pickled whole (rank 0 sends it to every rank)
+        return type(self), (str(self), self.min_memory_bytes)
+
 
 class PlanMismatchError(AutoparError):
     """A saved plan does not belong to this model, inputs or mesh."""
@@ -32,3 +35,12 @@ class PlanMismatchError(AutoparError):
 class PlanOptionError(AutoparError, ValueError):
     """A planning option has a value autopar does not know, or one the mesh cannot serve
     (e.g. offload to a tier the device profile does not have)."""
+class PlanFileError(AutoparError):
+    """A plan or plan-cache file (or plan dict) that is not a valid plan: unreadable, not JSON, a field
+    missing, of the wrong type or out of range, an expression outside the cost grammar. The message
+    names the file and the field; nothing in the file is ever evaluated."""
+
+
+class CollectiveError(AutoparError):
+    """A collective failed or timed out because a rank died or hangs; the message names the ranks
+    that never reached it and what the collective was (`autoparallelize(collective_timeout=...)`)."""

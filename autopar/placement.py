@@ -32,6 +32,8 @@ def to_str(p: Placement) -> str:
 def from_str(s: str | Placement) -> Placement:
     if isinstance(s, Placement):
         return s
+    if not isinstance(s, str):
+        raise ValueError(f"cannot parse placement {s!r}: use 'R', 'S(d)', 'P' or 'P(avg)'")
     s = s.strip()
     if s == "R":
         return R

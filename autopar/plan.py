@@ -124,6 +124,7 @@ class Plan:
     estimate: Estimate
     solver: SolverInfo
     fallbacks: list[str] = field(default_factory=list)   # "node (op)" replicated because no rule knows the op
+    indivisible: list[str] = field(default_factory=list)  # "param [shape]: no dim divisible by tp=4": replicated
     version: int = PLAN_FORMAT_VERSION
     scaling: Scaling = field(default_factory=lambda: Scaling(unavailable="not computed"))
     timings: Timings = field(default_factory=Timings, compare=False)
@@ -149,9 +150,10 @@ class Plan:
         from .scaling import largest_batch
         return largest_batch(self.scaling, seq, memory_budget)
 
-    def report(self, **kw) -> str:
+    def report(self, *, detail: bool = False, symbolic: bool = True) -> str:
+        """A readable report; detail=True: one row per op; symbolic=False: without the scaling table."""
         from .report import render_report
-        return render_report(self, **kw)
+        return render_report(self, detail=detail, symbolic=symbolic)
 
     def to_html(self) -> str:
         """The plan as one self-contained HTML page with charts (`autopar/html_report.py`)."""
@@ -187,34 +189,21 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        if d.get("version") != PLAN_FORMAT_VERSION:
-            raise ValueError(f"plan format version {d.get('version')} is not {PLAN_FORMAT_VERSION}: re-plan the model")
-        nodes = [NodePlan(**{**n, "inputs": tuple(tuple(i) for i in n["inputs"]), "output": tuple(n["output"]),
-                             "labels": tuple(n["labels"]),
-                             "collectives": tuple(Collective(**c) for c in n["collectives"])}) for n in d["nodes"]]
-        return cls(model=d["model"], fingerprint=d["fingerprint"], mesh=d["mesh"], options=d["options"], nodes=nodes,
-                   placements={k: tuple(v) for k, v in d["placements"].items()},
-                   estimate=Estimate(**d["estimate"]), solver=SolverInfo(**d["solver"]),
-                   fallbacks=list(d["fallbacks"]), version=d["version"],
-                   scaling=_scaling_from(d.get("scaling")), recompute=dict(d["recompute"]),
-                   residency=dict(d["residency"]), offload=dict(d["offload"]))
+    def from_dict(cls, d: dict[str, Any], source: str = "plan dict") -> Plan:
+        """The plan `d` describes, every field checked (`autopar.plan_file`); `PlanFileError` naming
+        `source` and the field otherwise. Nothing in `d` is evaluated."""
+        from .plan_file import read_plan
+        return read_plan(d, source)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
+        from .plan_file import parse_plan_json
+        return parse_plan_json(text, source)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(Path(path).read_text())
-
-
-def _scaling_from(d: dict | None) -> Scaling:
-    if d is None:   # saved before plans carried their scaling
-        return Scaling(unavailable="not in this saved plan: re-plan to get it")
-    return Scaling(**{**d, "fixed": tuple(d["fixed"]), "memory_points": tuple(d["memory_points"]),
-                      "divisible": tuple((e, int(n)) for e, n in d["divisible"]),
-                      "comm_bytes_per_axis": dict(d.get("comm_bytes_per_axis", {}))})
+        from .plan_file import load_plan
+        return load_plan(path)
 
 
 def _lay(layout) -> str:

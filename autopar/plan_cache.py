@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import PlanFileError
 from .mesh import Mesh
 from .plan import Plan
 
@@ -48,10 +50,13 @@ class PlanCache:
 
     def get(self, key: str) -> Plan | None:
         path = self.dir / f"{key}.json"
+        if not path.exists():
+            return None
         try:
-            return Plan.load(path)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None      # absent or unreadable: solve again
+            return Plan.load(path)      # read as data: checked field by field, nothing evaluated
+        except PlanFileError as e:
+            warnings.warn(f"plan cache: ignoring an invalid entry, solving again: {e}", stacklevel=3)
+            return None
 
     def put(self, key: str, plan: Plan) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import InfeasibleError, PlanMismatchError, PlanOptionError
+from .errors import InfeasibleError, PlanMismatchError, PlanOptionError, ShardingError
 from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
-from .placement import layout_str
+from .placement import layout_str, parse_layout
 from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
 from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .plan_cache import PlanCache
@@ -41,6 +41,16 @@ class PlanOptions:
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
+
+    def __post_init__(self):
+        for name, layout in (self.pins or {}).items():
+            if isinstance(layout, str) or not isinstance(layout, Sequence):
+                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement per mesh axis, "
+                                    f"e.g. ('S(0)', 'R')")
+            try:
+                parse_layout(layout)
+            except (ValueError, TypeError) as e:
+                raise ShardingError(f"pin {name!r}: {e}") from None
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget,
@@ -210,7 +220,24 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
     return Plan(cap.model_name, fingerprint(cap), mesh.to_dict(), opts.to_dict(), nodes, placements, estimate,
                 SolverInfo("none", "unsolved", 0, 0, ev.step_s, len(problem.leaders), len(problem.order)),
                 fallbacks, recompute=decided.get("recompute", {}), residency=decided.get("residency", {}),
-                offload=decided.get("offload", {}))
+                offload=decided.get("offload", {}), indivisible=_indivisible(cap, placements, mesh))
+
+
+def _indivisible(cap: Captured, placements: dict[str, tuple[str, ...]], mesh: Mesh) -> list[str]:
+    """Parameters a mesh axis replicates because none of their dims divides by its size (the report
+    says so: the solver never saw a split of them over that axis)."""
+    out = []
+    for node in cap.gm.graph.nodes:
+        slot = cap.inputs.get(node.name)
+        fqn = cap.param_names.get(slot.target, slot.target) if slot and slot.kind == "param" else None
+        metas = tensor_meta(node.meta.get("val")) if fqn in placements else ()
+        if not metas or not metas[0].shape:
+            continue
+        shape = metas[0].shape
+        for ax, n, p in zip(mesh.axis_names, mesh.shape, placements[fqn]):
+            if p == "R" and n > 1 and all(s % n for s in shape):
+                out.append(f"{fqn} {list(shape)}: no dim divisible by {ax}={n}")
+    return out
 
 
 def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):

@@ -29,7 +29,9 @@ def _groups(plan: Plan):
     return groups.items()
 
 
-def render_report(plan: Plan, *, detail: bool = False) -> str:
+def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) -> str:
+    """The plan for a person. detail: one row per op; symbolic=False: without the table of step time
+    and memory over batch sizes (priced from `plan.scaling`)."""
     m, est, sol = plan.mesh, plan.estimate, plan.solver
     axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
     lines = [f"autopar plan for {plan.model} on mesh ({axes}) of {m['device']}",
@@ -87,7 +89,12 @@ def render_report(plan: Plan, *, detail: bool = False) -> str:
         lines.append("")
     lines += _memory_lines(plan)
     lines += _batch_norm_lines(plan)
-    lines += _scaling_lines(plan)
+    if symbolic:
+        lines += _scaling_lines(plan)
+    if plan.indivisible:
+        lines.append(f"Parameters replicated over an axis because no dim of theirs divides by its size "
+                     f"({len(plan.indivisible)}; choose sizes divisible by the axis to split them): "
+                     + ", ".join(plan.indivisible))
     if plan.fallbacks:
         lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
     else:

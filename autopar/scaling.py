@@ -23,7 +23,8 @@ import math
 
 from torch.distributed.tensor import Shard
 
-from .cost_model.symbolic import Poly2, compile_expr, ssum
+from .cost_model.symbolic import Poly2, ssum
+from .expr import compile_expr
 from .errors import PlanMismatchError
 from .plan import Estimate, Scaling
 from .solver.evaluate import comm_total, compute_total, memory_points
@@ -103,8 +104,8 @@ def _sizes(sc: Scaling, batch: int | None, seq: int | None) -> tuple[int, int]:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     b = sc.batch if batch is None else batch
     s = (sc.seq or 1) if seq is None else seq
-    for expr, n in sc.divisible:
-        v = compile_expr(expr)(b, s)
+    for i, (expr, n) in enumerate(sc.divisible):
+        v = compile_expr(expr, f"scaling.divisible[{i}]")(b, s)
         if round(v) % n:
             raise PlanMismatchError(f"at batch={b}, seq={s} a dim of size {expr} = {round(v)} that this plan splits "
                                     f"{n} ways does not divide evenly: choose sizes that keep {expr} a multiple "
@@ -114,18 +115,19 @@ def _sizes(sc: Scaling, batch: int | None, seq: int | None) -> tuple[int, int]:
 
 def estimate_at(sc: Scaling, batch: int | None = None, seq: int | None = None) -> Estimate:
     b, s = _sizes(sc, batch, seq)
-    compute = compile_expr(sc.compute_s)(b, s)
-    comm = compile_expr(sc.comm_s)(b, s)
-    state = compile_expr(sc.state_bytes)(b, s)
-    peak = max([state] + [compile_expr(p)(b, s) for p in sc.memory_points])
-    per_axis = {ax: compile_expr(e)(b, s) for ax, e in sc.comm_bytes_per_axis.items()}
+    compute = compile_expr(sc.compute_s, "scaling.compute_s")(b, s)
+    comm = compile_expr(sc.comm_s, "scaling.comm_s")(b, s)
+    state = compile_expr(sc.state_bytes, "scaling.state_bytes")(b, s)
+    peak = max([state] + [compile_expr(p, f"scaling.memory_points[{i}]")(b, s) for i, p in enumerate(sc.memory_points)])
+    per_axis = {ax: compile_expr(e, f"scaling.comm_bytes_per_axis.{ax}")(b, s)
+                for ax, e in sc.comm_bytes_per_axis.items()}
     return Estimate(compute + comm, compute, comm, peak, state, max(peak - state, 0.0), per_axis)
 
 
 def _batch_step(sc: Scaling, seq: int) -> int:
     """The smallest batch that keeps every split even at this sequence length; its multiples do too
     (a split dim's size is B times something: 8*B, B*S)."""
-    conds = [(compile_expr(e), n) for e, n in sc.divisible]
+    conds = [(compile_expr(e, f"scaling.divisible[{i}]"), n) for i, (e, n) in enumerate(sc.divisible)]
     limit = math.lcm(*[n for _, n in conds]) if conds else 1
     for b in range(1, limit + 1):
         if all(round(f(b, seq)) % n == 0 for f, n in conds):

@@ -93,8 +93,6 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     else:
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
                                          **LAYOUTS_ONLY)
-    # the user's model is untouched
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
     opt = torch.optim.AdamW(dmodel.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -124,6 +122,8 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
                 well_posed[k] = well_posed_elements(p.grad)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    # the user's model is untouched by training the distributed one
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     params = dict(dmodel.named_parameters())
     for k, p in ref.named_parameters():
         local = params[k].to_local()

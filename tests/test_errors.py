@@ -103,3 +103,33 @@ def test_capture_failure_inside_a_hugging_face_model_names_the_users_line(capsys
     assert "what to do:" in msg and "torch.where" in msg
     assert "def forward(self" not in capsys.readouterr().err      # no dump of torch's partial graph
     assert _same(model, snap) and "forward" not in model.__dict__
+
+
+class MaskIndexing(nn.Module):
+    """Boolean-mask indexing: the result's size depends on the values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y[y > 0].sum()
+
+
+def test_boolean_mask_indexing_is_a_capture_error_naming_the_line():
+    model = MaskIndexing()
+    snap = _snapshot(model)
+    with pytest.raises(autopar.CaptureError) as e:
+        autopar.plan(model, (torch.randn(8, 4),), autopar.Mesh((2,), ("dp",)))
+    msg = str(e.value)
+    assert "depends on the data" in msg and "y[y > 0].sum()" in msg and "torch.where" in msg, msg
+    assert _same(model, snap)
+
+
+@pytest.mark.parametrize("layout,why", [(("Shard(0)",), "Shard(0)"), ("S(0)", "is not a layout"),
+                                        ((0,), "cannot parse placement 0")])
+def test_unparseable_pin_is_a_sharding_error_naming_it(layout, why):
+    with pytest.raises(autopar.ShardingError) as e:
+        autopar.plan(MLP(), (torch.randn(4, 16),), autopar.Mesh((2,), ("dp",)), pins={"layers.0.weight": layout})
+    assert "layers.0.weight" in str(e.value) and why in str(e.value), str(e.value)

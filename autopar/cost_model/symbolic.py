@@ -11,19 +11,16 @@ Symbolic sizes assume shards split evenly (the planner only splits evenly at the
 """
 from __future__ import annotations
 
-import math
-from functools import lru_cache
 from numbers import Number
 
 import numpy as np
 import sympy
 
-__all__ = ["SymbolicUnavailable", "BATCH", "SEQ", "is_symbolic", "smax", "smin", "ssum", "is_zero", "ceil_div", "to_float", "parse", "compile_expr", "Poly2"]
+__all__ = ["SymbolicUnavailable", "BATCH", "SEQ", "is_symbolic", "smax", "smin", "ssum", "is_zero", "ceil_div", "to_float", "Poly2"]
 
 # Positive integers: lets sympy decide e.g. Max(2*B*S, B*S) = 2*B*S and drop dominated terms.
 BATCH = sympy.Symbol("B", positive=True, integer=True)
 SEQ = sympy.Symbol("S", positive=True, integer=True)
-_SYMBOLS = {"B": BATCH, "S": SEQ}
 
 
 class SymbolicUnavailable(Exception):
@@ -66,18 +63,6 @@ def ceil_div(a, n: int):
 def to_float(x):
     """float() of a number; an expression stays an expression."""
     return x if is_symbolic(x) else float(x)
-
-
-def parse(text: str) -> sympy.Expr:
-    """An expression saved with str() (plans keep expressions as text)."""
-    return sympy.sympify(text, locals=_SYMBOLS)
-
-
-@lru_cache(maxsize=256)
-def compile_expr(text: str):
-    """A fast numeric function f(B, S) of a saved expression."""
-    fn = sympy.lambdify((BATCH, SEQ), parse(text), modules=[{"ceiling": math.ceil, "floor": math.floor}, "math"])
-    return lambda b, s: float(fn(b, s))
 
 
 def as_number(x) -> bool:

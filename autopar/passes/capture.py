@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..compat import HigherOrderOperator, OpOverload, is_mutable, pytree
+from ..compat import HigherOrderOperator, OpOverload, is_mutable, pytree, sym_hint
 from ..errors import CaptureError
 from .lowering import DECOMPOSITIONS, drop_assertions, exact_mean_losses, experts_as_one_op
 
@@ -93,7 +93,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         else:
             del model.forward
         model.train(was_training)
+    _refuse_data_dependent_sizes(model, ep.graph_module)
     return _from_exported(model, ep)
+
+
+def _refuse_data_dependent_sizes(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """A tensor whose size depends on values (boolean-mask indexing `x[x > 0]`, `nonzero`, `unique`)
+    traces with a size known only at run time; no layout can be planned for it."""
+    for n in gm.graph.nodes:
+        for t in pytree.tree_leaves(n.meta.get("val")):
+            if isinstance(t, torch.Tensor) and any(sym_hint(s) is None for s in t.shape):
+                trace = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+                line = f"\n  failing line of your model: {trace[-2]}: `{trace[-1]}`" if len(trace) >= 2 else ""
+                raise CaptureError(
+                    f"could not capture {type(model).__name__} as a graph: node {n.name} ({n.target}) has a "
+                    f"size that depends on the data (shape {list(t.shape)}){line}\n  what to do: keep sizes "
+                    f"fixed: instead of boolean-mask indexing `x[mask]`, nonzero or unique use "
+                    f"`torch.where(mask, x, 0)` or a fixed-size `topk`; your model was not modified")
 
 
 class _StderrFilter:

@@ -3,11 +3,16 @@
 Parameters keep the user's qualified names (so optimizers, state_dict and
 torch.distributed.checkpoint see `blocks.0.attn.qkv.weight`), but each is a DTensor holding
 only this rank's shard in its planned layout. Tied parameters stay one Parameter.
-Buffers are plain per-rank tensors, entered into the graph as whole DTensors.
+Buffers are plain per-rank tensors, entered into the graph as whole DTensors. Parameters and
+buffers are copies: training this module never changes the user's model.
+
+A call at other input sizes than planned runs the same plan re-specialised to them
+(`respecialize.py`); dropouts draw their masks as `rng.py` says.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -18,9 +23,16 @@ from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
+from . import rng
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
+from .respecialize import input_shapes, input_shapes_of, respecialize
+
+
+# Programs kept per module, one per input shapes seen (each a graph module of the model's size):
+# enough for bucketed batch sizes and sequence lengths; beyond, the oldest is captured again.
+MAX_PROGRAMS = 16
 
 
 def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
@@ -39,7 +51,9 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
 class DistributedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
         super().__init__()
-        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh}   # plain dict: not a submodule
+        # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
+        # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
+        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
         whole = tuple(Replicate() for _ in device_mesh.shape)
         params = dict(model.named_parameters(remove_duplicate=False))
         made: dict[str, torch.nn.Parameter] = {}
@@ -59,12 +73,15 @@ class DistributedModule(torch.nn.Module):
         for fqn, buf in model.named_buffers():
             _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
         self._whole = whole
-        param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
-                    for name, slot in cap.inputs.items() if slot.kind == "param"}
+        self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
+                          for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
-        self._graph = apply_memory_plan(rewrite(cap, plan, device_mesh), plan, param_of, self._memory)
+        self._rng = rng.RngState.agreed()
+        self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+        self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
+        self._autopar["programs"][_key(input_shapes_of(cap))] = (cap, self._graph)
 
     @property
     def plan(self) -> Plan:
@@ -75,9 +92,36 @@ class DistributedModule(torch.nn.Module):
         """The per-rank graph, with every reshard and collective explicit (print `.code`)."""
         return self._graph
 
+    def _build(self, cap: Captured) -> torch.nn.Module:
+        """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
+        its memory decisions applied."""
+        a = self._autopar
+        graph = rewrite(cap, a["plan"], a["mesh"])
+        rng.attach(graph, self._rng)
+        return apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
+
+    def _program(self, args, kwargs, leaves):
+        """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
+        re-specialised to other sizes (`respecialize.py`; an error on every rank if they do not divide)."""
+        a = self._autopar
+        shapes = input_shapes(a["cap"], leaves, self._n_batch)
+        key = _key(shapes)
+        if key not in a["programs"]:
+            if len(a["programs"]) >= MAX_PROGRAMS:        # drop the oldest re-specialised one
+                del a["programs"][next(k for k in a["programs"] if a["programs"][k][1] is not self._graph)]
+            cap = respecialize(a["model"], a["cap"], a["plan"], args, kwargs, shapes)
+            a["programs"][key] = (cap, self._build(cap))
+        return a["programs"][key]
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this module's dropout masks (call with the same seed on every rank; `runtime/rng.py`)."""
+        self._rng.fixed, self._rng.seed = int(seed), None
+
     def forward(self, *args, **kwargs):
-        cap, mesh = self._autopar["cap"], self._autopar["mesh"]
+        mesh = self._autopar["mesh"]
+        self._rng.next_call()
         leaves = flatten_inputs(args, kwargs)
+        cap, graph = self._program(args, kwargs, leaves)
         values = []
         for name, slot in cap.inputs.items():
             if slot.kind == "param":
@@ -96,7 +140,7 @@ class DistributedModule(torch.nn.Module):
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
-            outs = self._graph(*values)
+            outs = graph(*values)
         return split_outputs(cap, outs, buffers=self)
 
     @property
@@ -128,6 +172,8 @@ def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):
 
 def _storage(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+def _key(shapes: dict[str, tuple[int, ...]]) -> tuple:
+    return tuple(sorted(shapes.items()))
 
 
 def _device(device_mesh) -> torch.device:

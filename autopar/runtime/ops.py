@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import layout_str, local_shape
+from . import rng
 from .reshard import grad_layout, reshard, to_layout
 
 aten = torch.ops.aten
@@ -105,6 +106,8 @@ class LocalOp(torch.nn.Module):
         self.shape_arg = _SHAPE_ARG.get(self.target)
         self.local_out_shape = (local_shape(global_shape, self.output, mesh.shape)
                                 if global_shape is not None and self.shape_arg is not None else None)
+        self.rng: rng.RngState | None = None      # a dropout's (rng.attach), with its node's name
+        self.node = ""
 
     def _localize(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -123,7 +126,7 @@ class LocalOp(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._localize(args, kwargs)
-        out = self.target(*args, **kwargs)
+        out = rng.dropout(self, *args, **kwargs) if self.target in rng.DROPOUT_OPS else self.target(*args, **kwargs)
         return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output)
                                if isinstance(t, torch.Tensor) else t, out)
 

@@ -20,14 +20,26 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ..placement import layout_str
+from .faults import watch_of
 
 
 def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
-    """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P."""
+    """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P; watched
+    (`faults.py`) when the module was built with a collective timeout."""
     layout = tuple(layout)
     cur = tuple(x.placements)
     if cur == layout:
         return x
+    watch = watch_of(x.device_mesh)
+    if watch is None:
+        return _to_layout(x, cur, layout)
+    axes = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
+    changed = ", ".join(str(ax) for ax, c, t in zip(axes, cur, layout) if c != t)
+    with watch.collective(f"reshard over {changed}: {layout_str(cur)} -> {layout_str(layout)}, shape {list(x.shape)}"):
+        return _to_layout(x, cur, layout)
+
+
+def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     to_partial = [i for i, (c, t) in enumerate(zip(cur, layout)) if isinstance(t, Partial) and c != t]
     mid = tuple(Replicate() if i in to_partial else t for i, t in enumerate(layout))
     # Partial -> other Partial kinds are not needed by any rule; go through Replicate

@@ -34,6 +34,7 @@ bytes freed at each point; the objective adds the families' seconds.
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -47,6 +48,10 @@ from .ilp_terms import FamilyTerms
 from .problem import Problem
 
 GIB = float(2**30)
+# HiGHS and CBC accept a MIP row within 1e-6 of its bound (their MIP feasibility tolerance); memory
+# rows are in GiB, so a plan up to ~1.07 kB over the budget could pass. The budget rows are
+# tightened by twice that, and `min_memory` adds it, so a budget of `min_memory_bytes` fits.
+FEASIBILITY_SLACK_BYTES = 2e-6 * GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +252,7 @@ class StrategyILP:
         if self.budget == float("inf"):
             return
         for t, row in enumerate(self.memory_rows()):
-            self.lp += row <= self.budget / GIB, f"D_memory_{t}"
+            self.lp += row <= (self.budget - FEASIBILITY_SLACK_BYTES) / GIB, f"D_memory_{t}"
 
     def solve(self, time_limit: float | None = None, progress: bool = False) -> SolveResult:
         self.add_memory()
@@ -272,10 +277,14 @@ class StrategyILP:
                     f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
                     f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
             return self.fallback(status, name, secs)
-        picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
-        choice = {l: picked[self.rep[l]] for l in self.p.leaders}
+        choice = self.choice()
         return SolveResult(choice, float(pulp.value(self.lp.objective) or 0.0), status, name, secs,
                            self.lp.numVariables(), self.lp.numConstraints(), gap, self.terms.options())
+
+    def choice(self) -> dict[str, int]:
+        """The solved choice per leader (its largest x)."""
+        picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
+        return {l: picked[self.rep[l]] for l in self.p.leaders}
 
     def fallback(self, status: str, name: str, secs: float) -> SolveResult:
         """The solver stopped with no plan: every decision takes its smallest-memory strategy (the
@@ -332,7 +341,8 @@ class _Progress:
 
 
 def min_memory(problem: Problem) -> float:
-    """The smallest peak per-device memory any plan reaches (ignoring time)."""
+    """The smallest budget that fits a plan: the peak per-device memory of the plan that needs least
+    (ignoring time), priced exactly, plus the solver's slack."""
     ilp = StrategyILP(problem, memory_budget=float("inf"))
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.lp.add_variable("peak_gib", 0)
@@ -341,7 +351,7 @@ def min_memory(problem: Problem) -> float:
         ilp.lp += row - z <= 0, f"D_peak_{t}"
     solver, _ = pick_solver(None)
     ilp.lp.solve(solver)
-    return float(z.varValue or 0.0) * GIB
+    return float(math.ceil(evaluate(problem, ilp.choice(), ilp.terms.options()).peak_bytes + FEASIBILITY_SLACK_BYTES))
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,

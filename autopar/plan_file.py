@@ -1,0 +1,295 @@
+"""Reading a plan (file, JSON text or dict) as data: every field checked, nothing evaluated.
+
+Plan files and plan-cache files come from disk, other jobs and other people. `read_plan` checks
+each field's type and range before building the `Plan`: the format version, the mesh (positive
+sizes, one unique name per axis), every layout (one placement per mesh axis, `R`, `S(d)` with
+d >= 0, `P`, `P(sum|avg|max|min)`), the executors, the memory decisions (`RECOMPUTE_MODES`,
+`RESIDENCY_MODES`, `TIERS`), and every cost expression (parsed by `autopar.expr`'s grammar,
+never by `eval` or sympy). Any problem is a `PlanFileError` naming the file and the field
+("plan.json: nodes[3].output[1]: ..."). Unknown fields are errors too: a misspelt field is not
+silently dropped.
+
+What a plan must match in a model (shard dims the tensors have, sizes that divide) is checked
+when the plan is applied (`autopar.api.check_plan`), where the model is known.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Partial, Shard
+
+from .errors import PlanFileError
+from .expr import ExprError, compile_expr
+from .placement import from_str
+from .plan import (OFFLOAD_CLASSES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Collective,
+                   Estimate, NodePlan, Plan, Scaling, SolverInfo)
+
+__all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
+
+EXECUTORS = ("param", "input", "local", "replicate", "output")
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+_PHASES = ("forward", "backward")
+_FIXED = ("batch", "seq")
+_OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
+                 "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
+                 "precision": "str"}
+
+
+def load_plan(path: str | Path) -> Plan:
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanFileError(f"{path}: cannot read the plan file ({e})") from None
+    return parse_plan_json(text, str(path))
+
+
+def parse_plan_json(text: str, source: str = "plan JSON") -> Plan:
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise PlanFileError(f"{source} is not a plan: not valid JSON ({e}); the file may be truncated: re-save "
+                            f"or re-plan it") from None
+    return read_plan(d, source)
+
+
+def read_plan(d: Any, source: str = "plan dict") -> Plan:
+    """The `Plan` a dict (from JSON) describes; `source` names it in errors (a file path)."""
+    return _Reader(source).plan(d)
+
+
+class _Reader:
+    def __init__(self, source: str):
+        self.source = source
+        self.naxes = 0
+        self.axis_names: list[str] = []
+
+    def fail(self, field: str, msg: str):
+        raise PlanFileError(f"{self.source}: {field}: {msg}; re-plan the model, or restore the file autopar saved")
+
+    # -- the plan -----------------------------------------------------------------------
+    def plan(self, d: Any) -> Plan:
+        self.check_dict(d, "(top level)")
+        version = d.get("version")
+        if version != PLAN_FORMAT_VERSION:
+            self.fail("version", f"plan format version {version!r} is not {PLAN_FORMAT_VERSION}")
+        self.fields(d, "(top level)", Plan, optional=("scaling",), skip=("timings",))
+        mesh = self.mesh(d["mesh"])
+        return Plan(model=self.string(d["model"], "model"), fingerprint=self.string(d["fingerprint"], "fingerprint"),
+                    mesh=mesh, options=self.options(d["options"]), nodes=self.nodes(d["nodes"]),
+                    placements={k: self.layout(v, f"placements.{k}")
+                                for k, v in self.mapping(d["placements"], "placements").items()},
+                    estimate=self.estimate(d["estimate"]), solver=self.solver(d["solver"]),
+                    fallbacks=[self.string(f, f"fallbacks[{i}]") for i, f in
+                               enumerate(self.array(d.get("fallbacks", []), "fallbacks"))],
+                    indivisible=[self.string(f, f"indivisible[{i}]") for i, f in
+                                 enumerate(self.array(d.get("indivisible", []), "indivisible"))],
+                    version=version, scaling=self.scaling(d.get("scaling")),
+                    recompute=self.modes(d.get("recompute", {}), "recompute", RECOMPUTE_MODES),
+                    residency=self.modes(d.get("residency", {}), "residency", RESIDENCY_MODES),
+                    offload=self.offload(d.get("offload", {})))
+
+    def mesh(self, m: Any) -> dict:
+        self.check_dict(m, "mesh")
+        self.keys(m, "mesh", required=("shape", "axis_names", "device"))
+        shape = [self.integer(s, f"mesh.shape[{i}]", least=1) for i, s in enumerate(self.array(m["shape"], "mesh.shape"))]
+        names = [self.string(s, f"mesh.axis_names[{i}]") for i, s in
+                 enumerate(self.array(m["axis_names"], "mesh.axis_names"))]
+        if not shape or len(names) != len(shape) or len(set(names)) != len(names):
+            self.fail("mesh", f"shape {shape} and axis_names {names} must be non-empty, of one length, names unique")
+        self.naxes, self.axis_names = len(shape), names
+        return {"shape": shape, "axis_names": names, "device": self.string(m["device"], "mesh.device")}
+
+    def options(self, o: Any) -> dict:
+        self.check_dict(o, "options")
+        self.keys(o, "options", required=(), optional=tuple(_OPTION_TYPES))
+        for k, v in o.items():
+            kind, field = _OPTION_TYPES[k], f"options.{k}"
+            if kind == "number?":
+                if v is not None:
+                    self.number(v, field, least=0)
+            elif kind == "bool":
+                self.boolean(v, field)
+            elif kind == "str":
+                self.string(v, field)
+            elif kind == "axes":
+                for i, a in enumerate(self.array(v, field)):
+                    self.choice(a, f"{field}[{i}]", self.axis_names)
+            else:
+                for name, lay in self.mapping(v, field).items():
+                    self.layout(lay, f"{field}.{name}")
+        return dict(o)
+
+    def nodes(self, ns: Any) -> list[NodePlan]:
+        out = []
+        for i, n in enumerate(self.array(ns, "nodes")):
+            f = f"nodes[{i}]"
+            self.check_dict(n, f)
+            self.fields(n, f, NodePlan)
+            labels = tuple(self.string(x, f"{f}.labels[{j}]") for j, x in enumerate(self.array(n["labels"], f"{f}.labels")))
+            if len(labels) not in (0, self.naxes):
+                self.fail(f"{f}.labels", f"{len(labels)} labels for a mesh of {self.naxes} axes")
+            out.append(NodePlan(
+                name=self.string(n["name"], f"{f}.name"), op=self.string(n["op"], f"{f}.op"),
+                module=self.string(n["module"], f"{f}.module"),
+                inputs=tuple(self.layout(x, f"{f}.inputs[{j}]") for j, x in enumerate(self.array(n["inputs"], f"{f}.inputs"))),
+                output=() if n["executor"] == "output" and n["output"] == [] else self.layout(n["output"], f"{f}.output"),
+                labels=labels, executor=self.choice(n["executor"], f"{f}.executor", EXECUTORS),
+                compute_s=self.number(n.get("compute_s", 0.0), f"{f}.compute_s", least=0),
+                collectives=tuple(self.collective(c, f"{f}.collectives[{j}]")
+                                  for j, c in enumerate(self.array(n.get("collectives", []), f"{f}.collectives"))),
+                fallback=self.boolean(n.get("fallback", False), f"{f}.fallback")))
+        return out
+
+    def collective(self, c: Any, f: str) -> Collective:
+        self.check_dict(c, f)
+        self.fields(c, f, Collective)
+        return Collective(self.string(c["kind"], f"{f}.kind"), self.choice(c["phase"], f"{f}.phase", _PHASES),
+                          self.string(c["tensor"], f"{f}.tensor"), self.number(c["seconds"], f"{f}.seconds", least=0))
+
+    def estimate(self, e: Any) -> Estimate:
+        self.check_dict(e, "estimate")
+        self.fields(e, "estimate", Estimate)
+        tables = {x.name for x in fields(Estimate) if x.default_factory is dict}   # name -> number tables
+        return Estimate(**{k: {name: self.number(v, f"estimate.{k}.{name}", least=0)
+                               for name, v in self.mapping(e[k], f"estimate.{k}").items()}
+                           if k in tables else self.number(e[k], f"estimate.{k}", least=0) for k in e})
+
+    def solver(self, s: Any) -> SolverInfo:
+        self.check_dict(s, "solver")
+        self.fields(s, "solver", SolverInfo)
+        return SolverInfo(
+            solver=self.string(s["solver"], "solver.solver"), status=self.string(s["status"], "solver.status"),
+            **{k: self.integer(s[k], f"solver.{k}", least=0) for k in s if k.startswith("n_")},
+            objective_s=self.number(s["objective_s"], "solver.objective_s"),
+            gap=self.number(s.get("gap", 0.0), "solver.gap", least=0))
+
+    def scaling(self, sc: Any) -> Scaling:
+        if sc is None:
+            return Scaling(unavailable="not in this saved plan: re-plan to get it")
+        self.check_dict(sc, "scaling")
+        self.fields(sc, "scaling", Scaling)
+        seq = sc.get("seq")
+        return Scaling(
+            batch=self.integer(sc.get("batch", 0), "scaling.batch", least=0),
+            seq=None if seq is None else self.integer(seq, "scaling.seq", least=1),
+            fixed=tuple(self.choice(x, f"scaling.fixed[{i}]", _FIXED)
+                        for i, x in enumerate(self.array(sc.get("fixed", []), "scaling.fixed"))),
+            **{k: self.expr(sc.get(k, "0"), f"scaling.{k}") for k in ("compute_s", "comm_s", "state_bytes")},
+            memory_points=tuple(self.expr(x, f"scaling.memory_points[{i}]")
+                                for i, x in enumerate(self.array(sc.get("memory_points", []), "scaling.memory_points"))),
+            divisible=tuple(self.divisible(x, f"scaling.divisible[{i}]")
+                            for i, x in enumerate(self.array(sc.get("divisible", []), "scaling.divisible"))),
+            comm_bytes_per_axis={self.choice(k, "scaling.comm_bytes_per_axis", self.axis_names):
+                                 self.expr(v, f"scaling.comm_bytes_per_axis.{k}")
+                                 for k, v in self.mapping(sc.get("comm_bytes_per_axis", {}),
+                                                          "scaling.comm_bytes_per_axis").items()},
+            memory_budget=self.number(sc.get("memory_budget", 0.0), "scaling.memory_budget", least=0),
+            unavailable=self.string(sc.get("unavailable", ""), "scaling.unavailable"))
+
+    def divisible(self, x: Any, f: str) -> tuple[str, int]:
+        pair = self.array(x, f)
+        if len(pair) != 2:
+            self.fail(f, f"expected [size expression, parts], got {x!r:.80}")
+        return self.expr(pair[0], f"{f}[0]"), self.integer(pair[1], f"{f}[1]", least=1)
+
+    def modes(self, d: Any, f: str, allowed: tuple[str, ...]) -> dict[str, str]:
+        return {k: self.choice(v, f"{f}.{k}", allowed) for k, v in self.mapping(d, f).items()}
+
+    def offload(self, d: Any) -> dict[str, str]:
+        out = self.modes(d, "offload", TIERS)
+        for k in out:
+            kind, sep, what = k.partition(":")
+            if not sep or kind not in OFFLOAD_CLASSES or not what:
+                self.fail(f"offload.{k}", f"a key is '<class>:<layer or parameter>' with class one of "
+                                          f"{', '.join(OFFLOAD_CLASSES)}")
+        return out
+
+    # -- values -------------------------------------------------------------------------
+    def layout(self, v: Any, f: str) -> tuple[str, ...]:
+        items = self.array(v, f)
+        if len(items) != self.naxes:
+            self.fail(f, f"layout {v!r:.80} has {len(items)} placements for a mesh of {self.naxes} axes "
+                         f"({', '.join(self.axis_names)})")
+        for i, p in enumerate(items):
+            try:
+                parsed = from_str(self.string(p, f"{f}[{i}]"))
+            except ValueError as e:
+                self.fail(f"{f}[{i}]", str(e))
+            if isinstance(parsed, Shard) and parsed.dim < 0:
+                self.fail(f"{f}[{i}]", f"placement {p!r} shards a negative dim")
+            if isinstance(parsed, Partial) and parsed.reduce_op not in PARTIAL_OPS:
+                self.fail(f"{f}[{i}]", f"placement {p!r}: a partial is one of {', '.join(PARTIAL_OPS)}")
+        return tuple(p.strip() for p in items)
+
+    def expr(self, v: Any, f: str) -> str:
+        try:
+            compile_expr(v, f)
+        except ExprError as e:
+            raise PlanFileError(f"{self.source}: {e}; nothing in it was run (re-plan the model)") from None
+        return v
+
+    def check_dict(self, v: Any, f: str) -> None:
+        if not isinstance(v, dict):
+            self.fail(f, f"expected an object, got {_kind(v)}")
+
+    def mapping(self, v: Any, f: str) -> dict:
+        self.check_dict(v, f)
+        for k in v:
+            self.string(k, f)
+        return v
+
+    def array(self, v: Any, f: str) -> list:
+        if not isinstance(v, (list, tuple)):     # a tuple: a dict made in memory (Plan.to_dict)
+            self.fail(f, f"expected a list, got {_kind(v)}")
+        return list(v)
+
+    def string(self, v: Any, f: str) -> str:
+        if not isinstance(v, str):
+            self.fail(f, f"expected text, got {_kind(v)}")
+        return v
+
+    def boolean(self, v: Any, f: str) -> bool:
+        if not isinstance(v, bool):
+            self.fail(f, f"expected true or false, got {_kind(v)}")
+        return v
+
+    def number(self, v: Any, f: str, least: float | None = None) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            self.fail(f, f"expected a number, got {_kind(v)}")
+        if least is not None and v < least:
+            self.fail(f, f"{v} is below {least}")
+        return v
+
+    def integer(self, v: Any, f: str, least: int | None = None) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(f, f"expected an integer, got {_kind(v)}")
+        return self.number(v, f, least)
+
+    def choice(self, v: Any, f: str, allowed) -> str:
+        if v not in allowed or not isinstance(v, str):
+            self.fail(f, f"{v!r:.80} is not one of {', '.join(allowed)}")
+        return v
+
+    def fields(self, d: dict, f: str, cls, optional: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
+        """`d` has the dataclass's fields: those without a default (and not `optional`) present, no others."""
+        names = [x.name for x in fields(cls) if x.name not in skip]
+        required = tuple(x.name for x in fields(cls) if x.name in names and x.default is MISSING
+                         and x.default_factory is MISSING and x.name not in optional)
+        self.keys(d, f, required, tuple(n for n in names if n not in required))
+
+    def keys(self, d: dict, f: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+        missing = [k for k in required if k not in d]
+        if missing:
+            self.fail(f, f"missing field(s) {', '.join(missing)}")
+        unknown = sorted(str(k) for k in d if k not in required and k not in optional)
+        if unknown:
+            self.fail(f, f"unknown field(s) {', '.join(unknown)} (known: {', '.join(required + optional)})")
+
+
+def _kind(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= 60 else text[:60] + '...'}"
