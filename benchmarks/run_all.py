@@ -27,6 +27,8 @@ RUNS = [
     ["bench_kernels.py"],
     # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)
     ["bench_memory.py"],
+    # issue 11: Llama-3-8B on one node of 8 H100 at 8 x 8192; one H100 with its host memory
+    ["bench_memory_plans.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

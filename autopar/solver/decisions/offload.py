@@ -88,6 +88,9 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
     for n in names:
         d = problem.decisions[n]
         opt = Expr(((n, tuple(d.opt_bytes)),))
+        # the tier also holds the fp32 weights the host steps: in mixed precision the master copy is
+        # optimizer state already; otherwise a copy of the parameter (`runtime/optimizer.py`)
+        held = opt if d.mixed else Expr(((n, tuple(o + g for o, g in zip(d.opt_bytes, d.grad_bytes))),))
         fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.last, None,
                                f"optimizer state of {d.fqn}", f"opt:{n}"))
         # gradient out, parameter back: param + grad bytes = state - optimizer part
@@ -100,4 +103,4 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
             if t == DISK:      # the state is read and written once per step
                 step = step + opt.scaled(2.0 / prof.disk_link.bandwidth) + Expr(const=2.0 * prof.disk_link.latency)
             fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
-            fam.held.append(Held(opt, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
+            fam.held.append(Held(held, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
