@@ -11,8 +11,9 @@
 placement per non-pipeline mesh axis; the ops in between take the fastest layouts consistent
 with them, as the planner would choose), or None (autopar chooses).
 
-How a step is composed, from the same per-op and per-edge prices the planner uses
-(`cost_model.compute`, `Mesh.reshard_cost`):
+How a step is composed, from the planner's own per-op and per-edge prices (the planning
+problem's tables, `solver/problem.py`); an autopar `Plan` is priced by the planner's evaluator
+itself (`solver/evaluate.py`), equal to `plan.estimate`:
 
 * The model is captured at one microbatch (`example_inputs` is the global batch of a step; with
   m microbatches each is 1/m of it). Every op node lands in a *segment*: `pre` (before the layer
@@ -70,7 +71,7 @@ from .cost_model.recompute import saved_under_selective
 from .planner import PlanOptions, communication, plan_assignment, planning_problem
 from .solver.evaluate import evaluate
 from .solver.ilp import solve
-from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost, op_cost_args
+from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost_args
 from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
@@ -348,11 +349,11 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
             seg.runtime += profile.runtime_op_overhead
             n_nodes += 1
-        args = op_cost_args(info, s, shape, d.facts)
-        fwd, bwd = op_cost(args, profile)
+        i = choice[d.leader]                           # the planner's own prices of the op (its tables)
+        fwd, bwd = d.fwd_s[i], d.compute_s[i] - d.fwd_s[i]
         seg.fwd_compute += fwd
         if ng[name]:
-            sums = gradient_sums_time(d.facts.work, args.out_b, profile)
+            sums = gradient_sums_time(d.facts.work, op_cost_args(info, s, shape, d.facts).out_b, profile)
             seg.bwd_compute += bwd - sums
             book_sums(name, sums)
 
@@ -366,10 +367,12 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         src = problem.decisions[e.src]
         dst_seg = (POST if layer_segs else PRE) if e.dst == "output" else seg_of[e.dst]
         seg = segs[dst_seg]
-        fwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, c.dst)
+        fwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, c.dst)     # its bytes and collectives
         grad = ng.get(e.src, False) and meta.dtype.is_floating_point
         bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst) if grad else None
-        seg.fwd_comm += fwd.seconds
+        ia = e.a_of[choice[src.leader]]                 # seconds: the planner's edge table
+        ib = 0 if e.dst == "output" else e.b_of[choice[problem.decisions[e.dst].leader]]
+        seg.fwd_comm += e.fwd[ia][ib]
         # the runtime modules the rewrite puts on this edge (passes/rewrite.py); a decision's kind
         # names its executor for parameters and inputs
         k = (output_modules(sharded_outputs) if e.dst == "output"
@@ -388,7 +391,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                         grad_wire[src.fqn][key] = max(grad_wire[src.fqn].get(key, 0.0), nb)
         else:
             if bwd is not None:
-                seg.bwd_comm += bwd.seconds
+                seg.bwd_comm += e.cost[ia][ib] - e.fwd[ia][ib]
                 for ax, nb in zip(smesh.axis_names, bwd.bytes_per_axis):
                     per_axis_micro[(dst_seg, "bwd")][ax] += nb
             if src.kind == "op" and seg_of.get(e.src) != dst_seg and dst_seg != POST:
