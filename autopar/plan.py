@@ -105,6 +105,7 @@ class Scaling:
     fixed: tuple[str, ...] = ()                   # "batch"/"seq": sizes the model's code fixes
     compute_s: str = "0"
     comm_s: str = "0"
+    other_s: str = "0"                            # the memory families' seconds, optimizer step, runtime
     state_bytes: str = "0"
     memory_points: tuple[str, ...] = ()           # bytes at each liveness point that can be the peak
     divisible: tuple[tuple[str, int], ...] = ()   # (size expression, n): a split dim must divide evenly

@@ -178,7 +178,7 @@ class _Reader:
             seq=None if seq is None else self.integer(seq, "scaling.seq", least=1),
             fixed=tuple(self.choice(x, f"scaling.fixed[{i}]", _FIXED)
                         for i, x in enumerate(self.array(sc.get("fixed", []), "scaling.fixed"))),
-            **{k: self.expr(sc.get(k, "0"), f"scaling.{k}") for k in ("compute_s", "comm_s", "state_bytes")},
+            **{k: self.expr(sc.get(k, "0"), f"scaling.{k}") for k in ("compute_s", "comm_s", "other_s", "state_bytes")},
             memory_points=tuple(self.expr(x, f"scaling.memory_points[{i}]")
                                 for i, x in enumerate(self.array(sc.get("memory_points", []), "scaling.memory_points"))),
             divisible=tuple(self.divisible(x, f"scaling.divisible[{i}]")

@@ -259,14 +259,11 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
 def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
     if not opts.symbolic:
         return Scaling(unavailable="not asked for (symbolic=False)")
-    used = sorted({v for d in (plan.recompute, plan.residency, plan.offload) for v in d.values()}
-                  - {"none", "keep", "device"})
-    if used:
-        return Scaling(unavailable=f"symbolic costs cover layouts only, and this plan also uses {', '.join(used)}")
     if source is None:
         return Scaling(unavailable="the graph was given without its model (torch.compile)")
     try:
-        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget)
+        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget,
+                             {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload})
     except SymbolicUnavailable as e:
         return Scaling(unavailable=str(e))
     except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report says why

@@ -2,11 +2,14 @@
 
 The chosen layouts are priced once more with the graph's sizes as sympy expressions in `B` and
 `S` (`passes/symbolic_shapes.py`): `build_problem(..., only=chosen)` prices the one chosen
-strategy per node through the planner's own code, and `solver.ilp.evaluate`'s pieces sum it, so
+strategy per node through the planner's own code, the plan's memory decisions are added back
+(`solver.decisions`), and `solver.evaluate` sums it all, so
 at the captured sizes the expressions give exactly the plan's estimate. The results are saved in
 the plan (`Plan.scaling`) as text:
 
     compute_s(B, S), comm_s(B, S)     sums over ops and edges (roofline maxima stay `Max(...)`)
+    other_s(B, S)                     the memory decisions' seconds (recomputation, offload copies, ...),
+                                      the optimizer step and the runtime's per-node cost
     state_bytes                       parameters, gradients, optimizer state (no B or S)
     memory_points(B, S)               bytes at each liveness point that can be the peak: a point
                                       whose polynomial is <= another's in every coefficient is
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 
 from torch.distributed.tensor import Shard
@@ -27,39 +31,54 @@ from .cost_model.symbolic import Poly2, ssum
 from .expr import compile_expr
 from .errors import PlanMismatchError
 from .plan import Estimate, Scaling
-from .solver.evaluate import comm_total, compute_total, memory_points
+from .solver.decisions import add_families
+from .solver.families import Expr
+from .solver.evaluate import evaluate, recorded_options
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 
 __all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]
 
 
-def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float) -> Scaling:
-    """Scaling of the plan `choice` on `problem`, from the symbolic graph `sym` (SymbolicGraph)."""
+def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decided: dict) -> Scaling:
+    """Scaling of the plan `choice` on `problem`, from the symbolic graph `sym` (SymbolicGraph), with
+    the memory decisions `decided` (family -> {plan key -> option}, as the plan records them)."""
     only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     sp = build_problem(cap, sym.infos, problem.mesh, only=only, optimizer=opts.optimizer,
-                       batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs)
+                       batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
+                       saved_frees=opts.frees_activations)
     one = {name: 0 for name in sp.decisions}
-    compute, comm = compute_total(sp, one), comm_total(sp, one)
+    add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload)
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
     poly = functools.lru_cache(maxsize=None)(Poly2.of)
     for d in sp.decisions.values():
-        d.act_bytes, d.state_bytes = [poly(x) for x in d.act_bytes], [poly(x) for x in d.state_bytes]
+        for f in ("act_bytes", "state_bytes", "grad_bytes", "opt_bytes"):
+            setattr(d, f, [poly(x) for x in getattr(d, f)])
     for e in sp.edges:
         e.saved = [[poly(x) for x in row] for row in e.saved]
         e.temp = [[poly(x) for x in row] for row in e.temp] if e.temp else None
-    state, points = memory_points(sp, one)
+    fam = sp.families       # bytes the families free and hold, as polynomials too (their seconds stay sympy)
+    fam.freed = [replace(f, expr=_poly_expr(f.expr, poly)) for f in fam.freed]
+    fam.held = [replace(h, expr=_poly_expr(h.expr, poly)) for h in fam.held]
+    ev = evaluate(sp, one, recorded_options(sp.families, decided))
+    other = ssum([*ev.family_s.values(), ev.optimizer_s, ev.runtime_s])
+    points = [*ev.points, *ev.backward.values(), ev.state_bytes]
     per_axis = {ax: [] for ax in problem.mesh.axis_names}
     metas = {name: info.out[0] for name, info in sym.infos.items() if info.out}
     for c in chosen_edges(sp, one, cap, metas):
         for _, rc in edge_legs(sp, c):
             for ax, nbytes in zip(problem.mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax].append(nbytes)
-    return Scaling(batch=sym.batch, seq=sym.seq, fixed=sym.fixed, compute_s=str(compute), comm_s=str(comm),
-                   state_bytes=str(state.to_expr()),
+    return Scaling(batch=sym.batch, seq=sym.seq, fixed=sym.fixed, compute_s=str(ev.compute_s), comm_s=str(ev.comm_s),
+                   other_s=str(other), state_bytes=str(ev.state_bytes.to_expr()),
                    memory_points=tuple(str(p.to_expr()) for p in _undominated(points, sym)),
                    divisible=_divisibility(sp, only, sym),
                    comm_bytes_per_axis={ax: str(ssum(v)) for ax, v in per_axis.items()},
                    memory_budget=float(budget))
+
+
+def _poly_expr(expr: Expr, poly) -> Expr:
+    return Expr(tuple((n, tuple(poly(v) for v in vals)) for n, vals in expr.nodes),
+                tuple((k, tuple(tuple(poly(v) for v in row) for row in t)) for k, t in expr.edges), poly(expr.const))
 
 
 def _undominated(points: list[Poly2], sym) -> list[Poly2]:
@@ -117,11 +136,12 @@ def estimate_at(sc: Scaling, batch: int | None = None, seq: int | None = None) -
     b, s = _sizes(sc, batch, seq)
     compute = compile_expr(sc.compute_s, "scaling.compute_s")(b, s)
     comm = compile_expr(sc.comm_s, "scaling.comm_s")(b, s)
+    other = compile_expr(sc.other_s, "scaling.other_s")(b, s)
     state = compile_expr(sc.state_bytes, "scaling.state_bytes")(b, s)
     peak = max([state] + [compile_expr(p, f"scaling.memory_points[{i}]")(b, s) for i, p in enumerate(sc.memory_points)])
     per_axis = {ax: compile_expr(e, f"scaling.comm_bytes_per_axis.{ax}")(b, s)
                 for ax, e in sc.comm_bytes_per_axis.items()}
-    return Estimate(compute + comm, compute, comm, peak, state, max(peak - state, 0.0), per_axis)
+    return Estimate(compute + comm + other, compute, comm, peak, state, max(peak - state, 0.0), per_axis)
 
 
 def _batch_step(sc: Scaling, seq: int) -> int:

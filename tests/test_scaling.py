@@ -144,3 +144,27 @@ def test_deep_stack_is_traced_short_and_restored(monkeypatch):
     assert traced == [ss._KEEP]                  # one variable-size trace, of the short stack
     assert model.blocks is blocks and len(model.blocks) == 6     # the user's model is as it was
     assert set(sym.infos) == {n.name for n in cap.gm.graph.nodes}
+
+
+def test_scaling_covers_memory_decisions():
+    """A plan that recomputes or offloads is priced at other sizes with its decisions: equal to the
+    evaluator's price of the same layouts and decisions on a graph captured at those sizes."""
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=4)
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    inputs = gpt_inputs(batch=8, seq=16, vocab=64)
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, inputs, mesh, batch_axes=("dp",), recompute="none", offload="none", memory_budget=1)
+    for fixed in ({"offload": "none"}, {"recompute": "none"}):
+        plan = autopar.plan(model, inputs, mesh, batch_axes=("dp",), memory_budget=0.85 * e.value.min_memory_bytes,
+                            **fixed)
+        assert {*plan.recompute.values(), *plan.offload.values()} - {"none", "device"}, plan.recompute
+        assert not plan.scaling.unavailable, plan.scaling.unavailable
+        at0 = plan.estimate_at()
+        assert _same(at0.step_time_s, plan.estimate.step_time_s)
+        assert _same(at0.peak_memory_bytes, plan.estimate.peak_memory_bytes)
+        for b, s in ((16, 16), (8, 32)):
+            got = plan.estimate_at(batch=b, seq=s)
+            want = autopar.estimate(model, gpt_inputs(batch=b, seq=s, vocab=64), mesh, plan)
+            assert _same(got.step_time_s, want.step_time_s) and _same(got.peak_memory_bytes, want.peak_memory_bytes)
+        assert plan.largest_batch() >= 8

@@ -105,6 +105,11 @@ class Poly2:
     def __neg__(self) -> Poly2:
         return Poly2(-self.c)
 
+    def __mul__(self, k) -> Poly2:        # by a number
+        return Poly2(self.c * float(k))
+
+    __rmul__ = __mul__
+
     def __sub__(self, other):
         return self + (-other)
 

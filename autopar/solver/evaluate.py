@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..cost_model.compute import optimizer_seconds
-from ..cost_model.symbolic import smax, ssum
+from ..cost_model.symbolic import Poly2, smax, ssum
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
 from .problem import Problem
@@ -54,7 +54,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     for c in fam.costs:
         if on.get(c.gate[0]) == c.gate[1]:
             fam_name = fam.group(c.gate[0]).family
-            family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * max(0.0, c.expr.value(problem, choice))
+            family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
     freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if any(on.get(g) == i for g, i in f.gates)]
     positions = problem.live.positions
     points = [pt - ssum(b for f, b in freed if f.after < t <= f.until) for pt, t in zip(points, positions)]
@@ -66,8 +66,11 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if on.get(h.gate[0]) == h.gate[1]:
             tiers[h.tier] = tiers.get(h.tier, 0.0) + h.count * h.expr.value(problem, choice)
     state_dev = state - ssum(b for f, b in freed if f.after < 0)      # kept off the device the whole step
-    peak = smax(state_dev, *points, *backward.values())
-    at = max(range(len(points)), key=lambda i: points[i]) if points else -1
+    if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.scaling`): no one peak
+        peak, at = None, -1
+    else:
+        peak = smax(state_dev, *points, *backward.values())
+        at = max(range(len(points)), key=lambda i: points[i]) if points else -1
     by_family: dict[str, float] = {}
     for f, b in freed:
         if at >= 0 and f.after < positions[at] <= f.until:
