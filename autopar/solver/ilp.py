@@ -342,7 +342,7 @@ class _Progress:
 
 def min_memory(problem: Problem) -> float:
     """The smallest budget that fits a plan: the peak per-device memory of the plan that needs least
-    (ignoring time), priced exactly, plus the solver's slack."""
+    (ignoring time), as the ILP's rows and the evaluator price it, plus the solver's slack."""
     ilp = StrategyILP(problem, memory_budget=float("inf"))
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.lp.add_variable("peak_gib", 0)
@@ -351,7 +351,9 @@ def min_memory(problem: Problem) -> float:
         ilp.lp += row - z <= 0, f"D_peak_{t}"
     solver, _ = pick_solver(None)
     ilp.lp.solve(solver)
-    return float(math.ceil(evaluate(problem, ilp.choice(), ilp.terms.options()).peak_bytes + FEASIBILITY_SLACK_BYTES))
+    # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
+    peak = max(float(z.varValue or 0.0) * GIB, evaluate(problem, ilp.choice(), ilp.terms.options()).peak_bytes)
+    return float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
