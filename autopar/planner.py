@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -266,7 +267,8 @@ def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, sour
                              {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload})
     except SymbolicUnavailable as e:
         return Scaling(unavailable=str(e))
-    except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report says why
+    except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report and the log say why
+        logging.getLogger("autopar").exception("pricing the plan at symbolic sizes failed")
         return Scaling(unavailable=f"pricing at symbolic sizes failed ({type(e).__name__}: {e}); please report it")
 
 

@@ -76,7 +76,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     try:
         with experts_as_one_op(model), _no_partial_graph_dump():
             ep = torch.export.export(model, args, kwargs or {}, strict=False, dynamic_shapes=dynamic_shapes)
-        _detach_no_grad_regions(ep.graph_module)
+        _inline_no_grad_regions(ep.graph_module)
+        _functional_detach(ep)
         with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # functional (mutations out, no-grad regions inlined), composites kept, BatchNorm lowered;
@@ -168,22 +169,60 @@ def _needs_decomposition(gm: fx.GraphModule) -> bool:
     return False
 
 
-def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
-    """Results of a `torch.no_grad()` region carry no gradient; decomposition inlines the region,
-    so mark that with a detach on each result (RoPE tables, masks: no-ops on data anyway)."""
+def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Inline each `torch.no_grad()` region (Hugging Face's rotary tables) into the graph, a detach
+    on each result: its results carry no gradient. Decomposition would inline it too, but re-traces
+    the whole graph to do so (5 s of an 8B model's capture). A region that reads attributes of its
+    own is left to decomposition."""
     hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     g = gm.graph
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not hop or n.args[0] is not False:
             continue
+        sub = getattr(gm, n.args[1].target)
+        inner = list(sub.graph.nodes)
+        if any(s.op == "get_attr" for s in inner):
+            continue
+        env = dict(zip([s for s in inner if s.op == "placeholder"], n.args[2:]))
+        with g.inserting_before(n):
+            for s in inner:
+                if s.op == "output":
+                    outs = s.args[0] if isinstance(s.args[0], (tuple, list)) else (s.args[0],)
+                elif s.op != "placeholder":
+                    env[s] = g.node_copy(s, lambda a: env[a])
+            results = []
+            for o in outs:
+                d = g.call_function(torch.ops.aten.detach.default, (env[o],))
+                d.meta = dict(env[o].meta)
+                results.append(d)
         for u in list(n.users):
             if u.target is not operator.getitem:
-                continue
-            with g.inserting_after(u):
-                d = g.call_function(torch.ops.aten.detach.default, (u,))
-            d.meta = dict(u.meta)
-            u.replace_all_uses_with(d, delete_user_cb=lambda user, d=d: user is not d)
+                raise CaptureError(f"a no_grad region's result {n.name} is used whole by {u.name}")
+            u.replace_all_uses_with(results[u.args[1]])
+            g.erase_node(u)
+        attr = n.args[1]
+        g.erase_node(n)
+        if not attr.users:
+            g.erase_node(attr)
+            delattr(gm, attr.target)
     gm.recompile()
+
+
+def _functional_detach(ep) -> None:
+    """`x.detach_()` on a constant or buffer (Hugging Face detaches lifted scalars) as `x.detach()`:
+    they carry no gradient either way, and an in-place op would force decomposition."""
+    still = {spec.arg.name for spec in ep.graph_signature.input_specs
+             if spec.kind.name in ("CONSTANT_TENSOR", "BUFFER") and hasattr(spec.arg, "name")}
+    g = ep.graph_module.graph
+    for n in list(g.nodes):
+        if (n.op == "call_function" and n.target is torch.ops.aten.detach_.default
+                and isinstance(n.args[0], fx.Node) and n.args[0].name in still):
+            with g.inserting_before(n):
+                d = g.call_function(torch.ops.aten.detach.default, n.args)
+            d.meta = dict(n.meta)
+            n.replace_all_uses_with(d)
+            g.erase_node(n)
+    ep.graph_module.recompile()
 
 
 def _from_exported(model: torch.nn.Module, ep) -> Captured:

@@ -32,11 +32,15 @@ def layer_key(path: str) -> str | None:
 
 
 def module_path(node: fx.Node, cap: Captured | None = None) -> str:
-    """The module a node comes from ("blocks.7.attn.qkv"); a parameter's own name for its placeholder
-    (when `cap` is given)."""
+    """The module a node comes from ("blocks.7.attn.qkv"); for a placeholder (when `cap` is given) a
+    parameter's own name, and the module owning a lifted constant (`model.layers.3.self_attn` for
+    `model.layers.3.self_attn.lifted_tensor_7`: torch numbers them across the model, so the
+    module, not the name, is what repeats from layer to layer)."""
     slot = cap.inputs.get(node.name) if cap is not None else None
     if slot is not None:
-        return str(slot.target) if slot.kind == "param" else ""
+        if slot.kind == "param":
+            return str(slot.target)
+        return str(slot.target).rpartition(".")[0] if slot.kind == "constant" else ""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""

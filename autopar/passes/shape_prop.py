@@ -9,6 +9,8 @@ allocated), with our formula for ops its registry lacks (CPU flash attention).
 """
 from __future__ import annotations
 
+import logging
+
 import math
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..compat import OpOverload, pytree
+
+_log = logging.getLogger("autopar")
 
 aten = torch.ops.aten
 
@@ -94,7 +98,9 @@ def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]]
         with FlopCounterMode(display=False) as fc:
             node.target(*args, **kwargs)
         return float(fc.get_total_flops())
-    except Exception:  # noqa: BLE001 - an op meta cannot run costs bytes only
+    except Exception as e:  # noqa: BLE001 - any op's meta kernel may fail; the op is then priced by bytes only
+        _log.warning("FLOPs of %s (%s) not counted, its meta kernel failed (%s: %s): priced by bytes moved",
+                     node.name, node.target, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return 0.0
 
 

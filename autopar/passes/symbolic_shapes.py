@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 
 import sympy
@@ -28,11 +29,14 @@ import torch.fx as fx
 
 from ..compat import pytree, sym_expr, sym_hint
 from ..cost_model.symbolic import BATCH, SEQ, SymbolicUnavailable
+from ..errors import CaptureError
 from .layers import layer_of, module_path
 from .capture import Captured, capture
 from .shape_prop import NodeInfo, TensorMeta, count_flops_at
 
 __all__ = ["SymbolicGraph", "SymbolicUnavailable", "symbolic_graph"]
+
+_log = logging.getLogger("autopar")
 
 
 @dataclass(slots=True)
@@ -130,11 +134,13 @@ def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap
             with _short_stacks(model, stacks):
                 dcap = capture(model, args, kwargs, dynamic_shapes=dyn)
             return _build(cap, static_infos, dcap, marks, batch, seq, _short_pairs(cap, static, dcap, stacks))
-        except Exception:  # noqa: BLE001 - fall back to tracing every layer
-            pass
+        except (SymbolicUnavailable, CaptureError) as e:
+            _log.warning("symbolic sizes: the short trace of %s (%d blocks of %s) did not fit (%s); tracing "
+                         "every layer, which is slower", type(model).__name__, _KEEP, ", ".join(stacks),
+                         str(e).splitlines()[0][:200])
     try:
         dcap = capture(model, args, kwargs, dynamic_shapes=dyn)
-    except Exception as e:  # noqa: BLE001 - a model that only traces at fixed sizes has no scaling
+    except CaptureError as e:    # a model that only traces at fixed sizes has no scaling
         raise SymbolicUnavailable(f"the model does not trace with a variable batch/sequence size: "
                                   f"{str(e).splitlines()[0][:200]}") from e
     return _build(cap, static_infos, dcap, marks, batch, seq, list(_align(static, _tensor_nodes(dcap.gm))))

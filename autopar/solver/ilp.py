@@ -31,20 +31,23 @@ The other decision families (recomputation, residency, offload) add option varia
 cost terms w, freed bytes z and tier bytes v, rows (G)-(L): `ilp_terms.py` states them. (D) then
 also has one row per backward row of a family (a recomputed layer's backward) and subtracts the
 bytes freed at each point; the objective adds the families' seconds.
+
+The model is written as arrays (`mip.py`) and solved by HiGHS through highspy (CBC through pulp
+where highspy is missing), starting from the best heuristic plan (`heuristic.py`): that plan is
+the floor, so a longer time limit never gives a slower plan. Memory rows (D) are added lazily
+when the budget is far from binding: the model is solved without the rows that the start's
+slack shows to be loose, and any row the solution violates is added and the model re-solved.
 """
 from __future__ import annotations
 
 import math
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
-
-import pulp
 
 from ..errors import InfeasibleError
 from .evaluate import evaluate
 from .ilp_terms import FamilyTerms
+from .mip import INF, Defined, Mip, MipResult
 from .problem import Problem
 
 GIB = float(2**30)
@@ -52,6 +55,9 @@ GIB = float(2**30)
 # rows are in GiB, so a plan up to ~1.07 kB over the budget could pass. The budget rows are
 # tightened by twice that, and `min_memory` adds it, so a budget of `min_memory_bytes` fits.
 FEASIBILITY_SLACK_BYTES = 2e-6 * GIB
+ROW_TOLERANCE = 1e-9  # GiB: a row is violated beyond the solver's own feasibility tolerance
+LAZY_ROWS = 10      # memory rows added per round (the most violated first): a few rounds on real models
+LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small model's rounds cost more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,45 +73,42 @@ class SolveResult:
     options: dict[str, int] = field(default_factory=dict)   # family group -> chosen option
 
 
-def pick_solver(time_limit: float | None):
-    # memory rows are in GiB: HiGHS's default feasibility tolerances (1e-7 on rows, 1e-6 in the MIP)
-    # would let a plan ~1 kB over its budget; 1e-9 keeps that to a byte
-    highs = pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, primal_feasibility_tolerance=1e-9,
-                       mip_feasibility_tolerance=1e-9)
-    if highs.available():
-        return highs, "HiGHS"
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1), "CBC"
-
-
 class StrategyILP:
-    """The model above, built with one coefficient dict per row (pulp's operator overloading is
-    far too slow at this size). `rep` maps each decision to the representative whose variables it
-    uses: decisions of repeated layers share one set (see `layers.py`), so their costs add up on
-    one variable and edges with the same ends and tables share one y."""
+    """The model above, written into a `Mip` with one coefficient dict per row. `rep` maps each
+    decision to the representative whose variables it uses: decisions of repeated layers share
+    one set (see `layers.py`), so their costs add up on one variable and edges with the same ends
+    and tables share one y."""
 
     def __init__(self, problem: Problem, memory_budget: float):
         p = self.p = problem
         self.budget = memory_budget
-        self.lp = pulp.LpProblem("autopar_strategies", pulp.LpMinimize)
+        self.m = Mip()
+        self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
         self.rep = {l: p.rep.get(l, l) for l in p.leaders}
         reps = list(dict.fromkeys(self.rep.values()))
-        self.x = {r: [self.lp.add_variable(f"x_{k}_{i}", 0, 1, cat="Binary") for i in range(p.n_choices(r))]
-                  for k, r in enumerate(reps)}
+        self.x = {r: [self.m.add_col(0, 1, integral=True) for _ in range(p.n_choices(r))] for r in reps}
         self.group_of: list[tuple] = []          # per edge: its group key
-        self.y: dict[tuple, list[list]] = {}
-        self.copy_bytes: dict[tuple, pulp.LpVariable] = {}   # (E) per group: bytes of its kept copy
-        self.temp_bytes: dict[tuple, pulp.LpVariable] = {}   # (F) per group: bytes of its temporary copy
+        self.y: dict[tuple, list[list[int]]] = {}
+        self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
+        self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
         self.add_one_choice()
         self.add_edges()
         self.terms = FamilyTerms(self)
+        self.memory: dict[int, dict[int, float]] = {}   # (D) rows by point, in GiB (added lazily)
+        self.memory_added: dict[int, int] = {}          # point -> its row in the model
 
-    def var(self, leader: str) -> list:
+    def var(self, leader: str) -> list[int]:
         return self.x[self.rep[leader]]
+
+    def add_aux(self, d: Defined, hi: float = INF) -> int:
+        j = self.m.add_col(0, hi)
+        self.defs[j] = d
+        return j
 
     # (A)
     def add_one_choice(self) -> None:
-        for k, v in enumerate(self.x.values()):
-            self.lp += pulp.LpAffineExpression([(x, 1.0) for x in v]) == 1, f"A_one_choice_{k}"
+        for v in self.x.values():
+            self.m.add_row(dict.fromkeys(v, 1.0), 1.0, 1.0)
 
     def _ends(self, e) -> tuple[str, str | None]:
         src = self.rep[self.p.decisions[e.src].leader]
@@ -114,6 +117,7 @@ class StrategyILP:
 
     # (B), (C): one y per group of edges with the same ends and layout classes
     def add_edges(self) -> None:
+        m = self.m
         for e in self.p.edges:
             src, dst = self._ends(e)
             key = (src, dst, tuple(e.a_of), tuple(e.b_of))
@@ -121,27 +125,23 @@ class StrategyILP:
             n_a, n_b = len(e.cost), len(e.cost[0])
             if key in self.y or dst is None or dst == src or n_a == 1 or n_b == 1:
                 continue
-            g = len(self.y)
-            y = [[self.lp.add_variable(f"y_{g}_{a}_{b}", 0, 1) for b in range(n_b)] for a in range(n_a)]
+            y = [[m.add_col(0, 1) for _ in range(n_b)] for _ in range(n_a)]
             for a in range(n_a):
-                row = [(v, 1.0) for v in y[a]] + [(x, -1.0) for x, c in zip(self.x[src], e.a_of) if c == a]
-                self.lp += pulp.LpAffineExpression(row) == 0, f"B_edge_src_{g}_{a}"
+                row = dict.fromkeys(y[a], 1.0)
+                row.update((x, -1.0) for x, c in zip(self.x[src], e.a_of) if c == a)
+                m.add_row(row, 0.0, 0.0)
             for b in range(n_b):
-                row = [(y[a][b], 1.0) for a in range(n_a)] + [(x, -1.0) for x, c in zip(self.x[dst], e.b_of) if c == b]
-                self.lp += pulp.LpAffineExpression(row) == 0, f"C_edge_dst_{g}_{b}"
+                row = {y[a][b]: 1.0 for a in range(n_a)}
+                row.update((x, -1.0) for x, c in zip(self.x[dst], e.b_of) if c == b)
+                m.add_row(row, 0.0, 0.0)
             self.y[key] = y
-            if e.keeps_copy:   # (E): memory rows then name one variable instead of every y
-                kv = self.lp.add_variable(f"k_{g}", 0)
-                row = [(kv, 1.0)] + [(y[a][b], -e.saved[a][b] / GIB) for a in range(n_a) for b in range(n_b)
-                                     if e.saved[a][b]]   # k in GiB, like the memory rows
-                self.lp += pulp.LpAffineExpression(row) == 0, f"E_copy_bytes_{g}"
-                self.copy_bytes[key] = kv
-            if e.temp and any(any(r) for r in e.temp):   # (F): likewise for a temporary copy
-                uv = self.lp.add_variable(f"u_{g}", 0)
-                row = [(uv, 1.0)] + [(y[a][b], -e.temp[a][b] / GIB) for a in range(n_a) for b in range(n_b)
-                                     if e.temp[a][b]]
-                self.lp += pulp.LpAffineExpression(row) == 0, f"F_temp_bytes_{g}"
-                self.temp_bytes[key] = uv
+            # (E), (F): memory rows then name one variable instead of every y (in GiB, like the rows)
+            for table, out in ((e.saved, self.copy_bytes), (e.temp, self.temp_bytes)):
+                if table and any(any(r) for r in table):
+                    coef = {y[a][b]: table[a][b] / GIB for a in range(n_a) for b in range(n_b) if table[a][b]}
+                    kv = self.add_aux(Defined(coef))
+                    m.add_row({kv: 1.0, **{j: -c for j, c in coef.items()}}, 0.0, 0.0)
+                    out[key] = kv
 
     def add_edge_terms(self, coef: dict, k: int, table: list[list[float]], scale: float = 1.0) -> None:
         """coef += scale * sum_{a,b} table[a][b] [edge k's source picks a and its consumer b]."""
@@ -173,15 +173,16 @@ class StrategyILP:
                     v = self.var(d.leader)[i]
                     coef[v] = coef.get(v, 0.0) + scale * c
 
-    def objective(self) -> pulp.LpAffineExpression:
+    def set_objective(self) -> None:
         coef: dict = {}
         self._node_terms(coef, "compute_s", self.p.decisions)
         for k, e in enumerate(self.p.edges):
             self.add_edge_terms(coef, k, e.cost)
         self.terms.objective_terms(coef)
-        return pulp.LpAffineExpression(list(coef.items()))
+        for j, c in coef.items():
+            self.m.cost[j] += c
 
-    def memory_rows(self) -> list[pulp.LpAffineExpression]:
+    def memory_rows(self) -> list[dict[int, float]]:
         """Per-device memory at every liveness point, in GiB (rows in bytes, 1e9-1e11 next to 0/1
         variables, trip the solver's tolerances). Built in one sweep over the points: between
         neighbours only the activations defined or freed, and the copies kept since, change."""
@@ -195,7 +196,7 @@ class StrategyILP:
         self._node_terms(state, "state_bytes", params)
         self._node_terms(state, "grad_bytes", params, -1.0)
         if not p.live.points:
-            return [pulp.LpAffineExpression([(v, c / GIB) for v, c in whole.items()])]
+            return [{v: c / GIB for v, c in whole.items()}]
         acts: dict = {}
         live: set[str] = set()
         kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
@@ -235,7 +236,7 @@ class StrategyILP:
             rows.append(total)
         rows += self.terms.backward_rows(rows[-1]).values()
         rows.append(whole)
-        return [pulp.LpAffineExpression([(v, c / GIB) for v, c in row.items() if abs(c) > 1e-6]) for row in rows]
+        return [{v: c / GIB for v, c in row.items() if abs(c) > 1e-6} for row in rows]
 
     def _add_nodes(self, coef: dict, names, sign: float) -> None:
         for name in sorted(names):
@@ -245,46 +246,101 @@ class StrategyILP:
                     v = self.var(d.leader)[i]
                     coef[v] = coef.get(v, 0.0) + sign * c
 
-    # (D)
+    # (D) and (L)
     def add_memory(self) -> None:
         prof = self.p.mesh.profile
         self.terms.add_tiers({"host": prof.host_memory_capacity, "disk": prof.disk_capacity})
-        if self.budget == float("inf"):
+        if self.budget == INF:
             return
-        for t, row in enumerate(self.memory_rows()):
-            self.lp += row <= (self.budget - FEASIBILITY_SLACK_BYTES) / GIB, f"D_memory_{t}"
+        self.memory = dict(enumerate(self.memory_rows()))
+        if len(self.memory) < LAZY_FROM:
+            cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
+            self.memory_added = {t: self.m.add_row(row, -INF, cap) for t, row in self.memory.items()}
+
+    def build(self) -> None:
+        self.add_memory()
+        self.set_objective()
+
+    def solve_lazy(self, deadline: float | None, fix: dict[int, float] | None = None,
+                   start: list[float] | None = None, progress: bool = False) -> MipResult:
+        """Solve with the memory rows (D) added as they are violated: solve with the rows found
+        binding so far, add the most violated of the others, re-solve, until none is violated. Each
+        round solved to optimality makes the last one optimal for the whole model (it satisfies
+        every row and is optimal for a subset). Rows once added stay for later calls. `fix`:
+        column -> value for this call; `start` must satisfy every row."""
+        m, cap = self.m, (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
+        while True:
+            limit = None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
+            what = f"{m.n_cols} variables, {m.n_rows} constraints" if progress else None
+            r = m.solve(limit, start, what, fix)
+            if r.values is None:
+                return r
+            over = sorted(((sum(c * r.values[j] for j, c in row.items()) - cap, t) for t, row in self.memory.items()
+                           if t not in self.memory_added), reverse=True)
+            over = [t for v, t in over if v > ROW_TOLERANCE]
+            if not over:
+                return r
+            if deadline is not None and time.perf_counter() >= deadline:
+                return MipResult(None, INF, "Not solved (memory rows left violated at the time limit)", r.solver)
+            for t in over[:LAZY_ROWS]:
+                self.memory_added[t] = m.add_row(self.memory[t], -INF, cap)
+
+    # -- complete assignments <-> column values --------------------------------------------------
+
+    def values_of(self, choice: dict[str, int], options: dict[str, int]) -> list[float]:
+        """The column values of a complete assignment (a start for the solver)."""
+        val = [0.0] * self.m.n_cols
+        picked = {r: choice[r] for r in self.x}
+        for r, cols in self.x.items():
+            val[cols[picked[r]]] = 1.0
+        for k, e in enumerate(self.p.edges):
+            key = self.group_of[k]
+            if key in self.y:
+                val[self.y[key][e.a_of[picked[key[0]]]][e.b_of[picked[key[1]]]]] = 1.0
+        for key, cols in self.terms.g.items():
+            val[cols[options[key]]] = 1.0
+        for j, d in sorted(self.defs.items()):
+            if d.product is not None:
+                val[j] = val[d.product[0]] * val[d.product[1]]
+                continue
+            if d.gates is not None and not any(val[g] > 0.5 for g in d.gates):
+                continue
+            v = d.const + sum(c * val[i] for i, c in d.coef.items())
+            val[j] = max(0.0, v) if d.clamp else v
+        return val
+
+    def assignment(self, values: list[float]) -> tuple[dict[str, int], dict[str, int]]:
+        """(choice per leader, option per group) of a solution."""
+        picked = {r: max(range(len(v)), key=lambda i: values[v[i]]) for r, v in self.x.items()}
+        choice = {l: picked[self.rep[l]] for l in self.p.leaders}
+        return choice, self.terms.options(values)
 
     def solve(self, time_limit: float | None = None, progress: bool = False) -> SolveResult:
-        self.add_memory()
-        self.lp.setObjective(self.objective())
-        solver, name = pick_solver(time_limit)
+        """The best plan found within `time_limit` seconds (None: the optimum), never worse than the
+        heuristic plan (`heuristic.py`), which also starts the solver."""
+        from .heuristic import start_plan
         t0 = time.perf_counter()
-        with _Progress(progress, f"{self.lp.numVariables()} variables, {self.lp.numConstraints()} constraints",
-                       time_limit):
-            self.lp.solve(solver)
+        deadline = None if time_limit is None else t0 + time_limit
+        self.build()
+        start = start_plan(self, deadline)
+        r = self.solve_lazy(deadline, None, None if start is None else self.values_of(*start), progress)
         secs = time.perf_counter() - t0
-        status = pulp.LpStatus[self.lp.status]
-        # pulp's HiGHS wrapper calls a time-limit stop "Optimal": only sol_status tells them apart
-        gap = _mip_gap(self.lp)
-        if status == "Optimal" and self.lp.sol_status == pulp.LpSolutionIntegerFeasible:
-            status = f"Feasible (stopped at the time limit, gap {gap:.2%})"
-        if not status.startswith(("Optimal", "Feasible")) or self.lp.sol_status not in (
-                pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            if status == "Infeasible":
+        if r.values is None and start is None:
+            if r.status == "Infeasible":
                 need = min_memory(self.p)
                 raise InfeasibleError(
                     f"no plan fits {self.budget / 2**30:.3f} GiB per device on mesh {self.p.mesh.shape}: "
                     f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
                     f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
-            return self.fallback(status, name, secs)
-        choice = self.choice()
-        return SolveResult(choice, float(pulp.value(self.lp.objective) or 0.0), status, name, secs,
-                           self.lp.numVariables(), self.lp.numConstraints(), gap, self.terms.options())
-
-    def choice(self) -> dict[str, int]:
-        """The solved choice per leader (its largest x)."""
-        picked = {r: max(range(len(v)), key=lambda i: v[i].varValue or 0.0) for r, v in self.x.items()}
-        return {l: picked[self.rep[l]] for l in self.p.leaders}
+            return self.fallback(r.status, r.solver, secs)
+        if r.values is None or evaluate(self.p, *start).step_s < evaluate(self.p, *self.assignment(r.values)).step_s:
+            choice, options = start
+            note = "the heuristic plan" if r.values is None else "the heuristic plan, better than the solver's"
+            return SolveResult(choice, evaluate(self.p, choice, options).step_s, f"Feasible ({note}; solver: "
+                               f"{r.status})", r.solver, secs, self.m.n_cols, self.m.n_rows, float("nan"), options)
+        choice, options = self.assignment(r.values)
+        return SolveResult(choice, r.objective, r.status, r.solver, secs, self.m.n_cols, self.m.n_rows,
+                           r.gap, options)
 
     def fallback(self, status: str, name: str, secs: float) -> SolveResult:
         """The solver stopped with no plan: every decision takes its smallest-memory strategy (the
@@ -292,11 +348,7 @@ class StrategyILP:
         from keeping most to freeing most), so the search always ends with a plan that fits if any
         simple one does."""
         p = self.p
-        choice = {}
-        for l in p.leaders:
-            members = [d for d in p.decisions.values() if d.leader == l]
-            mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
-            choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
+        choice = most_sharded(p)
         options = {g.key: g.allowed[-1] for g in p.families.groups}
         ev = evaluate(p, choice, options)
         if ev.peak_bytes > self.budget:
@@ -304,55 +356,31 @@ class StrategyILP:
                                   f"plan needs {ev.peak_bytes / GIB:.2f} GiB per device: raise time_limit or "
                                   f"memory_budget")
         return SolveResult(choice, ev.step_s, f"Heuristic (solver: {status})", name, secs,
-                           self.lp.numVariables(), self.lp.numConstraints(), float("nan"), options)
+                           self.m.n_cols, self.m.n_rows, float("nan"), options)
 
 
-def _mip_gap(lp) -> float:
-    model = getattr(lp, "solverModel", None)
-    try:
-        return float(model.getInfo().mip_gap) if model is not None else 0.0
-    except Exception:  # noqa: BLE001 - CBC, or a HiGHS without the field: no gap to report
-        return 0.0
-
-
-class _Progress:
-    """Prints a line every few seconds while a long solve runs (when asked: planning in a terminal)."""
-
-    EVERY_S = 5.0
-
-    def __init__(self, on: bool, what: str, limit: float | None):
-        self.on, self.what, self.limit = on, what, limit
-        self.done = threading.Event()
-
-    def __enter__(self):
-        if self.on:
-            self.t0 = time.perf_counter()
-            threading.Thread(target=self._run, daemon=True).start()
-        return self
-
-    def _run(self):
-        while not self.done.wait(self.EVERY_S):
-            left = f", stops at {self.limit:.0f} s" if self.limit else ""
-            print(f"autopar: solving the strategy ILP ({self.what}): {time.perf_counter() - self.t0:.0f} s{left}",
-                  file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        self.done.set()
+def most_sharded(p: Problem) -> dict[str, int]:
+    """Every decision at its smallest-memory strategy."""
+    choice = {}
+    for l in p.leaders:
+        members = [d for d in p.decisions.values() if d.leader == l]
+        mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
+        choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
+    return choice
 
 
 def min_memory(problem: Problem) -> float:
     """The smallest budget that fits a plan: the peak per-device memory of the plan that needs least
     (ignoring time), as the ILP's rows and the evaluator price it, plus the solver's slack."""
-    ilp = StrategyILP(problem, memory_budget=float("inf"))
+    ilp = StrategyILP(problem, memory_budget=INF)
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
-    z = ilp.lp.add_variable("peak_gib", 0)
-    ilp.lp += z
-    for t, row in enumerate(ilp.memory_rows()):
-        ilp.lp += row - z <= 0, f"D_peak_{t}"
-    solver, _ = pick_solver(None)
-    ilp.lp.solve(solver)
+    z = ilp.m.add_col(0, INF)
+    ilp.m.cost[z] = 1.0
+    for row in ilp.memory_rows():
+        ilp.m.add_row({**row, z: -1.0}, -INF, 0.0)
+    r = ilp.m.solve(None)
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
-    peak = max(float(z.varValue or 0.0) * GIB, evaluate(problem, ilp.choice(), ilp.terms.options()).peak_bytes)
+    peak = max(r.values[z] * GIB, evaluate(problem, *ilp.assignment(r.values)).peak_bytes)
     return float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
 
 

@@ -19,9 +19,8 @@ defaults (a parameter is not re-gathered where re-gathering would be free but us
 """
 from __future__ import annotations
 
-import pulp
-
 from .families import Expr, Gate
+from .mip import INF, Defined
 
 GIB = float(2**30)
 TIE_S = 1e-12     # seconds: far below any cost the model prices (a kernel launch is ~1e-6 s)
@@ -32,13 +31,13 @@ class FamilyTerms:
         self.ilp = ilp
         fam = ilp.p.families
         self.fam = fam
-        self.g: dict[str, dict[int, pulp.LpVariable]] = {}
-        self.products: dict[tuple[str, str], pulp.LpVariable] = {}
+        self.g: dict[str, dict[int, int]] = {}          # group -> option -> column
+        self.products: dict[tuple[int, int], int] = {}
         self.allowed = {grp.key: grp.allowed for grp in fam.groups}
-        for k, grp in enumerate(fam.groups):
+        for grp in fam.groups:
             if len(grp.allowed) > 1:
-                self.g[grp.key] = {o: ilp.lp.add_variable(f"g_{k}_{o}", 0, 1, cat="Binary") for o in grp.allowed}
-                ilp.lp += pulp.LpAffineExpression([(v, 1.0) for v in self.g[grp.key].values()]) == 1, f"G_one_option_{k}"
+                self.g[grp.key] = {o: ilp.m.add_col(0, 1, integral=True) for o in grp.allowed}
+                ilp.m.add_row(dict.fromkeys(self.g[grp.key].values(), 1.0), 1.0, 1.0)     # (G)
         self.z: list[tuple] = []       # (Freed, z variable) for items some allowed gate can free
         shared: dict = {}
         for k, f in enumerate(fam.freed):
@@ -74,7 +73,7 @@ class FamilyTerms:
         """What a term is as a function of the ILP's variables (linked copies map to the same ones)."""
         coef = self.coef(expr)
         return (tuple(gates), round(expr.const, 6),
-                tuple(sorted((v.name, round(c, 6)) for v, c in coef.items() if c)))
+                tuple(sorted((v, round(c, 6)) for v, c in coef.items() if c)))
 
     def _merged(self, terms, gates_of):
         """Terms with equal signatures as (term, total count), in first-seen order."""
@@ -88,14 +87,13 @@ class FamilyTerms:
     def product(self, v, g):
         """p = v * g for a layout variable v in [0, 1] and an option's binary g, linearised exactly
         (McCormick: p <= v, p <= g, p >= v + g - 1); shared by every term that needs it."""
-        key = (v.name, g.name)
+        key = (v, g)
         if key not in self.products:
-            lp = self.ilp.lp
-            p = lp.add_variable(f"p_{len(self.products)}", 0, 1)
-            n = len(self.products)
-            lp += pulp.LpAffineExpression([(p, 1.0), (v, -1.0)]) <= 0, f"M_le_x_{n}"
-            lp += pulp.LpAffineExpression([(p, 1.0), (g, -1.0)]) <= 0, f"M_le_g_{n}"
-            lp += pulp.LpAffineExpression([(p, 1.0), (v, -1.0), (g, -1.0)]) >= -1, f"M_ge_{n}"
+            m = self.ilp.m
+            p = self.ilp.add_aux(Defined({}, product=key), hi=1.0)
+            m.add_row({p: 1.0, v: -1.0}, -INF, 0.0)
+            m.add_row({p: 1.0, g: -1.0}, -INF, 0.0)
+            m.add_row({p: 1.0, v: -1.0, g: -1.0}, -1.0, INF)
             self.products[key] = p
         return self.products[key]
 
@@ -121,28 +119,30 @@ class FamilyTerms:
         coef, const = terms
         if all(c >= 0 for c in coef.values()) and const >= 0 and expr.const >= 0:
             return coef, const
-        u = self.ilp.lp.add_variable(name, 0)
-        row = {u: 1.0, **{v: -c for v, c in coef.items()}}
-        self.ilp.lp += pulp.LpAffineExpression(list(row.items())) >= const, f"{name.upper()}_lower"
+        u = self.ilp.add_aux(Defined(coef, const, clamp=True))
+        self.ilp.m.add_row({u: 1.0, **{v: -c for v, c in coef.items()}}, const, INF)
         return {u: 1.0}, 0.0
 
     def _freed_var(self, k: int, f):
         gates = [self.gate(gt) for gt in f.gates]
         if all(kind == "off" for kind, _ in gates):
             return None
-        z = self.ilp.lp.add_variable(f"z_{k}", 0)
+        coef = self.coef(f.expr, 1.0 / GIB)
+        gated = not any(kind == "on" for kind, _ in gates)
+        z = self.ilp.add_aux(Defined(coef, f.expr.const / GIB,
+                                     tuple(g for kind, g in gates if kind == "var") if gated else None, clamp=True))
         row = {z: 1.0}
-        for v, c in self.coef(f.expr, -1.0 / GIB).items():
-            row[v] = row.get(v, 0.0) + c
-        self.ilp.lp += pulp.LpAffineExpression(list(row.items())) <= f.expr.const / GIB, f"I_freed_{k}"
-        if not any(kind == "on" for kind, _ in gates):
+        for v, c in coef.items():
+            row[v] = row.get(v, 0.0) - c
+        self.ilp.m.add_row(row, -INF, f.expr.const / GIB)                 # (I)
+        if gated:
             cap = {z: 1.0}
             for gt in f.gates:
                 terms = self.gated(f.expr, gt, 1.0 / GIB)
                 if terms is not None:
                     for v, c in terms[0].items():
                         cap[v] = cap.get(v, 0.0) - c
-            self.ilp.lp += pulp.LpAffineExpression(list(cap.items())) <= 0, f"J_gated_{k}"
+            self.ilp.m.add_row(cap, -INF, 0.0)                                # (J)
         return z
 
     def objective_terms(self, coef: dict) -> None:
@@ -194,15 +194,14 @@ class FamilyTerms:
                     row[v] = row.get(v, 0.0) + count * x
                 consts[h.tier] = consts.get(h.tier, 0.0) + count * terms[1]
         for tier, row in rows.items():
-            self.ilp.lp += (pulp.LpAffineExpression(list(row.items())) <= capacity[tier] / GIB - consts.get(tier, 0.0),
-                            f"L_tier_{tier}")
+            self.ilp.m.add_row(row, -INF, capacity[tier] / GIB - consts.get(tier, 0.0))     # (L)
 
-    def options(self) -> dict[str, int]:
-        """The chosen option of every group."""
+    def options(self, values) -> dict[str, int]:
+        """The chosen option of every group in a solution (a value per column)."""
         out = {}
         for grp in self.fam.groups:
             if grp.key in self.g:
-                out[grp.key] = max(self.g[grp.key], key=lambda o: self.g[grp.key][o].varValue or 0.0)
+                out[grp.key] = max(self.g[grp.key], key=lambda o: values[self.g[grp.key][o]])
             else:
                 out[grp.key] = grp.allowed[0]
         return out

@@ -1,0 +1,206 @@
+"""A mixed-integer program as arrays, and the solvers that take it.
+
+The strategy ILP (`ilp.py`) is written here column by column and row by row (plain lists of
+indices and coefficients), then handed to HiGHS through `highspy` in one call per kind of data:
+building it through pulp's objects took seconds for a real model. Where `highspy` is not
+installed, the same arrays become a pulp problem solved by CBC (the documented fallback; slower
+to build and to solve, same optimum).
+
+A start (a value per column, typically a heuristic plan) is passed to the solver as its first
+incumbent; HiGHS then never returns anything worse, whatever the time limit.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class MipResult:
+    values: list[float] | None     # per column; None when no solution was found
+    objective: float
+    status: str                    # "Optimal", "Feasible (stopped at the time limit, gap x%)", "Infeasible", ...
+    solver: str                    # "HiGHS" | "CBC"
+    gap: float = 0.0               # relative gap proven at the stop (0 when optimal)
+
+
+@dataclass(frozen=True, slots=True)
+class Defined:
+    """A continuous column whose value a complete assignment fixes: `coef . values + const`,
+    clamped at 0 when `clamp`, and 0 unless one of `gates` is on (None: always); or the product
+    of two columns."""
+    coef: dict[int, float]
+    const: float = 0.0
+    gates: tuple[int, ...] | None = None
+    clamp: bool = False
+    product: tuple[int, int] | None = None      # instead: the product of these two columns
+
+
+@dataclass(slots=True)
+class Mip:
+    """min cost . x  s.t.  row_lo <= A x <= row_hi,  col_lo <= x <= col_hi,  some x integral."""
+    col_lo: list[float] = field(default_factory=list)
+    col_hi: list[float] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    integer: list[int] = field(default_factory=list)        # integral columns
+    row_lo: list[float] = field(default_factory=list)
+    row_hi: list[float] = field(default_factory=list)
+    row_start: list[int] = field(default_factory=lambda: [0])
+    row_index: list[int] = field(default_factory=list)
+    row_value: list[float] = field(default_factory=list)
+
+    @property
+    def n_cols(self) -> int:
+        return len(self.col_lo)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.row_lo)
+
+    def add_col(self, lo: float = 0.0, hi: float = INF, integral: bool = False) -> int:
+        self.col_lo.append(lo)
+        self.col_hi.append(hi)
+        self.cost.append(0.0)
+        if integral:
+            self.integer.append(len(self.col_lo) - 1)
+        return len(self.col_lo) - 1
+
+    def add_row(self, coef: dict[int, float], lo: float = -INF, hi: float = INF) -> int:
+        for j, c in coef.items():
+            if c:
+                self.row_index.append(j)
+                self.row_value.append(c)
+        self.row_start.append(len(self.row_index))
+        self.row_lo.append(lo)
+        self.row_hi.append(hi)
+        return len(self.row_lo) - 1
+
+    def solve(self, time_limit: float | None = None, start: list[float] | None = None,
+              progress: str | None = None, fix: dict[int, float] | None = None) -> MipResult:
+        """Solve with HiGHS (highspy), or CBC through pulp where highspy is missing. `fix`: column ->
+        value for this solve only; `progress`: what to say on stderr every few seconds while it runs
+        (None: nothing)."""
+        lo, hi = self.col_lo, self.col_hi
+        if fix:
+            self.col_lo, self.col_hi = list(lo), list(hi)
+            for j, v in fix.items():
+                self.col_lo[j] = self.col_hi[j] = v
+        try:
+            with _Progress(progress, time_limit):
+                if highs_available():
+                    return _solve_highs(self, time_limit, start)
+                return _solve_pulp(self, time_limit, start)
+        finally:
+            self.col_lo, self.col_hi = lo, hi
+
+
+def highs_available() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None) -> MipResult:
+    import highspy
+    import numpy as np
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    # memory rows are in GiB: HiGHS's default feasibility tolerances (1e-7 on rows, 1e-6 in the MIP)
+    # would let a plan ~1 kB over its budget; 1e-9 keeps that to a byte
+    h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    h.setOptionValue("mip_feasibility_tolerance", 1e-9)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(max(time_limit, 1e-3)))
+    n = m.n_cols
+    h.addVars(n, np.array(m.col_lo, dtype=np.float64), np.array(m.col_hi, dtype=np.float64))
+    h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(m.cost, dtype=np.float64))
+    if m.integer:
+        idx = np.array(m.integer, dtype=np.int32)
+        h.changeColsIntegrality(len(idx), idx, np.full(len(idx), highspy.HighsVarType.kInteger))
+    if m.n_rows:
+        h.addRows(m.n_rows, np.array(m.row_lo, dtype=np.float64), np.array(m.row_hi, dtype=np.float64),
+                  len(m.row_index), np.array(m.row_start[:-1], dtype=np.int32),
+                  np.array(m.row_index, dtype=np.int32), np.array(m.row_value, dtype=np.float64))
+    if start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = list(start)
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    has = info.primal_solution_status == 2     # kSolutionStatusFeasible
+    if status == highspy.HighsModelStatus.kOptimal:
+        return MipResult(list(h.getSolution().col_value), info.objective_function_value, "Optimal", "HiGHS", 0.0)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return MipResult(None, INF, "Infeasible", "HiGHS")
+    name = h.modelStatusToString(status)
+    if has:
+        gap = float(info.mip_gap)
+        return MipResult(list(h.getSolution().col_value), info.objective_function_value,
+                         f"Feasible (stopped: {name.lower()}, gap {gap:.2%})", "HiGHS", gap)
+    return MipResult(None, INF, name, "HiGHS", float("nan"))
+
+
+def _solve_pulp(m: Mip, time_limit: float | None, start: list[float] | None) -> MipResult:
+    import pulp
+    lp = pulp.LpProblem("autopar", pulp.LpMinimize)
+    integer = set(m.integer)
+    cols = [lp.add_variable(f"c{j}", None if m.col_lo[j] == -INF else m.col_lo[j],
+                            None if m.col_hi[j] == INF else m.col_hi[j],
+                            cat="Integer" if j in integer else "Continuous") for j in range(m.n_cols)]
+    lp.setObjective(pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(m.cost) if c]))
+    for r in range(m.n_rows):
+        a, b = m.row_start[r], m.row_start[r + 1]
+        expr = pulp.LpAffineExpression([(cols[j], c) for j, c in zip(m.row_index[a:b], m.row_value[a:b])])
+        if m.row_lo[r] == m.row_hi[r]:
+            lp += expr == m.row_lo[r], f"r{r}"
+            continue
+        if m.row_lo[r] > -INF:
+            lp += expr >= m.row_lo[r], f"r{r}lo"
+        if m.row_hi[r] < INF:
+            lp += expr <= m.row_hi[r], f"r{r}hi"
+    if start is not None:
+        for v, x in zip(cols, start):
+            v.setInitialValue(x)
+    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=start is not None))
+    if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        status = pulp.LpStatus[lp.status]
+        return MipResult(None, INF, status, "CBC", float("nan"))
+    values = [v.varValue or 0.0 for v in cols]
+    if lp.sol_status == pulp.LpSolutionOptimal:
+        return MipResult(values, float(pulp.value(lp.objective) or 0.0), "Optimal", "CBC")
+    return MipResult(values, float(pulp.value(lp.objective) or 0.0), "Feasible (stopped: time limit)", "CBC",
+                     float("nan"))
+
+
+class _Progress:
+    """Prints a line every few seconds while a long solve runs (when asked: planning in a terminal)."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, what: str | None, limit: float | None):
+        self.what, self.limit = what, limit
+        self.done = threading.Event()
+
+    def __enter__(self):
+        if self.what:
+            self.t0 = time.perf_counter()
+            threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self):
+        while not self.done.wait(self.EVERY_S):
+            left = f", stops at {self.limit:.0f} s" if self.limit else ""
+            print(f"autopar: solving the strategy ILP ({self.what}): {time.perf_counter() - self.t0:.0f} s{left}",
+                  file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self.done.set()

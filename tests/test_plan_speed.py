@@ -1,0 +1,55 @@
+"""Planning under a time limit: the heuristic plan is the floor, so a longer limit never gives a
+slower plan and a short one is close to the best; the pulp fallback solves the same model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar  # noqa: E402
+from autopar.solver import mip  # noqa: E402
+
+
+def _plan(time_limit, budget=None, shape=(2, 2, 2), **kw):
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(Block() for _ in range(4)))
+        x = torch.zeros(64, 512, 1024)
+    mesh = autopar.Mesh(shape, ("dp", "sp", "tp")[:len(shape)], device="h100")
+    return autopar.plan(model, (x,), mesh, time_limit=time_limit, memory_budget=budget, symbolic=False, **kw)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden=1024):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.fixture(scope="module")
+def unbounded():
+    return _plan(None, float("inf"))
+
+
+@pytest.fixture(scope="module")
+def tight(unbounded):
+    """A budget that needs memory decisions: 80% of the peak of the best plan without a budget."""
+    return 0.8 * unbounded.estimate.peak_memory_bytes
+
+
+def test_longer_time_limit_never_gives_a_slower_plan(tight):
+    plans = [_plan(t, tight) for t in (0.01, 1.0, 4.0)]
+    steps = [p.estimate.step_time_s for p in plans]
+    assert steps[0] >= steps[1] * (1 - 1e-9) and steps[1] >= steps[2] * (1 - 1e-9)
+    assert steps[1] <= 1.25 * steps[2]                  # 1 s of solving: within 1.25x of 4 s
+    for p in plans:
+        assert p.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
+        assert {v for d in (p.recompute, p.residency, p.offload) for v in d.values()} - {"none", "keep", "device"}
+
+
+def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
+    best = _plan(None, 1.6 * 2**30, shape=(4,))
+    monkeypatch.setattr(mip, "highs_available", lambda: False)
+    plan = _plan(None, 1.6 * 2**30, shape=(4,))
+    assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status == "Optimal"
+    assert plan.estimate.step_time_s == pytest.approx(best.estimate.step_time_s, rel=1e-6)
