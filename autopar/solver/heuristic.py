@@ -9,9 +9,9 @@ family's option gates a term); each alone is easy. So, alternating once:
 3. layouts for those families: the ILP with the family options fixed, within half the time left;
 4. families for those layouts again.
 
-The better of the plans after steps 2 and 4 (by the one price, `evaluate.py`) is the result. On
-Hugging Face Llama-3-8B over 64 H100 it is within a percent of the best plan known, found in a
-few seconds, where the solver alone had not found a plan after a minute. Without families, step 2
+The better of the plans after steps 2 and 4 (by what the ILP minimises, `Evaluation.objective_s`)
+is the result. On Hugging Face Llama-3-8B over 64 H100 (families on) it was the best plan known,
+found in seconds, where the solver alone had not found a plan after a minute. Without families, step 2
 is that plan and steps 3-4 would be the ILP itself: skipped.
 """
 from __future__ import annotations
@@ -30,14 +30,14 @@ def start_plan(ilp, deadline: float | None) -> Assignment | None:
     first = _families_for(ilp, most_sharded(ilp.p), None)
     if first is None:
         return None
-    best.append((evaluate(ilp.p, *first).step_s, first))
+    best.append((evaluate(ilp.p, *first).objective_s, first))
     if ilp.terms.g:
         half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2
         r = ilp.solve_lazy(half, fix=_fixed(ilp.terms.g, first[1]), start=ilp.values_of(*first))
         if r.values is not None:
             second = _families_for(ilp, ilp.assignment(r.values)[0], None)
             if second is not None:
-                best.append((evaluate(ilp.p, *second).step_s, second))
+                best.append((evaluate(ilp.p, *second).objective_s, second))
     return min(best, key=lambda b: b[0])[1]
 
 

@@ -333,14 +333,15 @@ class StrategyILP:
                     f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
                     f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
             return self.fallback(r.status, r.solver, secs)
-        if r.values is None or evaluate(self.p, *start).step_s < evaluate(self.p, *self.assignment(r.values)).step_s:
+        if start is not None and (r.values is None or evaluate(self.p, *start).objective_s
+                                  < evaluate(self.p, *self.assignment(r.values)).objective_s * (1 - 1e-9)):
             choice, options = start
             note = "the heuristic plan" if r.values is None else "the heuristic plan, better than the solver's"
-            return SolveResult(choice, evaluate(self.p, choice, options).step_s, f"Feasible ({note}; solver: "
-                               f"{r.status})", r.solver, secs, self.m.n_cols, self.m.n_rows, float("nan"), options)
+            return SolveResult(choice, evaluate(self.p, choice, options).objective_s, f"Feasible ({note}; solver: "
+                               f"{r.status})", r.solver, secs, self.m.n_cols, self.m.n_rows, known_gap(r.gap), options)
         choice, options = self.assignment(r.values)
         return SolveResult(choice, r.objective, r.status, r.solver, secs, self.m.n_cols, self.m.n_rows,
-                           r.gap, options)
+                           known_gap(r.gap), options)
 
     def fallback(self, status: str, name: str, secs: float) -> SolveResult:
         """The solver stopped with no plan: every decision takes its smallest-memory strategy (the
@@ -356,7 +357,12 @@ class StrategyILP:
                                   f"plan needs {ev.peak_bytes / GIB:.2f} GiB per device: raise time_limit or "
                                   f"memory_budget")
         return SolveResult(choice, ev.step_s, f"Heuristic (solver: {status})", name, secs,
-                           self.m.n_cols, self.m.n_rows, float("nan"), options)
+                           self.m.n_cols, self.m.n_rows, known_gap(float("nan")), options)
+
+
+def known_gap(gap: float) -> float:
+    """The gap a plan records: a number (1.0, i.e. 100%, where the solver proved no bound)."""
+    return gap if math.isfinite(gap) else 1.0
 
 
 def most_sharded(p: Problem) -> dict[str, int]:
