@@ -8,6 +8,8 @@ family's option gates a term); each alone is easy. So, alternating once:
    family options and their terms);
 3. layouts for those families: the ILP with the family options fixed, within half the time left;
 4. families for those layouts again.
+If step 2 finds no plan within the budget (a budget near the minimum), the plan that needs least
+memory (`ilp.least_memory`) is the start when it fits.
 
 The better of the plans after steps 2 and 4 (by what the ILP minimises, `Evaluation.objective_s`)
 is the result. On Hugging Face Llama-3-8B over 64 H100 (families on) it was the best plan known,
@@ -25,11 +27,12 @@ Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, o
 
 def start_plan(ilp, deadline: float | None) -> Assignment | None:
     """The best heuristic assignment that fits the budget, or None if none of them does."""
-    from .ilp import most_sharded
+    from .ilp import least_memory, most_sharded
     best: list[tuple[float, Assignment]] = []
     first = _families_for(ilp, most_sharded(ilp.p), None)
-    if first is None:
-        return None
+    if first is None:     # a budget near the minimum: the plan that needs least, if it fits
+        plan, need = least_memory(ilp.p)
+        return plan if need <= ilp.budget else None
     best.append((evaluate(ilp.p, *first).objective_s, first))
     if ilp.terms.g:
         half = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / 2

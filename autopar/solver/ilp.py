@@ -378,6 +378,11 @@ def most_sharded(p: Problem) -> dict[str, int]:
 def min_memory(problem: Problem) -> float:
     """The smallest budget that fits a plan: the peak per-device memory of the plan that needs least
     (ignoring time), as the ILP's rows and the evaluator price it, plus the solver's slack."""
+    return least_memory(problem)[1]
+
+
+def least_memory(problem: Problem) -> tuple[tuple[dict[str, int], dict[str, int]], float]:
+    """(the plan that needs least memory, the budget it needs: `min_memory`)."""
     ilp = StrategyILP(problem, memory_budget=INF)
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.m.add_col(0, INF)
@@ -385,9 +390,10 @@ def min_memory(problem: Problem) -> float:
     for row in ilp.memory_rows():
         ilp.m.add_row({**row, z: -1.0}, -INF, 0.0)
     r = ilp.m.solve(None)
+    plan = ilp.assignment(r.values)
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
-    peak = max(r.values[z] * GIB, evaluate(problem, *ilp.assignment(r.values)).peak_bytes)
-    return float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
+    peak = max(r.values[z] * GIB, evaluate(problem, *plan).peak_bytes)
+    return plan, float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
