@@ -49,11 +49,12 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     a missing group takes its first allowed option)."""
     fam = problem.families
     on = {**fam.defaults(), **(options or {})}
+    family_of = fam.family_of()
     state, points = memory_points(problem, choice)
     family_s: dict[str, float] = {}
     for c in fam.costs:
         if on.get(c.gate[0]) == c.gate[1]:
-            fam_name = fam.group(c.gate[0]).family
+            fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
     freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if any(on.get(g) == i for g, i in f.gates)]
     positions = problem.live.positions
@@ -75,7 +76,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     for f, b in freed:
         if at >= 0 and f.after < positions[at] <= f.until:
             g = next(g for g, i in f.gates if on.get(g) == i)
-            by_family[fam.group(g).family] = by_family.get(fam.group(g).family, 0.0) + b
+            by_family[family_of[g]] = by_family.get(family_of[g], 0.0) + b
     offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,

@@ -107,20 +107,21 @@ class Families:
     costs: list[Cost] = field(default_factory=list)
     freed: list[Freed] = field(default_factory=list)
     held: list[Held] = field(default_factory=list)
-    backs: list[str] = field(default_factory=list)     # backward rows (`Freed.back` keys), in order
 
     def extend(self, other: Families) -> None:
         self.groups += other.groups
         self.costs += other.costs
         self.freed += other.freed
         self.held += other.held
-        self.backs += [b for b in other.backs if b not in self.backs]
 
-    def group(self, key: str) -> Group:
-        for g in self.groups:
-            if g.key == key:
-                return g
-        raise KeyError(key)
+    @property
+    def backs(self) -> list[str]:
+        """The backward rows: `Freed.back` of the items that can come back there, in order."""
+        return list(dict.fromkeys(f.back for f in self.freed if f.back is not None and f.returns))
+
+    def family_of(self) -> dict[str, str]:
+        """group key -> its family's name."""
+        return {g.key: g.family for g in self.groups}
 
     def defaults(self) -> dict[str, int]:
         """Every group at its first allowed option."""

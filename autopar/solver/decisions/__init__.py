@@ -36,5 +36,4 @@ def merge_freed(fam: Families) -> Families:
             by_key[f.key] = replace(old, gates=old.gates + f.gates, back=old.back or f.back,
                                     returns=old.returns + f.returns)
     fam.freed = list(by_key.values())
-    fam.backs = list(dict.fromkeys(f.back for f in fam.freed if f.back is not None and f.returns))
     return fam

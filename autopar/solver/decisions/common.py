@@ -54,3 +54,14 @@ def back_row(groups: LayerGroups, layer: str | None) -> str | None:
     if layer is None or layer not in groups.rep:
         return None
     return f"backward:{layer}" if groups.members[groups.rep[layer]][0] == layer else None
+
+
+def saved_only_in(problem: Problem) -> dict[str, list[str]]:
+    """layer -> the activations only that layer's ops save for their backward, and that the forward
+    no longer needs before its end (what recomputing or offloading the layer can free), in order."""
+    live, out = problem.live, {}
+    for o in live.owners:
+        layers = {problem.layer.get(s) for s in live.savers.get(o, ())}
+        if len(layers) == 1 and None not in layers and live.fwd_end[o] < live.last:
+            out.setdefault(layers.pop(), []).append(o)
+    return out

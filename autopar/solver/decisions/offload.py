@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...plan import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
-from .common import allowed_options, back_row, layer_groups
+from .common import allowed_options, back_row, layer_groups, saved_only_in
 
 HOST, DISK = 1, 2
 
@@ -37,11 +37,12 @@ def build(problem: Problem, setting: str) -> Families:
     allowed = tiers_allowed(problem, setting)
     fam = Families()
     groups = layer_groups(problem)
+    saved = saved_only_in(problem)
     for rep, layers in groups.members.items():
         key = f"offload:activations:{rep}"
         fam.groups.append(Group(key, "offload", TIERS, tuple(f"activations:{L}" for L in layers), allowed))
         if allowed != (0,):
-            activations(problem, fam, key, rep, layers, groups, allowed)
+            activations(problem, fam, key, rep, layers, groups, allowed, saved)
     params: dict[str, list[str]] = {}
     for name, d in problem.decisions.items():
         if d.kind == "param":
@@ -61,25 +62,23 @@ def _link(problem: Problem, tier: int):
     return prof.host_link if tier == HOST else prof.disk_link
 
 
-def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed) -> None:
+def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed, saved) -> None:
     live = problem.live
     for layer in layers:
-        inside = set(groups.nodes[layer])
-        items = [o for o in live.owners if live.savers.get(o) and set(live.savers[o]) <= inside
-                 and live.fwd_end[o] < live.last]
+        items = saved.get(layer, [])
         gates = tuple((key, t) for t in allowed if t)
         for o in items:
             fam.freed.append(Freed(Expr(((o, tuple(problem.decisions[o].act_bytes)),)), gates, live.fwd_end[o],
                                    live.last, back_row(groups, layer), f"activation {o} of {layer}", f"act:{o}"))
         if layer != rep:
             continue
-        saved = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
+        held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
         for t in allowed:
             if t:
                 link = _link(problem, t)
-                moves = saved.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * len(items) * link.latency)
+                moves = held.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * len(items) * link.latency)
                 fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
-                fam.held.append(Held(saved, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
+                fam.held.append(Held(held, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
 
 
 def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None:

@@ -14,7 +14,7 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import allowed_options, back_row, layer_groups
+from .common import allowed_options, back_row, layer_groups, saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -22,6 +22,7 @@ SELECTIVE, FULL = 1, 2
 def build(problem: Problem, setting: str) -> Families:
     allowed = allowed_options("recompute", setting, RECOMPUTE_MODES)
     groups = layer_groups(problem)
+    saved = saved_only_in(problem)
     fam = Families()
     for rep, layers in groups.members.items():
         key = f"recompute:{rep}"
@@ -32,7 +33,8 @@ def build(problem: Problem, setting: str) -> Families:
         fam.costs += [Cost(full, (key, FULL), len(layers), f"recompute {rep} (full)"),
                       Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
         for layer in layers:
-            fam.freed += freed_in(problem, layer, groups.nodes[layer], key, back_row(groups, layer))
+            fam.freed += freed_in(problem, layer, groups.nodes[layer], saved.get(layer, ()), key,
+                                  back_row(groups, layer))
     return fam
 
 
@@ -50,14 +52,13 @@ def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
     return Expr(tuple(full), comm), Expr(tuple(sel), comm)
 
 
-def freed_in(problem: Problem, layer: str, names, key: str, back: str | None) -> list[Freed]:
-    """What recomputing `layer` frees: tensors it made and only it saves, and parameter copies
-    gathered for its ops (gathered again when it runs again)."""
+def freed_in(problem: Problem, layer: str, names, saved, key: str, back: str | None) -> list[Freed]:
+    """What recomputing `layer` frees: tensors it made and only it saves (`saved`: what only it
+    saves), and parameter copies gathered for its ops (gathered again when it runs again)."""
     live, inside = problem.live, set(names)
     out = []
-    for o in names:
-        savers = live.savers.get(o)
-        if not savers or o not in live.fwd_end or live.fwd_end[o] >= live.last or not set(savers) <= inside:
+    for o in saved:
+        if o not in inside:          # made before the layer: its input, which the checkpoint keeps
             continue
         d = problem.decisions[o]
         gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
