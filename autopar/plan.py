@@ -17,6 +17,12 @@ person can read them):
   "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
   step) -> "device" | "host" | "disk" (`TIERS`).
 A layer or parameter missing from a dict takes the first mode ("none", "keep", "device").
+
+`pipeline` (`PipelinePlan`) says how the layer sequence is cut into pipeline stages over one mesh
+axis, with how many microbatches and which schedule; `stages == 1` is no pipeline. In a pipelined
+plan every layout still has one placement per mesh axis; on the pipeline axis it is "R" (stages
+own disjoint nodes, which is not a placement), and each stage runs the layouts on the sub-mesh of
+the other axes.
 """
 from __future__ import annotations
 
@@ -25,12 +31,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 RESIDENCY_MODES = ("keep", "regather")
 TIERS = ("device", "host", "disk")
 OFFLOAD_CLASSES = ("activations", "optimizer")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """Pipeline stages of a plan. `stages` ranks along mesh axis `axis` each run `virtual_stages`
+    model chunks; chunk c (0 <= c < stages * virtual_stages) runs on pipeline rank c % stages (the
+    interleaved order of torch's schedules) and starts at module path `boundaries[c]`: the first
+    chunk at the first node (its entry is ""), the others at a repeated layer ("blocks.4"). A node
+    outside every repeated layer belongs to the chunk of the next layer after it, or to the last
+    chunk when none follows (the head and the loss). `microbatches` split the batch of one step;
+    `schedule` is one of PIPELINE_SCHEDULES ("interleaved" when virtual_stages > 1)."""
+    axis: str | None = None
+    stages: int = 1
+    virtual_stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    boundaries: tuple[str, ...] = ()
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual_stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +160,7 @@ class Plan:
     recompute: dict[str, str] = field(default_factory=dict)     # layer path -> RECOMPUTE_MODES
     residency: dict[str, str] = field(default_factory=dict)     # parameter FQN -> RESIDENCY_MODES
     offload: dict[str, str] = field(default_factory=dict)       # "<class>:<layer or FQN>" -> TIERS
+    pipeline: PipelinePlan = field(default_factory=PipelinePlan)
 
     # -- lookups -------------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:

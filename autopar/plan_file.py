@@ -25,8 +25,8 @@ from torch.distributed.tensor import Partial, Shard
 from .errors import PlanFileError
 from .expr import ExprError, compile_expr
 from .placement import from_str
-from .plan import (OFFLOAD_CLASSES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Collective,
-                   Estimate, NodePlan, Plan, Scaling, SolverInfo)
+from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
+                   TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
 
 __all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
 
@@ -90,7 +90,8 @@ class _Reader:
                     version=version, scaling=self.scaling(d.get("scaling")),
                     recompute=self.modes(d.get("recompute", {}), "recompute", RECOMPUTE_MODES),
                     residency=self.modes(d.get("residency", {}), "residency", RESIDENCY_MODES),
-                    offload=self.offload(d.get("offload", {})))
+                    offload=self.offload(d.get("offload", {})),
+                    pipeline=self.pipeline(d.get("pipeline", {})))
 
     def mesh(self, m: Any) -> dict:
         self.check_dict(m, "mesh")
@@ -207,6 +208,26 @@ class _Reader:
                 self.fail(f"offload.{k}", f"a key is '<class>:<layer or parameter>' with class one of "
                                           f"{', '.join(OFFLOAD_CLASSES)}")
         return out
+
+    def pipeline(self, d: Any) -> PipelinePlan:
+        f = "pipeline"
+        self.check_dict(d, f)
+        self.fields(d, f, PipelinePlan)
+        axis = d.get("axis")
+        if axis is not None:
+            self.choice(axis, f"{f}.axis", self.axis_names)
+        p = PipelinePlan(axis=axis, stages=self.integer(d.get("stages", 1), f"{f}.stages", least=1),
+                         virtual_stages=self.integer(d.get("virtual_stages", 1), f"{f}.virtual_stages", least=1),
+                         microbatches=self.integer(d.get("microbatches", 1), f"{f}.microbatches", least=1),
+                         schedule=self.choice(d.get("schedule", "1f1b"), f"{f}.schedule", PIPELINE_SCHEDULES),
+                         boundaries=tuple(self.string(b, f"{f}.boundaries[{i}]") for i, b in
+                                          enumerate(self.array(d.get("boundaries", []), f"{f}.boundaries"))))
+        if p.stages > 1 and axis is None:
+            self.fail(f"{f}.axis", f"{p.stages} stages need a mesh axis")
+        if p.stages > 1 and len(p.boundaries) != p.chunks:
+            self.fail(f"{f}.boundaries", f"{len(p.boundaries)} boundaries for {p.chunks} chunks "
+                                         f"(stages x virtual_stages)")
+        return p
 
     # -- values -------------------------------------------------------------------------
     def layout(self, v: Any, f: str) -> tuple[str, ...]:
