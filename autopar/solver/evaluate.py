@@ -7,6 +7,7 @@ alike for the layout family's parts (a problem priced at symbolic sizes, `autopa
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,10 +23,9 @@ class Evaluation:
     compute_s: float                  # forward + backward compute of every op
     comm_s: float                     # resharding, forward and the gradients' way back
     family_s: dict[str, float]        # seconds each family adds (recompute, re-gather, offload transfers)
-    peak_bytes: float                 # per device: the largest of the forward points and backward rows
+    peak_bytes: float                 # per device: the largest of the points and the state after the backward
     state_bytes: float                # parameters, gradients and optimizer state kept on the device
-    points: tuple                     # bytes at each liveness point (forward)
-    backward: dict[str, float] = field(default_factory=dict)      # bytes of each backward row
+    points: tuple                     # bytes at each liveness point (forward and backward)
     tiers: dict[str, float] = field(default_factory=dict)         # bytes held in "host" and "disk"
     freed_bytes: dict[str, float] = field(default_factory=dict)   # family -> bytes it frees at the peak point
     grad_sync_s: float = 0.0          # the part of comm_s that synchronises parameter gradients
@@ -56,12 +56,9 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if on.get(c.gate[0]) == c.gate[1]:
             fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
-    freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if any(on.get(g) == i for g, i in f.gates)]
+    freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
     positions = problem.live.positions
     points = [pt - ssum(b for f, b in freed if f.after < t <= f.until) for pt, t in zip(points, positions)]
-    end = points[-1] if points else state
-    backward = {key: end + ssum(b for f, b in freed if f.back == key and any(on.get(g) == i for g, i in f.returns))
-                for key in fam.backs}
     tiers: dict[str, float] = {}
     for h in fam.held:
         if on.get(h.gate[0]) == h.gate[1]:
@@ -70,7 +67,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.scaling`): no one peak
         peak, at = None, -1
     else:
-        peak = smax(state_dev, *points, *backward.values())
+        peak = smax(state_dev, *points)
         at = max(range(len(points)), key=lambda i: points[i]) if points else -1
     by_family: dict[str, float] = {}
     for f, b in freed:
@@ -80,7 +77,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
-                      tuple(points), backward, tiers, by_family, grad_sync_total(problem, choice),
+                      tuple(points), tiers, by_family, grad_sync_total(problem, choice),
                       optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
                       nodes)
 
@@ -136,20 +133,41 @@ def picked_edges(p: Problem, choice: Mapping[str, int]):
 
 
 def memory_points(p: Problem, choice: Mapping[str, int]):
-    """(training state bytes, total bytes at each liveness point of the forward) under a layout
-    choice, before any family frees anything. The forward has no gradients yet (the optimizer's
-    zero_grad sets them to None): its points count the state less them; the state in full is the
-    memory after the backward."""
-    picked = [(e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)]
+    """(training state bytes, total bytes at each liveness point of the step) under a layout
+    choice, before any family frees anything (`cost_model.memory`: forward and backward points).
+    No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
+    forward's points count the state less them, a backward point the parameter gradients made so
+    far and the activation gradients in flight; the state in full is the memory after the backward."""
+    live = p.live
+    picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
+                    key=lambda x: x[0])
     state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
-    fwd_state = state - ssum(d.grad_bytes[choice[d.leader]] for d in p.decisions.values() if d.grad_bytes)
+    grads = sorted(((p.grad_since(n), d.grad_bytes[choice[d.leader]]) for n, d in p.decisions.items()
+                    if d.grad_bytes), key=lambda x: x[0])
+    fwd_state = state - ssum(b for _, b in grads)
+    copies, copy_at = _prefix([b for _, b, _ in picked]), [pos for pos, _, _ in picked]
+    made, made_at = _prefix([b for _, b in grads]), [since for since, _ in grads]
+    temps: dict = {}
+    for pos, _, t in picked:
+        temps[pos] = temps.get(pos, 0.0) + t
     points = []
-    for live, where in zip(p.live.points, p.live.positions):
-        acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
-        copies = ssum(b for pos, b, _ in picked if pos <= where)
-        temps = ssum(t for pos, _, t in picked if pos == where)
-        points.append(fwd_state + acts + copies + temps)
+    for owners, flight, where in zip(live.points, live.grads or [()] * len(live.points), live.positions):
+        acts = ssum(act_bytes(p, n, choice) for n in (*owners, *flight))
+        total = fwd_state + acts + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
+        points.append(total + made[bisect_right(made_at, where)] if where > live.last else total)
     return state, points
+
+
+def _prefix(values) -> list:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def act_bytes(p: Problem, name: str, choice: Mapping[str, int]):
+    d = p.decisions[name]
+    return d.act_bytes[choice[d.leader]]
 
 
 def effective_options(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int]) -> dict[str, int]:
