@@ -52,7 +52,8 @@ def before_backward(problem: Problem, groups: LayerGroups, layer: str) -> int:
     """The last timeline point before `layer`'s backward starts (its last op's backward): what the
     layer frees until then exists again for its backward (recomputed, or fetched back)."""
     live = problem.live
-    return live.backward_of(max(live.op_pos[n] for n in groups.nodes[layer] if n in live.op_pos)) - 1
+    ops = [live.op_pos[n] for n in groups.nodes[layer] if n in live.op_pos]
+    return live.backward_of(max(ops)) - 1 if ops else live.last      # no op: the layer frees nothing
 
 
 def saved_only_in(problem: Problem) -> dict[str, list[str]]:
