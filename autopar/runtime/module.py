@@ -149,6 +149,11 @@ class DistributedModule(torch.nn.Module):
         (disk tier, its files), `.notes` (decisions that could not act, and why)."""
         return self._memory
 
+    @property
+    def optimizer_offload(self) -> dict[str, str]:
+        """The plan's "optimizer:..." offload decisions for the parameters this rank holds."""
+        return self.plan.offload
+
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
         """`cls(**kwargs)` over this module's parameters, honouring the plan: optimizer state and fp32
         master weights in the tier `plan.offload["optimizer:<layer or parameter>"]` says (see

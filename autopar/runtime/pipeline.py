@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..compat import pytree
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
+from ..passes.layers import layer_key
 from ..passes.rewrite import rewrite
 from ..passes.stages import Chunk, chunk_of, cut, microbatch
 from ..placement import local_shape, parse_layout
@@ -113,7 +114,8 @@ class _ChunkModule(torch.nn.Module):
             out = self.program(*values)
         if self.last:
             return pytree.tree_leaves(out)[0]
-        return tuple(_ToLocal.apply(v, grad_layout(v.placements)) for v in out)
+        # a copy, not a view of the shard: the schedules free a sent output's graph by detaching it in place
+        return tuple(_ToLocal.apply(v, grad_layout(v.placements)).clone() for v in out)
 
 
 class PipelinedModule(torch.nn.Module):
@@ -250,7 +252,17 @@ class PipelinedModule(torch.nn.Module):
     def manual_seed(self, seed: int) -> None:
         self._rng.fixed, self._rng.seed = int(seed), None
 
+    @property
+    def optimizer_offload(self) -> dict[str, str]:
+        """The plan's "optimizer:..." offload decisions for the parameters this rank holds."""
+        held = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        layers = {layer_key(n) for n in held} - {None}
+        return {k: v for k, v in self.plan.offload.items()
+                if not k.startswith("optimizer:") or k.split(":", 1)[1] in held | layers}
+
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
+        """`cls(**kwargs)` over this rank's parameters, honouring the plan's optimizer offload
+        (`runtime/optimizer.py`)."""
         return PlannedOptimizer(self, cls, **kwargs)
 
     def forward(self, *args, **kwargs):
