@@ -73,6 +73,8 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
 
     Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree); `options` are
     `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
+    A pipelined plan (`pipeline=` given, or `plan.pipeline.stages > 1`) returns a
+    `runtime.pipeline.PipelinedModule`: each call runs one training step through the schedule.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
         module; default: the system's temporary directory).
     collective_timeout: seconds a collective waits for a peer; a dead or hung rank is then a

@@ -168,7 +168,8 @@ def _train_pipelined(rank, world_size, cases):
         worst["sharded"] = sum(1 for lay in dmodel.plan.placements.values() if any(p != "R" for p in lay))
         worst["seconds"] = (t_build, time.perf_counter() - t0 - t_build)
         worst["plan"] = (dmodel.plan.recompute, dmodel.plan.offload)
-        worst["state_dict"] = sorted(dmodel.state_dict()) == sorted(dict(dmodel.named_parameters(remove_duplicate=False)))
+        every_name = dict(dmodel.named_parameters(remove_duplicate=False))        # the tied head's name too
+        worst["state_dict"] = sorted(dmodel.state_dict()) == sorted(every_name)
         results[_name(schedule, virtual, options)] = worst
     return results
 

@@ -81,12 +81,10 @@ class DistributedModule(torch.nn.Module):
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
         # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
         self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
-        whole = tuple(Replicate() for _ in device_mesh.shape)
         for fqn, param in shard_parameters(model, cap, plan, device_mesh).items():
             _set_path(self, fqn, param, "param")
         for fqn, buf in model.named_buffers():
             _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
-        self._whole = whole
         self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
@@ -132,7 +130,6 @@ class DistributedModule(torch.nn.Module):
         self._rng.fixed, self._rng.seed = int(seed), None
 
     def forward(self, *args, **kwargs):
-        mesh = self._autopar["mesh"]
         self._rng.next_call()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)

@@ -32,6 +32,7 @@ pipeline axis's process group and driven by torch's schedule:
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from .ops import _ToLocal
 from .optimizer import PlannedOptimizer
 from .regions import node_layers
 from .reshard import grad_layout, to_layout
+from .respecialize import input_shapes, input_shapes_of
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb": ScheduleInterleavedZeroBubble}
@@ -133,6 +135,8 @@ class PipelinedModule(torch.nn.Module):
         self._rng = rng.RngState.agreed()
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+        self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
+        self._planned_shapes = input_shapes_of(cap)
         graph = rewrite(cap, plan, device_mesh)
         chunks = cut(graph, chunk_of(graph.graph, pipe), pipe.chunks)
         mine = [c for c in chunks if c.index % pipe.stages == self._pp_rank]
@@ -270,6 +274,11 @@ class PipelinedModule(torch.nn.Module):
         m = pipe.microbatches
         self._rng.next_call()
         self._micro = [flatten_inputs(*microbatch(args, kwargs, m, i)) for i in range(m)]
+        shapes = input_shapes(self._autopar["cap"], self._micro[0], self._n_batch)
+        if shapes != self._planned_shapes:
+            raise AutoparError(f"a pipelined plan runs at the input sizes it was planned for: microbatches of "
+                               f"{self._planned_shapes}, not {shapes}; re-plan for these sizes (pipelined plans "
+                               f"are not re-specialised to other sizes)")
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         ids = torch.arange(m, device=_device(self._autopar["mesh"]))
