@@ -110,7 +110,8 @@ def test_invalid_pipeline_is_an_error_naming_the_key(spec, key):
 # -- running on 8 CPU ranks ------------------------------------------------------------------------
 SCHEDULES = (("gpipe", 1, {}), ("1f1b", 1, {}), ("interleaved", 2, {}))
 # zero bubble (ZB-1P), and memory decisions run per stage: every layer recomputed, parameters gathered again
-OTHERS = (("zb", 2, {}), ("1f1b", 1, {"recompute": "full", "residency": "regather"}))
+# (zb runs a plan saved as JSON on rank 0 and applied on every rank: plans are data)
+OTHERS = (("zb", 2, {"saved": True}), ("1f1b", 1, {"recompute": "full", "residency": "regather"}))
 STEPS = 3
 
 
@@ -129,12 +130,20 @@ def _train_pipelined(rank, world_size, cases):
         t0 = time.perf_counter()
         model, inputs = _gpt()
         ref = copy.deepcopy(model)
-        dmodel = autopar.autoparallelize(model, mesh, inputs, symbolic=False, cache_dir=cache,
-                                         **{**LAYOUTS_ONLY, **options}, pipeline=dict(
-                                             axis="pp", stages=2, microbatches=4, schedule=schedule,
-                                             virtual_stages=virtual))
+        options = dict(options)
+        saved = options.pop("saved", False)
+        kwargs = dict(symbolic=False, cache_dir=cache, **{**LAYOUTS_ONLY, **options}, pipeline=dict(
+            axis="pp", stages=2, microbatches=4, schedule=schedule, virtual_stages=virtual))
+        if saved:
+            import torch.distributed as dist
+            text = [autopar.plan(model, inputs, mesh, **kwargs).to_json() if rank == 0 else None]
+            dist.broadcast_object_list(text, src=0)
+            dmodel = autopar.autoparallelize(model, mesh, inputs, plan=autopar.Plan.from_json(text[0]))
+        else:
+            dmodel = autopar.autoparallelize(model, mesh, inputs, **kwargs)
         t_build = time.perf_counter() - t0
-        opt = dmodel.optimizer(torch.optim.AdamW, lr=LR) if options else torch.optim.AdamW(dmodel.parameters(), lr=LR)
+        opt = (dmodel.optimizer(torch.optim.AdamW, lr=LR) if options
+               else torch.optim.AdamW(dmodel.parameters(), lr=LR))
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         mine = dict(dmodel.named_parameters())
