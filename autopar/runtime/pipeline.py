@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,9 @@ from ..passes.capture import Captured, flatten_inputs
 from ..passes.layers import layer_key
 from ..passes.rewrite import rewrite
 from ..passes.stages import Chunk, chunk_of, cut, microbatch
+from ..passes.shape_prop import tensor_meta
 from ..placement import local_shape, parse_layout
 from ..plan import Plan
-from ..passes.shape_prop import tensor_meta
 from . import rng
 from .memory import MemoryRuntime, apply_memory_plan
 from .module import _device, _set_path, _storage, input_value, shard_parameters
@@ -186,13 +187,10 @@ class PipelinedModule(torch.nn.Module):
         rng.attach(program, self._rng)
         layers = set(node_layers(program).values()) - {None}
         params = {p: param_of[p] for p in chunk.placeholders if p in param_of}
-        own = Plan.__new__(Plan)
-        for f in Plan.__dataclass_fields__:
-            setattr(own, f, getattr(plan, f))
-        own.recompute = {k: v for k, v in plan.recompute.items() if k in layers}
-        own.offload = {k: v for k, v in plan.offload.items()
-                       if not k.startswith("activations:") or k.split(":", 1)[1] in layers}
-        own.residency = {k: v for k, v in plan.residency.items() if k in params.values()}
+        own = replace(plan, recompute={k: v for k, v in plan.recompute.items() if k in layers},
+                      offload={k: v for k, v in plan.offload.items()
+                               if not k.startswith("activations:") or k.split(":", 1)[1] in layers},
+                      residency={k: v for k, v in plan.residency.items() if k in params.values()})
         program = apply_memory_plan(program, own, params, self._memory)
         by_name = {n.name: n for n in graph.graph.nodes}
         layouts = [self._layout_of(by_name[r]) for r in chunk.received]
