@@ -88,6 +88,11 @@ def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     if spec["microbatches"] < size and schedule in ("1f1b", "interleaved", "zb"):
         raise PlanOptionError(f"pipeline.microbatches = {spec['microbatches']} is fewer than the {size} stages: "
                               f"schedule {schedule!r} needs at least one microbatch per stage")
+    rounds = max(1, spec["microbatches"] // size)
+    if schedule in ("interleaved", "zb") and spec["microbatches"] % rounds:
+        raise PlanOptionError(f"pipeline.microbatches = {spec['microbatches']}: schedule {schedule!r} runs rounds of "
+                              f"{size} microbatches (one per stage), so give a multiple of {size} (or fewer than "
+                              f"{2 * size})")
     return PipelinePlan(axis, size, virtual, spec["microbatches"], schedule)
 
 

@@ -98,6 +98,7 @@ def test_plan_fixed_pipeline_layouts_replicate_the_pipeline_axis():
     (dict(axis="pp", stages=2, microbatches=4, schedule="gpipe", virtual_stages=2), "pipeline.virtual_stages"),
     (dict(axis="pp", stages=2, microbatches=4, schedule="interleaved", virtual_stages=4), "pipeline.stages"),
     (dict(axis="pp", stages=2, microbatches=4, schedule="xx"), "pipeline.schedule"),
+    (dict(axis="pp", stages=2, microbatches=5, schedule="interleaved", virtual_stages=2), "microbatches = 5: sch"),
     (dict(axis="pp", stages=2, microbatchs=4, schedule="1f1b"), "microbatchs"),
 ])
 def test_invalid_pipeline_is_an_error_naming_the_key(spec, key):
