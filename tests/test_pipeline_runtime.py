@@ -111,8 +111,10 @@ def test_invalid_pipeline_is_an_error_naming_the_key(spec, key):
 # -- running on 8 CPU ranks ------------------------------------------------------------------------
 SCHEDULES = (("gpipe", 1, {}), ("1f1b", 1, {}), ("interleaved", 2, {}))
 # zero bubble (ZB-1P), and memory decisions run per stage: every layer recomputed, parameters gathered again
-# (zb runs a plan saved as JSON on rank 0 and applied on every rank: plans are data)
-OTHERS = (("zb", 2, {"saved": True}), ("1f1b", 1, {"recompute": "full", "residency": "regather"}))
+# (zb runs a plan saved as JSON on rank 0 and applied on every rank, with each rank given its dp slice
+# of the batch as a DistributedSampler would)
+OTHERS = (("zb", 2, {"saved": True, "batch_axes": ("dp",)}),
+          ("1f1b", 1, {"recompute": "full", "residency": "regather"}))
 STEPS = 3
 
 
@@ -127,7 +129,8 @@ def _train_pipelined(rank, world_size, cases):
     mesh = autopar.Mesh((2, 2, 2), axis_names=("pp", "dp", "tp"), device=shard_happy_profile())
     cache = tempfile.mkdtemp(prefix="autopar_pp_cache_")   # one stage plan serves every schedule
     results = {}
-    for schedule, virtual, options in cases:
+    for case in cases:
+        schedule, virtual, options = case
         t0 = time.perf_counter()
         model, inputs = _gpt()
         ref = copy.deepcopy(model)
@@ -135,6 +138,7 @@ def _train_pipelined(rank, world_size, cases):
         saved = options.pop("saved", False)
         kwargs = dict(symbolic=False, cache_dir=cache, **{**LAYOUTS_ONLY, **options}, pipeline=dict(
             axis="pp", stages=2, microbatches=4, schedule=schedule, virtual_stages=virtual))
+        local = mesh.local_batch(inputs, options["batch_axes"]) if "batch_axes" in options else inputs
         if saved:
             import torch.distributed as dist
             text = [autopar.plan(model, inputs, mesh, **kwargs).to_json() if rank == 0 else None]
@@ -150,7 +154,7 @@ def _train_pipelined(rank, world_size, cases):
         mine = dict(dmodel.named_parameters())
         well_posed: dict[str, torch.Tensor] = {}
         for step in range(STEPS):
-            loss = dmodel(*inputs)
+            loss = dmodel(*local)
             loss.backward()
             ref_loss = ref(*inputs)
             ref_loss.backward()
@@ -173,14 +177,14 @@ def _train_pipelined(rank, world_size, cases):
                 worst["param"] = max(worst["param"], d)
                 worst.setdefault("per_param", {})[k] = d
         with torch.no_grad():
-            worst["no_grad"] = rel(dmodel(*inputs), ref(*inputs))
+            worst["no_grad"] = rel(dmodel(*local), ref(*inputs))
         worst["held"] = sorted(mine)
         worst["sharded"] = sum(1 for lay in dmodel.plan.placements.values() if any(p != "R" for p in lay))
         worst["seconds"] = (t_build, time.perf_counter() - t0 - t_build)
         worst["plan"] = (dmodel.plan.recompute, dmodel.plan.offload)
         every_name = dict(dmodel.named_parameters(remove_duplicate=False))        # the tied head's name too
         worst["state_dict"] = sorted(dmodel.state_dict()) == sorted(every_name)
-        results[_name(schedule, virtual, options)] = worst
+        results[_name(*case)] = worst
     return results
 
 
