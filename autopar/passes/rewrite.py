@@ -92,5 +92,5 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None)
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
-        env[node].meta = dict(node.meta)
+        env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")

@@ -48,31 +48,43 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
         mod.register_buffer(leaf, value)
 
 
+def shard_parameters(model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, keep=None,
+                     distribute=None) -> dict[str, torch.nn.Parameter]:
+    """Every parameter FQN (aliases too: tied parameters stay one Parameter) -> a Parameter holding
+    a copy of this rank's shard in its planned layout; `keep(canonical FQN)` says which to make
+    (default: all), `distribute(tensor, layout)` how (default: `distribute_tensor` over the mesh)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    made: dict[str, torch.nn.Parameter] = {}
+    out = {}
+    for fqn, canon in cap.param_names.items():
+        if keep is not None and not keep(canon):
+            continue
+        if canon not in made:
+            src = params[canon]
+            if src.is_meta:
+                raise AutoparError(
+                    f"parameter {canon!r} is on the meta device: planning works on meta, but running needs "
+                    f"values; materialise the model (e.g. model.to_empty(device='cpu') and initialise it, or "
+                    f"load a checkpoint) before autoparallelize")
+            layout = parse_layout(plan.placements.get(canon, tuple("R" for _ in device_mesh.shape)))
+            # a copy: a replicated shard must not alias the user's parameter, which the optimizer would write
+            local = src.detach().to(_device(device_mesh), copy=True)
+            dt = (distribute or (lambda t, lay: distribute_tensor(t, device_mesh, lay)))(local, layout)
+            made[canon] = torch.nn.Parameter(dt, requires_grad=src.requires_grad)
+        out[fqn] = made[canon]
+    return out
+
+
 class DistributedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
         super().__init__()
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
         # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
         self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
-        whole = tuple(Replicate() for _ in device_mesh.shape)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        made: dict[str, torch.nn.Parameter] = {}
-        for fqn, canon in cap.param_names.items():
-            if canon not in made:
-                src = params[canon]
-                if src.is_meta:
-                    raise AutoparError(
-                        f"parameter {canon!r} is on the meta device: planning works on meta, but running needs "
-                        f"values; materialise the model (e.g. model.to_empty(device='cpu') and initialise it, or "
-                        f"load a checkpoint) before autoparallelize")
-                layout = parse_layout(plan.placements.get(canon, tuple("R" for _ in device_mesh.shape)))
-                # a copy: a replicated shard must not alias the user's parameter, which the optimizer would write
-                dt = distribute_tensor(src.detach().to(_device(device_mesh), copy=True), device_mesh, layout)
-                made[canon] = torch.nn.Parameter(dt, requires_grad=src.requires_grad)
-            _set_path(self, fqn, made[canon], "param")
+        for fqn, param in shard_parameters(model, cap, plan, device_mesh).items():
+            _set_path(self, fqn, param, "param")
         for fqn, buf in model.named_buffers():
             _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
-        self._whole = whole
         self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
@@ -118,25 +130,10 @@ class DistributedModule(torch.nn.Module):
         self._rng.fixed, self._rng.seed = int(seed), None
 
     def forward(self, *args, **kwargs):
-        mesh = self._autopar["mesh"]
         self._rng.next_call()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
-        values = []
-        for name, slot in cap.inputs.items():
-            if slot.kind == "param":
-                values.append(self.get_parameter(slot.target))
-            elif slot.kind == "buffer":
-                values.append(DTensor.from_local(self.get_buffer(slot.target), mesh, self._whole, run_check=False))
-            elif slot.kind == "constant":
-                const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
-                values.append(DTensor.from_local(const.to(_device(mesh)), mesh, self._whole, run_check=False))
-            else:
-                x = leaves[slot.target]
-                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-                    layout = self._input_layout if x.ndim else self._whole
-                    x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
-                values.append(x)
+        values = [input_value(self, cap, slot, leaves, self._input_layout) for slot in cap.inputs.values()]
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
@@ -149,11 +146,34 @@ class DistributedModule(torch.nn.Module):
         (disk tier, its files), `.notes` (decisions that could not act, and why)."""
         return self._memory
 
+    @property
+    def optimizer_offload(self) -> dict[str, str]:
+        """The plan's "optimizer:..." offload decisions for the parameters this rank holds."""
+        return self.plan.offload
+
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
         """`cls(**kwargs)` over this module's parameters, honouring the plan: optimizer state and fp32
         master weights in the tier `plan.offload["optimizer:<layer or parameter>"]` says (see
         runtime/optimizer.py)."""
         return PlannedOptimizer(self, cls, **kwargs)
+
+
+def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layout):
+    """What feeds one placeholder of the rank graph: the module's parameter or buffer (whole), a
+    lifted constant (whole), or user input `leaves[i]` in `input_layout` (whole if 0-dim)."""
+    mesh = module._autopar["mesh"]
+    whole = tuple(Replicate() for _ in mesh.shape)
+    if slot.kind == "param":
+        return module.get_parameter(slot.target)
+    if slot.kind == "buffer":
+        return DTensor.from_local(module.get_buffer(slot.target), mesh, whole, run_check=False)
+    if slot.kind == "constant":
+        const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+        return DTensor.from_local(const.to(_device(mesh)), mesh, whole, run_check=False)
+    x = leaves[slot.target]
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        x = DTensor.from_local(x.to(_device(mesh)), mesh, input_layout if x.ndim else whole, run_check=False)
+    return x
 
 
 def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):

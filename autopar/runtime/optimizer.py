@@ -63,11 +63,12 @@ class PlannedOptimizer:
         for fqn, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(fqn)
             params[id(p)] = p
-        _check_keys(module.plan.offload, [n for ns in names.values() for n in ns])
+        offload = module.optimizer_offload
+        _check_keys(offload, [n for ns in names.values() for n in ns])
         direct: list[torch.nn.Parameter] = []
         self._masters: dict[str, list[_Master]] = {}
         for key, p in params.items():
-            tier = optimizer_tier(module.plan.offload, names[key])
+            tier = optimizer_tier(offload, names[key])
             if tier == "device" and p.dtype not in _LOW_PRECISION:
                 direct.append(p)
             else:
