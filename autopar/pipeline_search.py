@@ -1,0 +1,128 @@
+"""The planner choosing a pipeline: `search_pipeline` runs the stage family's search
+(`solver/decisions/stages.py`) with the planner's own capture, problem and ILP per candidate, and
+makes the winner a Plan priced by the one evaluator.
+
+Each (pipeline axis, microbatch count) is one capture of one microbatch and one ILP on the mesh
+without the pipeline axis; the ILP sees the whole model on one device, so its memory budget is the
+budget times the stage count (a rank holds about 1/stages of the parameters); the evaluator then
+checks every rank's memory against the real budget.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from .compat import pytree
+from .estimate import _stage_mesh
+from .errors import InfeasibleError, PlanOptionError
+from .mesh import Mesh
+from .passes.capture import capture
+from .passes.layers import layer_key
+from .passes.shape_prop import annotate
+from .plan import Plan, SolverInfo, Timings
+from .planner import PlanOptions, assemble, planning_problem
+from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks
+from .solver.evaluate import Staging
+from .solver.ilp import solve
+
+log = logging.getLogger("autopar")
+
+
+def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
+                    fixed: Mapping) -> Plan:
+    """The fastest plan, pipelined or not, whose every pipeline rank fits the budget; `fixed`: the
+    pipeline keys the user gave (the rest are chosen)."""
+    t0 = time.perf_counter()
+    unknown = sorted(set(fixed) - set(PIPELINE_KEYS))
+    if unknown:
+        raise PlanOptionError(f"pipeline: unknown key(s) {unknown}; the keys are {', '.join(PIPELINE_KEYS)}")
+    if "axis" in fixed and fixed["axis"] is not None and fixed["axis"] not in mesh.axis_names:
+        raise PlanOptionError(f"pipeline.axis = {fixed['axis']!r} is not an axis of the mesh {mesh.axis_names}")
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
+    batch = _batch(args, kwargs)
+    cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)
+    if not cands:
+        raise PlanOptionError(f"pipeline={dict(fixed)}: no pipeline of this mesh {mesh.axis_names} {mesh.shape}, "
+                              f"batch {batch} and {n_layers} layers has these settings")
+    captured: dict[int, tuple] = {}
+    stage_opts = replace(opts, symbolic=False)
+
+    def solve_at(axis, m):
+        if m not in captured:
+            cap = capture(model, *_microbatch(args, kwargs, m))
+            captured[m] = (cap, annotate(cap.gm))
+        cap, infos = captured[m]
+        sub = _stage_mesh(mesh, axis)
+        stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
+        problem = planning_problem(cap, infos, sub, _without_axis(stage_opts, mesh, axis))
+        try:
+            result = solve(problem, budget * stages, opts.time_limit)
+        except InfeasibleError as e:
+            log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
+            return None
+        return problem, result.choice, result.options
+
+    best, least = choose_pipeline(mesh, cands, solve_at, budget)
+    if best is None:
+        raise InfeasibleError(f"no pipeline of {len(cands)} candidates fits the budget of {budget / 2**30:.2f} GiB "
+                              f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
+    c = best.candidate
+    cap = captured[c.microbatches][0]
+    sub = _stage_mesh(mesh, c.axis)
+    staging = Staging(best.pipeline, node_chunks(best.problem, best.pipeline.boundaries or ("",)),
+                      mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
+    plan = assemble(cap, best.problem, best.choice, sub, _without_axis(stage_opts, mesh, c.axis), best.options,
+                    staging if c.stages > 1 else None)
+    if c.axis is not None:
+        plan = lift(plan, mesh, mesh.axis_index(c.axis))
+    plan = replace(plan, options={**opts.to_dict(), "pipeline": dict(sorted(fixed.items()))},
+                   pipeline=best.pipeline)
+    plan.solver = SolverInfo("search", f"{len(cands)} pipeline candidates", 0, 0, plan.estimate.step_time_s,
+                             len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
+    plan.timings = Timings(0.0, time.perf_counter() - t0)
+    return plan
+
+
+def _batch(args, kwargs) -> int:
+    leaves = pytree.tree_leaves((args, kwargs or {}))
+    return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.ndim >= 1), 1)
+
+
+def _microbatch(args, kwargs, m: int):
+    """The first of m microbatches of every tensor whose dim 0 is the batch."""
+    batch = _batch(args, kwargs)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    cut = [t[: batch // m] if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == batch else t
+           for t in leaves]
+    return pytree.tree_unflatten(cut, spec)
+
+
+def _without_axis(opts: PlanOptions, mesh: Mesh, axis: str | None) -> PlanOptions:
+    """Options for the mesh without the pipeline axis: pins lose their placement on it."""
+    if axis is None or not opts.pins:
+        return opts
+    k = mesh.axis_index(axis)
+    return replace(opts, pins={n: tuple(p for i, p in enumerate(lay) if i != k) or ("R",)
+                               for n, lay in opts.pins.items()})
+
+
+def lift(stage: Plan, mesh: Mesh, k: int) -> Plan:
+    """A plan on the mesh without axis k as a plan on `mesh`: "R" on axis k everywhere."""
+    alone = mesh.ndim == 1
+
+    def lay(layout):
+        rest = () if alone else tuple(layout)
+        return rest[:k] + ("R",) + rest[k:]
+    nodes = [replace(n, inputs=tuple(lay(i) for i in n.inputs), output=lay(n.output) if n.output else n.output,
+                     labels=lay(n.labels) if n.labels else n.labels) for n in stage.nodes]
+    per_axis = {a: stage.estimate.comm_bytes_per_axis.get(a, 0.0) for a in mesh.axis_names}
+    return replace(stage, mesh=mesh.to_dict(), nodes=nodes, placements={f: lay(p) for f, p in stage.placements.items()},
+                   estimate=replace(stage.estimate, comm_bytes_per_axis=per_axis))
+
+
+__all__ = ["search_pipeline"]
