@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import AutoparError, PlanFileError, PlanMismatchError
+from .errors import AutoparError, InfeasibleError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
+from .pipeline_search import search_pipeline
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
 
@@ -25,7 +26,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
          time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
          symbolic: bool = True, recompute: str = "auto", residency: str = "auto", offload: str = "auto",
-         precision: str = "auto") -> Plan:
+         precision: str = "auto", pipeline: Mapping | bool | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -47,6 +48,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
+    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). A dict fixes the keys it gives
+        (axis, stages, virtual_stages, microbatches, schedule) and the planner chooses the rest, with
+        "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything);
+        False: no pipeline; None (default): no pipeline when a plan without one fits the memory
+        budget, else as `pipeline={}` (a search solves one ILP per pipeline axis and microbatch count).
     """
     show = sys.stderr.isatty() if progress is None else progress
     with PhaseProgress() if show else contextlib.nullcontext() as phases:
@@ -54,7 +60,18 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
                            sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
                            precision=precision)
-        return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
+        args = _as_tuple(example_inputs)
+        if isinstance(pipeline, Mapping):
+            return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)
+        if pipeline is not None and pipeline is not False:
+            raise PlanOptionError(f"pipeline={pipeline!r}: give None, False or a dict such as dict(axis='pp')")
+        try:
+            return make_plan(model, args, example_kwargs, mesh, opts)
+        except InfeasibleError:
+            if pipeline is False or not any(n > 1 and a not in (batch_axes or ())
+                                            for a, n in zip(mesh.axis_names, mesh.shape)):
+                raise
+            return search_pipeline(model, args, example_kwargs, mesh, opts, {})
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,

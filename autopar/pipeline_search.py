@@ -80,8 +80,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                     staging if c.stages > 1 else None)
     if c.axis is not None:
         plan = lift(plan, mesh, mesh.axis_index(c.axis))
-    plan = replace(plan, options={**opts.to_dict(), "pipeline": dict(sorted(fixed.items()))},
-                   pipeline=best.pipeline)
+    plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
     plan.solver = SolverInfo("search", f"{len(cands)} pipeline candidates", 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
