@@ -12,6 +12,8 @@ from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
+from .passes.stages import microbatch
+from .pipelining import make_pipelined_plan, pipeline_of, plan_with_pipeline
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
 
@@ -25,7 +27,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
          time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
          symbolic: bool = True, recompute: str = "auto", residency: str = "auto", offload: str = "auto",
-         precision: str = "auto") -> Plan:
+         precision: str = "auto", pipeline: Mapping | bool | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -47,13 +49,20 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
+    pipeline: None or False (no pipeline), or dict(axis=, stages=, microbatches=, schedule=,
+        virtual_stages=1): pipeline stages along mesh axis `axis` (`stages` = its size), the batch split
+        into `microbatches`, run by `schedule` ("gpipe", "1f1b", "interleaved" with virtual_stages > 1,
+        "zb"); the layers are cut evenly (`plan.pipeline`).
     """
     show = sys.stderr.isatty() if progress is None else progress
     with PhaseProgress() if show else contextlib.nullcontext() as phases:
         opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
                            sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
-                           precision=precision)
+                           precision=precision, pipeline=pipeline)
+        pipe = pipeline_of(opts, mesh)
+        if pipe is not None:
+            return make_pipelined_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts, pipe)
         return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
 
 
@@ -77,13 +86,22 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
     if collective_timeout is not None:
         from .runtime.faults import watch_mesh
         watch_mesh(device_mesh, collective_timeout)
-    cap = capture(model, _as_tuple(example_inputs), example_kwargs)
-    if plan is None:
-        plan_opts = PlanOptions(**options)
-        source = (model, _as_tuple(example_inputs), example_kwargs)     # for the plan's symbolic costs
+    args, kwargs = _as_tuple(example_inputs), example_kwargs
+    plan_opts = PlanOptions(**options) if plan is None else None
+    pipe = pipeline_of(plan_opts, mesh) if plan is None else (plan.pipeline if plan.pipeline.stages > 1 else None)
+    if pipe is not None:     # a pipelined plan runs, and is planned, on one microbatch
+        args, kwargs = microbatch(args, kwargs, pipe.microbatches)
+    cap = capture(model, args, kwargs)
+    source = (model, args, kwargs)     # for the plan's symbolic costs
+    if plan is None and pipe is not None:
+        plan = planned_on_rank0(lambda: plan_with_pipeline(cap, mesh, plan_opts, pipe, source))
+    elif plan is None:
         plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
     else:
         check_plan(plan, cap, mesh)
+    if pipe is not None:
+        from .runtime.pipeline import PipelinedModule
+        return PipelinedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
 
 
