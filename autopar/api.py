@@ -7,12 +7,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import AutoparError, InfeasibleError, PlanFileError, PlanMismatchError, PlanOptionError
+from .errors import AutoparError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
 from .pipeline_search import search_pipeline
+from .passes.stages import microbatch
+from .pipelining import make_pipelined_plan, pipeline_of, plan_with_pipeline
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
 
@@ -50,28 +52,21 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
     pipeline: pipeline stages over one mesh axis (`plan.pipeline`). A dict fixes the keys it gives
         (axis, stages, virtual_stages, microbatches, schedule) and the planner chooses the rest, with
-        "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything);
-        False: no pipeline; None (default): no pipeline when a plan without one fits the memory
-        budget, else as `pipeline={}` (a search solves one ILP per pipeline axis and microbatch count).
+        "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything; the
+        search solves one ILP per pipeline axis and microbatch count); None or False: no pipeline.
     """
     show = sys.stderr.isatty() if progress is None else progress
     with PhaseProgress() if show else contextlib.nullcontext() as phases:
         opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
                            sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
-                           precision=precision)
+                           precision=precision, pipeline=pipeline)
         args = _as_tuple(example_inputs)
         if isinstance(pipeline, Mapping):
             return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)
         if pipeline is not None and pipeline is not False:
             raise PlanOptionError(f"pipeline={pipeline!r}: give None, False or a dict such as dict(axis='pp')")
-        try:
-            return make_plan(model, args, example_kwargs, mesh, opts)
-        except InfeasibleError:
-            if pipeline is False or not any(n > 1 and a not in (batch_axes or ())
-                                            for a, n in zip(mesh.axis_names, mesh.shape)):
-                raise
-            return search_pipeline(model, args, example_kwargs, mesh, opts, {})
+        return make_plan(model, args, example_kwargs, mesh, opts)
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
@@ -94,13 +89,22 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
     if collective_timeout is not None:
         from .runtime.faults import watch_mesh
         watch_mesh(device_mesh, collective_timeout)
-    cap = capture(model, _as_tuple(example_inputs), example_kwargs)
-    if plan is None:
-        plan_opts = PlanOptions(**options)
-        source = (model, _as_tuple(example_inputs), example_kwargs)     # for the plan's symbolic costs
+    args, kwargs = _as_tuple(example_inputs), example_kwargs
+    plan_opts = PlanOptions(**options) if plan is None else None
+    pipe = pipeline_of(plan_opts, mesh) if plan is None else (plan.pipeline if plan.pipeline.stages > 1 else None)
+    if pipe is not None:     # a pipelined plan runs, and is planned, on one microbatch
+        args, kwargs = microbatch(args, kwargs, pipe.microbatches)
+    cap = capture(model, args, kwargs)
+    source = (model, args, kwargs)     # for the plan's symbolic costs
+    if plan is None and pipe is not None:
+        plan = planned_on_rank0(lambda: plan_with_pipeline(cap, mesh, plan_opts, pipe, source))
+    elif plan is None:
         plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
     else:
         check_plan(plan, cap, mesh)
+    if pipe is not None:
+        from .runtime.pipeline import PipelinedModule
+        return PipelinedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .api import planned_on_rank0
 from .compat import pytree
+from .errors import PlanOptionError
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture
 from .passes.rewrite import rewrite
@@ -35,6 +36,9 @@ from .runtime.reshard import reshard
 
 def compile_backend(mesh: Mesh, **options):
     opts = PlanOptions(**options)
+    if opts.pipeline:
+        raise PlanOptionError("compile_backend: pipeline= is not supported under torch.compile (a compiled graph "
+                              "is one step's forward); use autopar.autoparallelize for a pipelined plan")
     plans: list[Plan] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):

@@ -170,15 +170,7 @@ class StepEstimate:
 
 # -- helpers ---------------------------------------------------------------------------------
 def _stage_mesh(mesh: Mesh, axis: str | None) -> Mesh:
-    """`mesh` without the pipeline axis; every other axis keeps the links it has in `mesh`."""
-    if axis is None or axis not in mesh.axis_names:
-        return mesh
-    keep = [i for i, n in enumerate(mesh.axis_names) if n != axis]
-    if not keep:
-        return Mesh((1,), ("_stage",), mesh.profile)
-    sub = Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axis_names[i] for i in keep), mesh.profile)
-    sub.axes = tuple(mesh.axes[i] for i in keep)
-    return sub
+    return mesh.stage_mesh(axis)
 
 
 def _microbatch(example_inputs, microbatches: int):

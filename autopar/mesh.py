@@ -102,6 +102,18 @@ class Mesh:
         return reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
                             launch_overhead=self.profile.kernel_overhead + self.profile.collective_overhead)
 
+    def stage_mesh(self, axis: str | None) -> Mesh:
+        """This mesh without the pipeline axis `axis` (what one pipeline stage runs on); every other
+        axis keeps the links it has here. A mesh of the pipeline axis alone leaves one device."""
+        if axis is None or axis not in self.axis_names:
+            return self
+        keep = [i for i, n in enumerate(self.axis_names) if n != axis]
+        if not keep:
+            return Mesh((1,), ("_stage",), self.profile)
+        sub = Mesh(tuple(self.shape[i] for i in keep), tuple(self.axis_names[i] for i in keep), self.profile)
+        sub.axes = tuple(self.axes[i] for i in keep)
+        return sub
+
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names), "device": self.profile.name}

@@ -17,13 +17,13 @@ from dataclasses import replace
 import torch
 
 from .compat import pytree
-from .estimate import _stage_mesh
 from .errors import InfeasibleError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.layers import layer_key
 from .passes.shape_prop import annotate
 from .plan import Plan, SolverInfo, Timings
+from .pipelining import _lifted, _stage_options
 from .planner import PlanOptions, assemble, planning_problem
 from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks
 from .solver.evaluate import Staging
@@ -57,9 +57,9 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
             cap = capture(model, *_microbatch(args, kwargs, m))
             captured[m] = (cap, annotate(cap.gm))
         cap, infos = captured[m]
-        sub = _stage_mesh(mesh, axis)
+        sub = mesh.stage_mesh(axis)
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
-        problem = planning_problem(cap, infos, sub, _without_axis(stage_opts, mesh, axis))
+        problem = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
         try:
             result = solve(problem, budget * stages, opts.time_limit)
         except InfeasibleError as e:
@@ -73,13 +73,13 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                               f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
     c = best.candidate
     cap = captured[c.microbatches][0]
-    sub = _stage_mesh(mesh, c.axis)
+    sub = mesh.stage_mesh(c.axis)
     staging = Staging(best.pipeline, node_chunks(best.problem, best.pipeline.boundaries or ("",)),
                       mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
-    plan = assemble(cap, best.problem, best.choice, sub, _without_axis(stage_opts, mesh, c.axis), best.options,
+    plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(stage_opts, mesh, c.axis), best.options,
                     staging if c.stages > 1 else None)
     if c.axis is not None:
-        plan = lift(plan, mesh, mesh.axis_index(c.axis))
+        plan = _lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
     plan.solver = SolverInfo("search", f"{len(cands)} pipeline candidates", 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
@@ -101,27 +101,9 @@ def _microbatch(args, kwargs, m: int):
     return pytree.tree_unflatten(cut, spec)
 
 
-def _without_axis(opts: PlanOptions, mesh: Mesh, axis: str | None) -> PlanOptions:
-    """Options for the mesh without the pipeline axis: pins lose their placement on it."""
-    if axis is None or not opts.pins:
-        return opts
-    k = mesh.axis_index(axis)
-    return replace(opts, pins={n: tuple(p for i, p in enumerate(lay) if i != k) or ("R",)
-                               for n, lay in opts.pins.items()})
-
-
-def lift(stage: Plan, mesh: Mesh, k: int) -> Plan:
-    """A plan on the mesh without axis k as a plan on `mesh`: "R" on axis k everywhere."""
-    alone = mesh.ndim == 1
-
-    def lay(layout):
-        rest = () if alone else tuple(layout)
-        return rest[:k] + ("R",) + rest[k:]
-    nodes = [replace(n, inputs=tuple(lay(i) for i in n.inputs), output=lay(n.output) if n.output else n.output,
-                     labels=lay(n.labels) if n.labels else n.labels) for n in stage.nodes]
-    per_axis = {a: stage.estimate.comm_bytes_per_axis.get(a, 0.0) for a in mesh.axis_names}
-    return replace(stage, mesh=mesh.to_dict(), nodes=nodes, placements={f: lay(p) for f, p in stage.placements.items()},
-                   estimate=replace(stage.estimate, comm_bytes_per_axis=per_axis))
+def _stage_opts(opts: PlanOptions, mesh: Mesh, axis: str | None) -> PlanOptions:
+    """Options for the mesh without the pipeline axis (`pipelining._stage_options`); unchanged without one."""
+    return opts if axis is None else _stage_options(opts, mesh, mesh.axis_index(axis))
 
 
 __all__ = ["search_pipeline"]

@@ -38,6 +38,7 @@ RESIDENCY_MODES = ("keep", "regather")
 TIERS = ("device", "host", "disk")
 OFFLOAD_CLASSES = ("activations", "optimizer")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+PIPELINE_KEYS = ("axis", "stages", "virtual_stages", "microbatches", "schedule")   # the `pipeline=` option's
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from .errors import PlanFileError
 from .expr import ExprError, compile_expr
 from .placement import from_str
 from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
-                   TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
+                   PIPELINE_KEYS, TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
 
 __all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
 
@@ -36,7 +36,7 @@ _PHASES = ("forward", "backward")
 _FIXED = ("batch", "seq")
 _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
                  "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
-                 "precision": "str"}
+                 "precision": "str", "pipeline": "pipeline"}
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -116,6 +116,8 @@ class _Reader:
                 self.boolean(v, field)
             elif kind == "str":
                 self.string(v, field)
+            elif kind == "pipeline":
+                self.pipeline_option(v, field)
             elif kind == "axes":
                 for i, a in enumerate(self.array(v, field)):
                     self.choice(a, f"{field}[{i}]", self.axis_names)
@@ -123,6 +125,20 @@ class _Reader:
                 for name, lay in self.mapping(v, field).items():
                     self.layout(lay, f"{field}.{name}")
         return dict(o)
+
+    def pipeline_option(self, v: Any, f: str) -> None:
+        """The `pipeline=` option a plan was made with: null, false or an object of PIPELINE_KEYS."""
+        if v is None or v is False:
+            return
+        self.check_dict(v, f)
+        self.keys(v, f, required=(), optional=PIPELINE_KEYS)
+        if "axis" in v:
+            self.choice(v["axis"], f"{f}.axis", self.axis_names)
+        if "schedule" in v:
+            self.choice(v["schedule"], f"{f}.schedule", PIPELINE_SCHEDULES)
+        for k in ("stages", "virtual_stages", "microbatches"):
+            if k in v:
+                self.integer(v[k], f"{f}.{k}", least=1)
 
     def nodes(self, ns: Any) -> list[NodePlan]:
         out = []

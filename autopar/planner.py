@@ -41,6 +41,7 @@ class PlanOptions:
     residency: str = "auto"                     # "auto" | "keep" | "regather"
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
+    pipeline: Mapping | bool | None = None      # None / False: no pipeline; a dict: that pipeline (pipelining.py)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
 
     def __post_init__(self):
@@ -58,13 +59,14 @@ class PlanOptions:
                 "pins": {k: list(v) for k, v in sorted((self.pins or {}).items())},
                 "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
                 "optimizer": self.optimizer, "symbolic": self.symbolic, "recompute": self.recompute,
-                "residency": self.residency, "offload": self.offload, "precision": self.precision}
+                "residency": self.residency, "offload": self.offload, "precision": self.precision,
+                "pipeline": dict(sorted(self.pipeline.items())) if isinstance(self.pipeline, Mapping) else self.pipeline}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PlanOptions:
         """The options a plan was made with (`Plan.options`), to rebuild its planning problem."""
         keep = {k: d[k] for k in ("memory_budget", "sharded_outputs", "optimizer", "symbolic", "recompute",
-                                  "residency", "offload", "precision") if k in d}
+                                  "residency", "offload", "precision", "pipeline") if k in d}
         return cls(pins=dict(d.get("pins") or {}) or None, batch_axes=tuple(d.get("batch_axes") or ()) or None,
                    progress=False, **keep)
 

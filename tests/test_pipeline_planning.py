@@ -85,5 +85,5 @@ def test_a_budget_only_a_pipeline_fits():
     piped = autopar.plan(model, inputs, mesh, pipeline={"axis": "pp"}, **fixed, **KW)
     assert piped.estimate.peak_memory_bytes < flat
     budget = (piped.estimate.peak_memory_bytes + flat) / 2
-    plan = autopar.plan(model, inputs, mesh, memory_budget=budget, **fixed, **KW)
+    plan = autopar.plan(model, inputs, mesh, memory_budget=budget, pipeline={}, **fixed, **KW)
     assert plan.pipeline.stages == 2 and plan.estimate.peak_memory_bytes <= budget
