@@ -303,7 +303,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                          f"{mesh.shape[mesh.axis_index(pipe.axis)]}: they must match")
     if isinstance(plan, Plan):
         if pipe.stages > 1 or pipe.microbatches > 1 or recompute or num_layers is not None or grad_overlap:
-            raise ValueError("an autopar Plan decides its own pipeline and recomputation: estimate it as planned "
+            raise ValueError("an autopar Plan decides its own recomputation and pipeline: estimate it as planned "
                              "(no pipeline=, recompute=, num_layers=, grad_overlap=), or pass pins for a "
                              "hand-written configuration")
         m = plan.pipeline.microbatches
