@@ -560,7 +560,7 @@ def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
     staged = pp.stages > 1
     problem = planning_problem(cap, infos, smesh, PlanOptions.from_dict(plan.options))
     choice, options = plan_assignment(problem, stage_view(plan, mesh.axis_index(pp.axis)) if staged else plan)
-    staging = (Staging(pp, node_chunks(problem, pp.boundaries), mesh.axes[mesh.axis_index(pp.axis)].link)
+    staging = (Staging(pp, node_chunks(problem, cap.gm.graph, pp), mesh.axes[mesh.axis_index(pp.axis)].link)
                if staged else None)
     ev = evaluate(problem, choice, options, staging)
     _, per_axis = communication(problem, choice, cap)

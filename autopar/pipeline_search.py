@@ -21,6 +21,7 @@ from .errors import InfeasibleError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.layers import layer_key
+from .passes.stages import microbatch
 from .passes.shape_prop import annotate
 from .plan import Plan, SolverInfo, Timings
 from .pipelining import _lifted, _stage_options
@@ -54,7 +55,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
 
     def solve_at(axis, m):
         if m not in captured:
-            cap = capture(model, *_microbatch(args, kwargs, m))
+            cap = capture(model, *microbatch(args, kwargs, m))
             captured[m] = (cap, annotate(cap.gm))
         cap, infos = captured[m]
         sub = mesh.stage_mesh(axis)
@@ -65,7 +66,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
-        return problem, result.choice, result.options
+        return problem, result.choice, result.options, cap.gm.graph
 
     best, least = choose_pipeline(mesh, cands, solve_at, budget)
     if best is None:
@@ -74,7 +75,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     c = best.candidate
     cap = captured[c.microbatches][0]
     sub = mesh.stage_mesh(c.axis)
-    staging = Staging(best.pipeline, node_chunks(best.problem, best.pipeline.boundaries or ("",)),
+    staging = Staging(best.pipeline, node_chunks(best.problem, cap.gm.graph, best.pipeline),
                       mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
     plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(stage_opts, mesh, c.axis), best.options,
                     staging if c.stages > 1 else None)
@@ -90,15 +91,6 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
 def _batch(args, kwargs) -> int:
     leaves = pytree.tree_leaves((args, kwargs or {}))
     return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.ndim >= 1), 1)
-
-
-def _microbatch(args, kwargs, m: int):
-    """The first of m microbatches of every tensor whose dim 0 is the batch."""
-    batch = _batch(args, kwargs)
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-    cut = [t[: batch // m] if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == batch else t
-           for t in leaves]
-    return pytree.tree_unflatten(cut, spec)
 
 
 def _stage_opts(opts: PlanOptions, mesh: Mesh, axis: str | None) -> PlanOptions:

@@ -25,7 +25,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ...plan import PipelinePlan
+from ...passes.stages import chunk_of, even_boundaries, layer_sequence
+from ...plan import PIPELINE_KEYS, PipelinePlan
 from ..evaluate import Evaluation, Staging, evaluate
 from ..problem import Problem
 
@@ -34,7 +35,6 @@ from ..problem import Problem
 CHOSEN_SCHEDULES = ("1f1b", "interleaved", "gpipe")
 VIRTUAL_STAGES = (2, 3, 4)           # interleaved: chunks per pipeline rank tried
 MICROBATCH_SIZES = 3                 # the smallest microbatch sizes tried per axis (each one ILP solve)
-PIPELINE_KEYS = ("axis", "stages", "virtual_stages", "microbatches", "schedule")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,42 +46,26 @@ class Candidate:
     virtual_stages: int
 
 
-def layer_order(problem: Problem) -> list[str]:
-    """The problem's layers in graph order (`passes.layers.layer_key`)."""
-    return list(dict.fromkeys(problem.layer[n] for n in problem.order if n in problem.layer))
+def node_chunks(problem: Problem, graph, pipe: PipelinePlan) -> dict[str, int]:
+    """Decision -> model chunk: the partition of `passes.stages.chunk_of` for the graph's call nodes;
+    a placeholder (parameter, input) goes with the earliest chunk that reads it."""
+    part = {n.name: c for n, c in chunk_of(graph, pipe).items()}
+    last = max(pipe.chunks, 1) - 1
+    out = {n: part[n] for n in problem.decisions if n in part}
+    for e in problem.edges:
+        if e.src not in part:
+            c = last if e.dst == "output" else part.get(e.dst, 0)
+            out[e.src] = min(out.get(e.src, c), c)
+    return {n: out.get(n, 0) for n in problem.decisions}
 
 
-def node_chunks(problem: Problem, boundaries) -> dict[str, int]:
-    """node -> model chunk under `boundaries` (`PipelinePlan.boundaries`: the layer each chunk starts
-    at, "" for the first). A node in a layer goes with its layer; one outside every layer with the
-    next layer after it in graph order, or the last chunk when none follows."""
-    starts = {b: c for c, b in enumerate(boundaries) if b}
-    chunk, of_layer = 0, {}
-    for layer in layer_order(problem):
-        chunk = starts.get(layer, chunk)
-        of_layer[layer] = chunk
-    out, pending = {}, []
-    for n in problem.order:
-        layer = problem.layer.get(n)
-        if layer is None:
-            pending.append(n)
-            continue
-        for q in pending:
-            out[q] = of_layer[layer]
-        pending = []
-        out[n] = of_layer[layer]
-    for q in pending:
-        out[q] = len(boundaries) - 1
-    return out
-
-
-def layer_seconds(problem: Problem, choice: Mapping[str, int]) -> tuple[float, list[float], float]:
+def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[float, list[float], float]:
     """(seconds before the first layer, per layer, after the last): compute of the nodes and the
     resharding into them, one microbatch (what the boundary program balances). Nodes between two
     layers go with the next, as in `node_chunks`."""
-    order = layer_order(problem)
+    order = layer_sequence(graph)
     n = len(order)
-    seg = node_chunks(problem, [""] + order[1:]) if n else {q: 0 for q in problem.order}
+    seg = node_chunks(problem, graph, PipelinePlan("_", max(n, 1), 1, 1, "1f1b", ("",) + tuple(order[1:])))
     first = next((i for i, q in enumerate(problem.order) if q in problem.layer), 0)
     last = max((i for i, q in enumerate(problem.order) if q in problem.layer), default=-1)
     for i, q in enumerate(problem.order):     # -1: before the layers, n: after them
@@ -97,16 +81,14 @@ def layer_seconds(problem: Problem, choice: Mapping[str, int]) -> tuple[float, l
     return per[0], per[1:-1], per[-1]
 
 
-def balanced_boundaries(problem: Problem, choice: Mapping[str, int], chunks: int) -> tuple[str, ...]:
+def balanced_boundaries(problem: Problem, graph, choice: Mapping[str, int], chunks: int) -> tuple[str, ...]:
     """Boundaries cutting the layers into `chunks` contiguous runs that minimise the slowest chunk,
     the first chunk carrying what precedes the layers and the last what follows them: a dynamic
     program over (chunks, layers), O(chunks x layers^2). Ties keep the earliest cut."""
-    order = layer_order(problem)
+    order = layer_sequence(graph)
     if chunks <= 1:
         return ("",)
-    if len(order) < chunks:
-        raise ValueError(f"{len(order)} layers cannot fill {chunks} pipeline chunks")
-    pre, per, post = layer_seconds(problem, choice)
+    pre, per, post = layer_seconds(problem, graph, choice)
     n = len(order)
     prefix = [0.0]
     for x in per:
@@ -129,18 +111,6 @@ def balanced_boundaries(problem: Problem, choice: Mapping[str, int], chunks: int
         j = i
     starts.reverse()
     return tuple("" if i == 0 else order[i] for i in starts)
-
-
-def even_boundaries(problem: Problem, chunks: int) -> tuple[str, ...]:
-    """The layers dealt evenly to the chunks, the first chunks taking one more when they do not divide."""
-    order = layer_order(problem)
-    if len(order) < chunks:
-        raise ValueError(f"{len(order)} layers cannot fill {chunks} pipeline chunks")
-    size, extra, out, i = len(order) // chunks, len(order) % chunks, [], 0
-    for c in range(chunks):
-        out.append("" if c == 0 else order[i])
-        i += size + (1 if c < extra else 0)
-    return tuple(out)
 
 
 def candidates(mesh, batch: int, batch_axes, n_layers: int, fixed: Mapping) -> list[Candidate]:
@@ -197,13 +167,14 @@ class Chosen:
     evaluation: Evaluation
 
 
-SolveAt = Callable[[str | None, int], tuple[Problem, dict, dict] | None]
+SolveAt = Callable[[str | None, int], tuple[Problem, dict, dict, object] | None]
 
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float) -> tuple[Chosen | None, float]:
     """The fastest candidate whose every pipeline rank fits `budget` (None if none does) and the
     least peak memory seen. `solve_at(axis, microbatches)` -> (problem of one microbatch on the mesh
-    without `axis`, its layout choice, its family options): called once per (axis, microbatches)."""
+    without `axis`, its layout choice, its family options, the captured graph): called once per
+    (axis, microbatches); None when nothing fits."""
     solved: dict = {}
     best, least = None, math.inf
     for cand in cands:
@@ -212,11 +183,11 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             solved[key] = solve_at(cand.axis, cand.microbatches)
         if solved[key] is None:          # no plan of this microbatch fits even the relaxed budget
             continue
-        problem, choice, options = solved[key]
+        problem, choice, options, graph = solved[key]
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
-        for bounds in _boundary_choices(problem, choice, cand):
+        for bounds in _boundary_choices(problem, graph, choice, cand):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
-            staging = Staging(pipe, node_chunks(problem, bounds or ("",)), link)
+            staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
             for opts in _option_choices(problem, options):
                 ev = evaluate(problem, choice, opts, staging)
                 least = min(least, ev.peak_bytes)
@@ -226,11 +197,12 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     return best, least
 
 
-def _boundary_choices(problem: Problem, choice, cand: Candidate) -> list[tuple[str, ...]]:
+def _boundary_choices(problem: Problem, graph, choice, cand: Candidate) -> list[tuple[str, ...]]:
     chunks = cand.stages * cand.virtual_stages
     if chunks == 1:
         return [("",)]
-    return list(dict.fromkeys([balanced_boundaries(problem, choice, chunks), even_boundaries(problem, chunks)]))
+    return list(dict.fromkeys([balanced_boundaries(problem, graph, choice, chunks),
+                               even_boundaries(layer_sequence(graph), chunks)]))
 
 
 def _option_choices(problem: Problem, options: Mapping[str, int]) -> list[dict]:
