@@ -26,7 +26,7 @@ from .passes.shape_prop import annotate
 from .plan import Plan, SolverInfo, Timings
 from .pipelining import _lifted, _stage_options
 from .planner import PlanOptions, assemble, planning_problem
-from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks
+from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
 from .solver.evaluate import Staging
 from .solver.ilp import solve
 
@@ -62,7 +62,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         problem = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
         try:
-            result = solve(problem, budget * stages, opts.time_limit)
+            result = solve(per_step_view(problem, m), budget * stages, opts.time_limit)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None

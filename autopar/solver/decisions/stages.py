@@ -157,6 +157,25 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
     return out
 
 
+def per_step_view(problem: Problem, microbatches: int) -> Problem:
+    """The problem as the ILP should see one microbatch of m: a parameter's gradient is synchronised
+    once per step, its forward gather every microbatch, so the gradient leg of a parameter edge
+    weighs 1/m against the per-microbatch costs. A copy (edge tables are shared between identical
+    edges and priced as they are by the evaluator); the same choice indices."""
+    if microbatches == 1:
+        return problem
+    k, tables = 1.0 / microbatches, {}
+
+    def weighed(e):
+        key = (id(e.cost), id(e.fwd))       # identical edges keep sharing one table
+        if key not in tables:
+            tables[key] = [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(e.cost, e.fwd)]
+        return replace(e, cost=tables[key])
+    edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
+             for e in problem.edges]
+    return replace(problem, edges=edges)
+
+
 @dataclass(frozen=True, slots=True)
 class Chosen:
     candidate: Candidate
