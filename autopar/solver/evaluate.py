@@ -26,6 +26,7 @@ the same tables, per pipeline rank (`evaluate_pipeline`):
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -438,16 +439,28 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
                e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(problem, choice)]
     freed = [(f, f.expr.value(problem, choice), rank(term(f.expr))) for f in fam.freed
              if any(on.get(g) == i for g, i in f.gates)]
-    acts = [[0.0] * len(positions) for _ in range(p)]
-    for t, (live, where) in enumerate(zip(problem.live.points, positions)):
+    n_pts = len(positions)
+    step = [[0.0] * (n_pts + 1) for _ in range(p)]     # per rank: changes from a point on (prefix sums)
+    first_at = lambda pos: bisect_left(positions, pos)  # noqa: E731 - the first point at or after pos
+    first_after = lambda pos: bisect_right(positions, pos)  # noqa: E731
+    at_point = {w: t for t, w in enumerate(positions)}
+    acts = [[0.0] * n_pts for _ in range(p)]
+    for pos, r, kept, temp in picked:
+        step[r][first_at(pos)] += kept
+        if temp and pos in at_point:
+            acts[r][at_point[pos]] += temp
+    for f, b, r in freed:
+        step[r][first_after(f.after)] -= b
+        step[r][first_after(f.until)] += b
+    for t, live in enumerate(problem.live.points):
         for n in live:
             d = problem.decisions[n]
             acts[rank(chunk_of[n])][t] += d.act_bytes[choice[d.leader]]
-        for pos, r, kept, temp in picked:
-            acts[r][t] += (kept if pos <= where else 0.0) + (temp if pos == where else 0.0)
-        for f, b, r in freed:
-            if f.after < where <= f.until:
-                acts[r][t] -= b
+    for r in range(p):
+        run = 0.0
+        for t in range(n_pts):
+            run += step[r][t]
+            acts[r][t] += run
     groups = {g.key: g for g in fam.groups}
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
