@@ -128,7 +128,9 @@ def candidates(mesh, batch: int, batch_axes, n_layers: int, fixed: Mapping) -> l
             continue
         split = math.prod(mesh.shape[mesh.axis_index(a)] for a in (batch_axes or ()) if a != axis)
         per_pipe = batch // split if split and batch % split == 0 else batch
-        ms = [fixed["microbatches"]] if "microbatches" in fixed else _microbatch_counts(per_pipe, stages)
+        ms = _microbatch_counts(per_pipe, stages)
+        if "microbatches" in fixed:     # one stage runs one microbatch (no gradient accumulation yet)
+            ms = [fixed["microbatches"]] if stages > 1 or fixed["microbatches"] == 1 else []
         for m in ms:
             for sched, v in _schedules(stages, n_layers, fixed):
                 out.append(Candidate(axis, stages, m, sched, v))
@@ -146,13 +148,14 @@ def _microbatch_counts(per_pipe: int, stages: int) -> list[int]:
 
 
 def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, int]]:
-    if stages == 1:
-        return [(fixed.get("schedule", "1f1b"), 1)]
+    if stages == 1:             # no pipeline: nothing to schedule
+        return [("1f1b", 1)]
     out = []
     for sched in ([fixed["schedule"]] if "schedule" in fixed else CHOSEN_SCHEDULES):
         vs = [1] if sched != "interleaved" else [v for v in VIRTUAL_STAGES if stages * v <= n_layers]
-        if "virtual_stages" in fixed:
-            vs = [fixed["virtual_stages"]] if fixed["virtual_stages"] in vs or sched == "interleaved" else []
+        if "virtual_stages" in fixed:       # interleaving needs several chunks per rank, the others one
+            v = fixed["virtual_stages"]
+            vs = [v] if (v > 1) == (sched == "interleaved") and stages * v <= n_layers else []
         out += [(sched, v) for v in vs]
     return out
 
