@@ -277,90 +277,113 @@ def recorded_options(fam: Families, recorded: Mapping[str, Mapping[str, str]]) -
 def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None,
                       staging: Staging) -> Evaluation:
     """Price a pipelined assignment per pipeline rank (the module docstring says how)."""
-    pipe, chunk_of = staging.pipe, staging.chunk_of
+    pipe = staging.pipe
     p, v, m = pipe.stages, pipe.virtual_stages, pipe.microbatches
-    n_chunks, last = p * v, p * v - 1
-    dec = problem.decisions
     on = {**problem.families.defaults(), **(options or {})}
-    where = lambda name: last if name == "output" else chunk_of[name]  # noqa: E731
-    fwd, bwd, wgrad, sync, once = ([0.0] * n_chunks for _ in range(5))
-    comp, comm, runtime = ([0.0] * n_chunks for _ in range(3))
-    fam_s = [dict() for _ in range(n_chunks)]
-    weighted = {e.dst for e in problem.edges if dec[e.src].kind == "param"}
-    for d in dec.values():
-        i, c = choice[d.leader], chunk_of[d.name]
-        f = d.fwd_s[i] if d.fwd_s else 0.0
-        fwd[c] += f
-        bwd[c] += d.compute_s[i] - f
-        comp[c] += d.compute_s[i]
-        if d.name in weighted:
-            wgrad[c] += WEIGHT_GRAD_SHARE * (d.compute_s[i] - f)
-    entering: list[dict[str, float]] = [dict() for _ in range(n_chunks)]   # chunk -> tensors sent into it
-    users: dict[str, set[int]] = {}                                        # parameter -> chunks using it
-    for e, a, b in picked_edges(problem, choice):
-        src, c = dec[e.src], where(e.dst)
-        f = e.fwd[a][b] if e.fwd is not None else e.cost[a][b]
-        fwd[c] += f
-        comm[c] += e.cost[a][b]
-        if src.kind == "param":
-            users.setdefault(e.src, {chunk_of[e.src]}).add(c)
-            sync[c] += e.cost[a][b] - f
-        else:
-            bwd[c] += e.cost[a][b] - f
-            if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
-                entering[c][e.src] = src.act_bytes[choice[src.leader]]
-    for name, k in node_modules(problem, choice):
-        runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
-    for c in range(n_chunks):
-        fwd[c] += runtime[c]
-    chunk_of_term = _term_chunks(problem, chunk_of)
-    per_step = _family_seconds(problem, choice, on, chunk_of_term, bwd, once, fam_s)
-    state, grads = [0.0] * n_chunks, [0.0] * n_chunks
-    for d in dec.values():
-        for c in users.get(d.name, {chunk_of[d.name]}):
-            state[c] += d.state_bytes[choice[d.leader]]
-            grads[c] += d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
-    ranks = [tuple(range(r, n_chunks, p)) for r in range(p)]
-    rank_of = [c % p for c in range(n_chunks)]
-    for name, cs in users.items():           # tied parameters: their gradients all-reduced over the ranks using them
-        held = sorted({rank_of[c] for c in cs})
-        if len(held) > 1:
-            d = dec[name]
-            nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
-            for r in held:
-                sync[ranks[r][0]] += collective_time("all_reduce", nbytes, len(held), staging.link)
-    p2p = [sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0 for c in range(n_chunks)]
+    ch = _chunk_costs(problem, choice, on, staging)
+    ranks = [tuple(range(r, p * v, p)) for r in range(p)]
     sums = lambda xs, r: sum(xs[c] for c in ranks[r])  # noqa: E731
-    f_r = [sums(fwd, r) + sums(p2p, r) for r in range(p)]
-    b_r = [sums(bwd, r) + sums(p2p, r) for r in range(p)]
+    f_r = [sums(ch.fwd, r) + sums(ch.p2p, r) for r in range(p)]
+    b_r = [sums(ch.bwd, r) + sums(ch.p2p, r) for r in range(p)]
     pt = pipeline_time(f_r, b_r, m, virtual_stages=v,
-                       weight_grad=[sums(wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
-    mem = _rank_memory(problem, choice, on, chunk_of, chunk_of_term, state, grads, pipe)
-    params = {r: {n for n, d in dec.items() if d.kind == "param" and rank_of[chunk_of[n]] == r} for r in range(p)}
+                       weight_grad=[sums(ch.wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
+    mem = _rank_memory(problem, choice, on, staging.chunk_of, ch.terms, ch.state, ch.grads, pipe)
     stages, drained = [], 0.0
     for r in range(p):
-        opt = optimizer_total(problem, choice, mem.offloaded, params[r]) + sums(once, r)
-        done = pt.total_s - drained + sums(sync, r) + opt      # rank r's last backward ends `drained` early
+        mine = {n for n, d in problem.decisions.items() if d.kind == "param" and staging.chunk_of[n] % p == r}
+        opt = optimizer_total(problem, choice, mem.offloaded, mine) + sums(ch.once, r)
+        done = pt.total_s - drained + sums(ch.sync, r) + opt      # rank r's last backward ends `drained` early
         drained += b_r[r] / v
         layers = tuple(dict.fromkeys(problem.layer[n] for n in problem.order
-                                     if n in problem.layer and rank_of[chunk_of[n]] == r))
-        stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(wgrad, r), 2 * sums(p2p, r), sums(sync, r),
-                                 opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r], done))
-    step = max(s.done_s for s in stages)
+                                     if n in problem.layer and staging.chunk_of[n] % p == r))
+        stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(ch.wgrad, r), 2 * sums(ch.p2p, r),
+                                 sums(ch.sync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
+                                 done))
     slow = max(range(p), key=lambda r: pt.per_device_s[r])
     top = max(range(p), key=lambda r: mem.peak[r])
     family: dict[str, float] = {}
     for c in ranks[slow]:
-        for k, x in fam_s[c].items():
+        for k, x in ch.fam_s[c].items():
             family[k] = family.get(k, 0.0) + m * x
-        for k, x in per_step[c].items():
+        for k, x in ch.per_step[c].items():
             family[k] = family.get(k, 0.0) + x
-    price = PipelinePrice(tuple(stages), pipe.schedule, m, v, pt.total_s, pt.bubble_s, m * stages[slow].p2p_s, step)
-    modules = sum(k for _, k in node_modules(problem, choice))
-    return Evaluation(m * sums(comp, slow), m * (sums(comm, slow) - sums(sync, slow)) + sums(sync, slow), family,
-                      mem.peak[top], mem.state[top], tuple(mem.points[top]), mem.backward[top], mem.tiers[top],
-                      {}, max(sums(sync, r) for r in range(p)), max(s.optimizer_s for s in stages),
-                      m * sums(runtime, slow), modules, price)
+    price = PipelinePrice(tuple(stages), pipe.schedule, m, v, pt.total_s, pt.bubble_s, m * stages[slow].p2p_s,
+                          max(s.done_s for s in stages))
+    sync = sums(ch.sync, slow)
+    return Evaluation(m * sums(ch.comp, slow), m * (sums(ch.comm, slow) - sync) + sync, family, mem.peak[top],
+                      mem.state[top], tuple(mem.points[top]), mem.backward[top], mem.tiers[top], {},
+                      max(s.grad_sync_s for s in stages), max(s.optimizer_s for s in stages),
+                      m * sums(ch.runtime, slow), sum(k for _, k in node_modules(problem, choice)), price)
+
+
+@dataclass(slots=True)
+class _Chunks:
+    """Per model chunk: seconds of one microbatch (fwd, bwd, its weight-gradient part wgrad, compute
+    comp, collectives comm, runtime, p2p sends into it), per step (sync, once), the families' seconds
+    (fam_s per microbatch, per_step), state and gradient bytes, and where family terms land (terms)."""
+    fwd: list
+    bwd: list
+    wgrad: list
+    comp: list
+    comm: list
+    runtime: list
+    p2p: list
+    sync: list
+    once: list
+    fam_s: list
+    per_step: list
+    state: list
+    grads: list
+    terms: tuple
+
+
+def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
+    chunk_of, pipe, dec = staging.chunk_of, staging.pipe, problem.decisions
+    n, p = pipe.stages * pipe.virtual_stages, pipe.stages
+    where = lambda name: n - 1 if name == "output" else chunk_of[name]  # noqa: E731
+    ch = _Chunks(*([0.0] * n for _ in range(9)), [dict() for _ in range(n)], [], [], [], _term_chunks(problem, chunk_of))
+    weighted = {e.dst for e in problem.edges if dec[e.src].kind == "param"}
+    for d in dec.values():
+        i, c = choice[d.leader], chunk_of[d.name]
+        f = d.fwd_s[i] if d.fwd_s else 0.0
+        ch.fwd[c] += f
+        ch.bwd[c] += d.compute_s[i] - f
+        ch.comp[c] += d.compute_s[i]
+        if d.name in weighted:
+            ch.wgrad[c] += WEIGHT_GRAD_SHARE * (d.compute_s[i] - f)
+    entering: list[dict[str, float]] = [dict() for _ in range(n)]   # chunk -> tensors sent into it
+    users: dict[str, set[int]] = {}                                 # parameter -> chunks using it
+    for e, a, b in picked_edges(problem, choice):
+        src, c = dec[e.src], where(e.dst)
+        f = e.fwd[a][b] if e.fwd is not None else e.cost[a][b]
+        ch.fwd[c] += f
+        ch.comm[c] += e.cost[a][b]
+        if src.kind == "param":
+            users.setdefault(e.src, {chunk_of[e.src]}).add(c)
+            ch.sync[c] += e.cost[a][b] - f
+        else:
+            ch.bwd[c] += e.cost[a][b] - f
+            if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
+                entering[c][e.src] = src.act_bytes[choice[src.leader]]
+    for name, k in node_modules(problem, choice):
+        ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
+    for c in range(n):
+        ch.fwd[c] += ch.runtime[c]
+        ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
+    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
+    ch.state, ch.grads = [0.0] * n, [0.0] * n
+    for d in dec.values():
+        for c in users.get(d.name, {chunk_of[d.name]}):
+            ch.state[c] += d.state_bytes[choice[d.leader]]
+            ch.grads[c] += d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+    for name, cs in users.items():      # tied parameters: their gradients all-reduced over the ranks using them
+        held = sorted({c % p for c in cs})
+        if len(held) > 1:
+            d = dec[name]
+            nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+            for r in held:
+                ch.sync[r] += collective_time("all_reduce", nbytes, len(held), staging.link)
+    return ch
 
 
 def _term_chunks(problem: Problem, chunk_of: Mapping[str, int]):
