@@ -70,7 +70,9 @@ def main(argv=None) -> list[dict]:
                     row = {"bench": "memory", "plan": name, "rank": rank, "model": model_kw,
                            "peak_device_bytes": r["peak_device"], "predicted_peak_bytes": r["predicted_peak"],
                            "error": r["predicted_peak"] / r["peak_device"] - 1,
-                           "kept_for_backward_bytes": r["fwd_device"], "peak_host_bytes": r["peak_host"],
+                           "kept_for_backward_bytes": r["fwd_device"], "peak_forward_backward_bytes": r["peak_fwd_bwd"],
+                           "peak_optimizer_step_bytes": r["before_step"] + r["opt_step_device"],
+                           "peak_host_bytes": r["peak_host"],
                            "predicted_host_bytes": r["predicted_host"],
                            "worst_rel_diff": max(r["loss"], r["grad"], r["param"])}
                     rows.append(row)

@@ -89,7 +89,7 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             meter.reset_peak()
             before_step = meter.device_bytes
             opt.step()
-            seen.update(opt_step_device=meter.peak_device_bytes - before_step,
+            seen.update(opt_step_device=meter.peak_device_bytes - before_step, before_step=before_step,
                         pool_after_step=dmodel.memory.pool.bytes, device_after_step=meter.device_bytes,
                         peak_device=max(seen["peak_fwd_bwd"], meter.peak_device_bytes),
                         peak_host=max(seen["peak_host_fwd_bwd"], meter.peak_host_bytes))

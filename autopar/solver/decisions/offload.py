@@ -8,7 +8,8 @@
 * "optimizer:<layer or parameter>": optimizer state and, in mixed precision, the fp32 master
   weights live in the tier and the optimizer step runs on the host (ZeRO-Offload): each step
   sends the gradient out and the updated parameter back over the host link and pays the
-  host's optimizer rate; from disk the state is also read and written once per step.
+  host's optimizer rate; from disk the state is also read and written once per step. The host
+  also holds every offloaded gradient in fp32 while it steps (`HOST_STEP_GRAD_ITEMSIZE`).
 The tiers' capacities are per device (`DeviceProfile.host_memory_capacity`, `disk_capacity`);
 a tier with none is not offered.
 """
@@ -20,6 +21,9 @@ from ..problem import Problem
 from .common import allowed_options, back_row, layer_groups, saved_only_in
 
 HOST, DISK = 1, 2
+# the host step casts each gradient to fp32 on the host (runtime/optimizer.py MASTER_DTYPE), whatever
+# the tier holding the state: 4 bytes per local element, all the tier's gradients at once
+HOST_STEP_GRAD_ITEMSIZE = 4
 
 
 def tiers_allowed(problem: Problem, setting: str) -> tuple[int, ...]:
@@ -90,6 +94,8 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
         # the tier also holds the fp32 weights the host steps: in mixed precision the master copy is
         # optimizer state already; otherwise a copy of the parameter (`runtime/optimizer.py`)
         held = opt if d.mixed else Expr(((n, tuple(o + g for o, g in zip(d.opt_bytes, d.grad_bytes))),))
+        # while the host steps, the gradient waits there in fp32 (ZeRO-Offload's fp32 gradient buffer)
+        in_transit = Expr(((n, tuple(HOST_STEP_GRAD_ITEMSIZE * e for e in d.elements)),))
         fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.last, None,
                                f"optimizer state of {d.fqn}", f"opt:{n}"))
         # gradient out, parameter back: param + grad bytes = state - optimizer part
@@ -103,3 +109,4 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
                 step = step + opt.scaled(2.0 / prof.disk_link.bandwidth) + Expr(const=2.0 * prof.disk_link.latency)
             fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
             fam.held.append(Held(held, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
+            fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
