@@ -23,8 +23,8 @@ from .passes.capture import capture
 from .passes.layers import layer_key
 from .passes.stages import microbatch
 from .passes.shape_prop import annotate
-from .plan import Plan, SolverInfo, Timings
-from .pipelining import _lifted, _stage_options
+from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
+from .pipelining import _lifted, _stage_options, fixed_pipeline
 from .planner import PlanOptions, assemble, planning_problem
 from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
 from .solver.evaluate import Staging
@@ -38,18 +38,16 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     """The fastest plan, pipelined or not, whose every pipeline rank fits the budget; `fixed`: the
     pipeline keys the user gave (the rest are chosen)."""
     t0 = time.perf_counter()
-    unknown = sorted(set(fixed) - set(PIPELINE_KEYS))
-    if unknown:
-        raise PlanOptionError(f"pipeline: unknown key(s) {unknown}; the keys are {', '.join(PIPELINE_KEYS)}")
-    if "axis" in fixed and fixed["axis"] is not None and fixed["axis"] not in mesh.axis_names:
-        raise PlanOptionError(f"pipeline.axis = {fixed['axis']!r} is not an axis of the mesh {mesh.axis_names}")
+    _check(fixed, mesh)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
     batch = _batch(args, kwargs)
     cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)
     if not cands:
         raise PlanOptionError(f"pipeline={dict(fixed)}: no pipeline of this mesh {mesh.axis_names} {mesh.shape}, "
-                              f"batch {batch} and {n_layers} layers has these settings")
+                              f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
+                              f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
+                              f"the batch of one pipeline)")
     captured: dict[int, tuple] = {}
     stage_opts = replace(opts, symbolic=False)
 
@@ -86,6 +84,25 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
+
+
+def _check(fixed: Mapping, mesh: Mesh) -> None:
+    """The keys given, each checked (a PlanOptionError naming it); a full pipeline by
+    `pipelining.fixed_pipeline`, which also checks the keys against each other."""
+    unknown = sorted(set(fixed) - set(PIPELINE_KEYS))
+    if unknown:
+        raise PlanOptionError(f"pipeline: unknown key(s) {unknown}; the keys are {', '.join(PIPELINE_KEYS)}")
+    if fixed.get("axis") is not None:
+        if all(k in fixed for k in ("axis", "stages", "microbatches", "schedule")):
+            fixed_pipeline(fixed, mesh)
+        elif fixed["axis"] not in mesh.axis_names:
+            raise PlanOptionError(f"pipeline.axis = {fixed['axis']!r} is not an axis of the mesh {mesh.axis_names}")
+    if "schedule" in fixed and fixed["schedule"] not in PIPELINE_SCHEDULES:
+        raise PlanOptionError(f"pipeline.schedule = {fixed['schedule']!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    for key in ("stages", "virtual_stages", "microbatches"):
+        v = fixed.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanOptionError(f"pipeline.{key} = {v!r}: give a positive int")
 
 
 def _batch(args, kwargs) -> int:

@@ -382,7 +382,9 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
             d = dec[name]
             nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
             for r in held:
-                ch.sync[r] += collective_time("all_reduce", nbytes, len(held), staging.link)
+                t = collective_time("all_reduce", nbytes, len(held), staging.link)
+                ch.sync[r] += t
+                ch.comm[r] += t
     return ch
 
 
