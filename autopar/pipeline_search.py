@@ -3,9 +3,9 @@
 makes the winner a Plan priced by the one evaluator.
 
 Each (pipeline axis, microbatch count) is one capture of one microbatch and one ILP on the mesh
-without the pipeline axis; the ILP sees the whole model with the parameters' state weighed 1/stages
-(`stages.rank_view`: about the first pipeline rank's memory); the evaluator then checks every
-rank's memory against the budget.
+without the pipeline axis; the ILP sees the whole model on one device, so its memory budget is the
+budget times the stage count (a rank holds about 1/stages of the parameters); the evaluator then
+checks every rank's memory against the real budget.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .passes.shape_prop import annotate
 from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
 from .pipelining import _lifted, _stage_options, fixed_pipeline
 from .planner import PlanOptions, assemble, planning_problem
-from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, rank_view
+from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
 from .solver.evaluate import Staging
 from .solver.ilp import solve
 
@@ -60,15 +60,10 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         problem = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
         try:
-            result = solve(rank_view(problem, m, stages), budget, opts.time_limit)
-        except InfeasibleError as e:        # the view is an estimate of a rank: try the whole budget of the ranks
-            log.info("pipeline candidate axis=%s microbatches=%d: no plan in the rank view (%s)", axis, m, e)
-            if stages == 1:
-                return None
-            try:
-                result = solve(rank_view(problem, m, 1), budget * stages, opts.time_limit)
-            except InfeasibleError:
-                return None
+            result = solve(per_step_view(problem, m), budget * stages, opts.time_limit)
+        except InfeasibleError as e:
+            log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
+            return None
         return problem, result.choice, result.options, cap.gm.graph
 
     best, least = choose_pipeline(mesh, cands, solve_at, budget)

@@ -160,34 +160,23 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
     return out
 
 
-def rank_view(problem: Problem, microbatches: int, stages: int) -> Problem:
-    """The problem as the ILP should see one pipeline rank running one microbatch of m (a copy with
-    the same choice indices; the evaluator prices the original):
-
-    * a parameter's gradient is synchronised once per step, its forward gather every microbatch, so
-      the gradient leg of a parameter edge weighs 1/m against the per-microbatch costs;
-    * a rank holds 1/stages of the parameters' state, and (1F1B on the first rank) `stages`
-      microbatches in flight of 1/stages of the layers each, about one microbatch of the whole
-      model: the parameters' state bytes weigh 1/stages, activations as they are, so the ILP's
-      memory rows approximate the first rank's against the real budget."""
-    if microbatches == 1 and stages == 1:
+def per_step_view(problem: Problem, microbatches: int) -> Problem:
+    """The problem as the ILP should see one microbatch of m: a parameter's gradient is synchronised
+    once per step, its forward gather every microbatch, so the gradient leg of a parameter edge
+    weighs 1/m against the per-microbatch costs. A copy (edge tables are shared between identical
+    edges and priced as they are by the evaluator); the same choice indices."""
+    if microbatches == 1:
         return problem
-    k, share, tables = 1.0 / microbatches, 1.0 / stages, {}
+    k, tables = 1.0 / microbatches, {}
 
     def weighed(e):
         key = (id(e.cost), id(e.fwd))       # identical edges keep sharing one table
         if key not in tables:
             tables[key] = [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(e.cost, e.fwd)]
         return replace(e, cost=tables[key])
-
-    def shared(d):
-        scale = lambda xs: [share * x for x in xs]  # noqa: E731
-        return replace(d, state_bytes=scale(d.state_bytes), grad_bytes=scale(d.grad_bytes),
-                       opt_bytes=scale(d.opt_bytes))
     edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
              for e in problem.edges]
-    decisions = {n: shared(d) if d.kind == "param" else d for n, d in problem.decisions.items()}
-    return replace(problem, edges=edges, decisions=decisions)
+    return replace(problem, edges=edges)
 
 
 @dataclass(frozen=True, slots=True)
