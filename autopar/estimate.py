@@ -398,8 +398,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                 seg.input_bytes = max(seg.input_bytes, meta.nbytes / shard_count(a, shape))
 
     # activations saved for the backward (end of the forward), per segment
-    if problem.live.points:
-        for owner in problem.live.points[-1]:
+    if problem.live.end_index >= 0:
+        for owner in problem.live.points[problem.live.end_index]:
             d = problem.decisions[owner]
             segs[seg_of.get(owner, PRE)].saved_bytes += d.act_bytes[choice[d.leader]]
 

@@ -13,11 +13,24 @@ master weight), which the offload family may move to the host:
 * "auto": mixed for 16-bit parameters (what bf16 training with torch.amp, FSDP's
   MixedPrecisionPolicy or Megatron does), same otherwise.
 
-Activations: forward position t holds every tensor defined at or before t that is still
+Activations, on one timeline of the step: the forward runs ops 0 .. last-1 at positions 0 .. last-1,
+`last` is the end of the forward, and the backward of op i runs at position 2*last - i (the last
+op's backward first). Forward position t holds every tensor defined at or before t that is still
 needed: by a later forward op, or by the backward (an input an op saves for its gradient).
 Memory only rises at definitions and only falls at frees, so its local maxima sit just
 before frees: those positions, plus the end of the forward (where every saved activation is
-live at once, the usual peak), are the only points a memory constraint must be checked at.
+live at once), are the forward points a memory constraint must be checked at.
+
+The backward of op i holds (a backward point, one per op that has a gradient):
+* every saved tensor whose first saver has not run its backward yet (saver position <= i);
+* the gradient of every tensor that spans op i in the forward (defined at or before i, last used
+  at or after i): autograd holds a tensor's gradient from the backward of its last consumer to
+  that of its producer, so these are exactly the gradients in flight, op i's own output and
+  input gradients among them;
+* the parameters' gradients made so far (`Problem` adds them: a parameter's gradient exists from
+  the backward of its last consumer on), and the copies kept for backwards not run yet.
+A view's gradient is not counted apart from its base's; gradient reshards in the backward and an
+op's backward-internal temporaries are not counted.
 """
 from __future__ import annotations
 
@@ -63,17 +76,40 @@ class Liveness:
     owners: tuple[str, ...]                     # nodes that allocate their output (views excluded)
     points: tuple[tuple[str, ...], ...]         # live owners at each checked position
     point_names: tuple[str, ...]                # the node at which each point is taken
-    positions: tuple[int, ...]                  # forward position of each point (index into `nodes`)
+    positions: tuple[int, ...]                  # position of each point on the step's timeline
     defined: Mapping[str, int]                  # owner -> position of its op
     fwd_end: Mapping[str, int]                  # owner -> its last use in the forward
     end: Mapping[str, int]                      # owner -> where it is freed (`last` if saved)
     savers: Mapping[str, tuple[str, ...]]       # owner -> the ops that save it for their backward
     last: int                                   # the end of the forward (the backward's start)
+    grads: tuple[tuple[str, ...], ...] = ()     # owners whose gradient is in flight at each point
+    op_pos: Mapping[str, int] | None = None     # every op -> its forward position
+
+    def backward_of(self, i: int) -> int:
+        """The timeline position of the backward of the op at forward position i."""
+        return 2 * self.last - i
+
+    def mirror(self, t: int) -> int:
+        """The forward position whose backward is at t (t itself in the forward): what is kept for the
+        backward of ops at forward positions <= mirror(t) is still alive at t."""
+        return min(t, 2 * self.last - t)
+
+    @property
+    def step_end(self) -> int:
+        """A position after every point: items freed up to it stay freed for the whole step."""
+        return 2 * self.last + 1
+
+    @property
+    def end_index(self) -> int:
+        """The index of the point at the end of the forward (-1: none)."""
+        return self.positions.index(self.last) if self.last in self.positions else -1
 
 
 def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Mapping[str, bool],
-             tensor_nodes: Iterable[str], saved_frees: bool = True) -> Liveness:
-    """Live-set of activations at each candidate peak of the forward pass.
+             tensor_nodes: Iterable[str], saved_frees: bool = True,
+             needs_grad: Mapping[str, bool] | None = None) -> Liveness:
+    """Live-set of activations at each candidate peak of the forward pass and, given `needs_grad`
+    (node -> its output gets a gradient), of the backward (module docstring).
 
     nodes: topological order; is_view[n]: n's output aliases its first input; saves_inputs[n]:
     n keeps its inputs for the backward; tensor_nodes: call_function nodes producing tensors.
@@ -112,5 +148,16 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
             points.append(live)
             names.append(nodes[min(t, last - 1)].name)
             where.append(t)
+    grads: list[tuple[str, ...]] = [()] * len(points)
+    if needs_grad is not None:
+        first_saver = {o: min(pos[s] for s in ss) for o, ss in savers.items()}
+        for i in range(last - 1, -1, -1):          # the backward, in the order it runs
+            n = nodes[i]
+            if n.name not in tensor_nodes or not needs_grad.get(n.name) or is_view.get(n.name):
+                continue
+            points.append(tuple(o for o in owners if first_saver.get(o, last) <= i))
+            grads.append(tuple(o for o in owners if needs_grad.get(o) and pos[o] <= i <= fwd_end[o]))
+            names.append(n.name)
+            where.append(2 * last - i)
     return Liveness(owners, tuple(points), tuple(names), tuple(where), {o: pos[o] for o in owners}, fwd_end, end,
-                    {o: tuple(v) for o, v in savers.items()}, last)
+                    {o: tuple(v) for o, v in savers.items()}, last, tuple(grads), pos)

@@ -50,10 +50,9 @@ class Evaluation:
     compute_s: float                  # forward + backward compute of every op
     comm_s: float                     # resharding, forward and the gradients' way back
     family_s: dict[str, float]        # seconds each family adds (recompute, re-gather, offload transfers)
-    peak_bytes: float                 # per device: the largest of the forward points and backward rows
+    peak_bytes: float                 # per device: the largest of the points and the state after the backward
     state_bytes: float                # parameters, gradients and optimizer state kept on the device
-    points: tuple                     # bytes at each liveness point (forward)
-    backward: dict[str, float] = field(default_factory=dict)      # bytes of each backward row
+    points: tuple                     # bytes at each liveness point (forward and backward)
     tiers: dict[str, float] = field(default_factory=dict)         # bytes held in "host" and "disk"
     freed_bytes: dict[str, float] = field(default_factory=dict)   # family -> bytes it frees at the peak point
     grad_sync_s: float = 0.0          # the part of comm_s that synchronises parameter gradients
@@ -130,12 +129,9 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if on.get(c.gate[0]) == c.gate[1]:
             fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
-    freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if any(on.get(g) == i for g, i in f.gates)]
+    freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
     positions = problem.live.positions
     points = [pt - ssum(b for f, b in freed if f.after < t <= f.until) for pt, t in zip(points, positions)]
-    end = points[-1] if points else state
-    backward = {key: end + ssum(b for f, b in freed if f.back == key and any(on.get(g) == i for g, i in f.returns))
-                for key in fam.backs}
     tiers: dict[str, float] = {}
     for h in fam.held:
         if on.get(h.gate[0]) == h.gate[1]:
@@ -144,7 +140,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.scaling`): no one peak
         peak, at = None, -1
     else:
-        peak = smax(state_dev, *points, *backward.values())
+        peak = smax(state_dev, *points)
         at = max(range(len(points)), key=lambda i: points[i]) if points else -1
     by_family: dict[str, float] = {}
     for f, b in freed:
@@ -154,7 +150,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
-                      tuple(points), backward, tiers, by_family, grad_sync_total(problem, choice),
+                      tuple(points), tiers, by_family, grad_sync_total(problem, choice),
                       optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
                       nodes)
 
@@ -218,20 +214,41 @@ def picked_edges(p: Problem, choice: Mapping[str, int]):
 
 
 def memory_points(p: Problem, choice: Mapping[str, int]):
-    """(training state bytes, total bytes at each liveness point of the forward) under a layout
-    choice, before any family frees anything. The forward has no gradients yet (the optimizer's
-    zero_grad sets them to None): its points count the state less them; the state in full is the
-    memory after the backward."""
-    picked = [(e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)]
+    """(training state bytes, total bytes at each liveness point of the step) under a layout
+    choice, before any family frees anything (`cost_model.memory`: forward and backward points).
+    No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
+    forward's points count the state less them, a backward point the parameter gradients made so
+    far and the activation gradients in flight; the state in full is the memory after the backward."""
+    live = p.live
+    picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
+                    key=lambda x: x[0])
     state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
-    fwd_state = state - ssum(d.grad_bytes[choice[d.leader]] for d in p.decisions.values() if d.grad_bytes)
+    grads = sorted(((p.grad_since(n), d.grad_bytes[choice[d.leader]]) for n, d in p.decisions.items()
+                    if d.grad_bytes), key=lambda x: x[0])
+    fwd_state = state - ssum(b for _, b in grads)
+    copies, copy_at = _prefix([b for _, b, _ in picked]), [pos for pos, _, _ in picked]
+    made, made_at = _prefix([b for _, b in grads]), [since for since, _ in grads]
+    temps: dict = {}
+    for pos, _, t in picked:
+        temps[pos] = temps.get(pos, 0.0) + t
     points = []
-    for live, where in zip(p.live.points, p.live.positions):
-        acts = ssum(p.decisions[n].act_bytes[choice[p.decisions[n].leader]] for n in live)
-        copies = ssum(b for pos, b, _ in picked if pos <= where)
-        temps = ssum(t for pos, _, t in picked if pos == where)
-        points.append(fwd_state + acts + copies + temps)
+    for owners, flight, where in zip(live.points, live.grads or [()] * len(live.points), live.positions):
+        acts = ssum(act_bytes(p, n, choice) for n in (*owners, *flight))
+        total = fwd_state + acts + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
+        points.append(total + made[bisect_right(made_at, where)] if where > live.last else total)
     return state, points
+
+
+def _prefix(values) -> list:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def act_bytes(p: Problem, name: str, choice: Mapping[str, int]):
+    d = p.decisions[name]
+    return d.act_bytes[choice[d.leader]]
 
 
 def effective_options(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int]) -> dict[str, int]:
@@ -311,7 +328,7 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
                           max(s.done_s for s in stages))
     sync = sums(ch.sync, slow)
     return Evaluation(m * sums(ch.comp, slow), m * (sums(ch.comm, slow) - sync) + sync, family, mem.peak[top],
-                      mem.state[top], tuple(mem.points[top]), mem.backward[top], mem.tiers[top], {},
+                      mem.state[top], tuple(mem.points[top]), mem.tiers[top], {},
                       max(s.grad_sync_s for s in stages), max(s.optimizer_s for s in stages),
                       m * sums(ch.runtime, slow), sum(k for _, k in node_modules(problem, choice)), price)
 
@@ -448,61 +465,55 @@ class _RankMemory:
     saved: list
     in_flight: list
     peak: list
-    points: list           # per rank: bytes at each forward point, in-flight microbatches included
-    backward: list         # per rank: backward row -> bytes
+    points: list           # per rank: bytes at each point of the step, in-flight microbatches included
     tiers: list            # per rank: tier -> bytes
     offloaded: set
 
 
 def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, grads: list, pipe) -> _RankMemory:
-    p, fam = pipe.stages, problem.families
+    """Per rank: `memory_points` over the nodes its chunks hold, plus `in_flight - 1` more
+    microbatches of what they save (at the end of the forward) at every point of the step."""
+    p, fam, live = pipe.stages, problem.families, problem.live
     member, term = chunks
     rank = lambda c: c % p  # noqa: E731
     last = pipe.stages * pipe.virtual_stages - 1
-    positions = problem.live.positions
-    picked = [(e.dst_pos, rank(last if e.dst == "output" else chunk_of[e.dst]), e.saved[a][b],
-               e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(problem, choice)]
-    freed = [(f, f.expr.value(problem, choice), rank(term(f.expr))) for f in fam.freed
-             if any(on.get(g) == i for g, i in f.gates)]
-    n_pts = len(positions)
-    step = [[0.0] * (n_pts + 1) for _ in range(p)]     # per rank: changes from a point on (prefix sums)
-    first_at = lambda pos: bisect_left(positions, pos)  # noqa: E731 - the first point at or after pos
-    first_after = lambda pos: bisect_right(positions, pos)  # noqa: E731
-    at_point = {w: t for t, w in enumerate(positions)}
+    positions, n_pts = live.positions, len(live.positions)
     acts = [[0.0] * n_pts for _ in range(p)]
-    for pos, r, kept, temp in picked:
-        step[r][first_at(pos)] += kept
-        if temp and pos in at_point:
-            acts[r][at_point[pos]] += temp
-    for f, b, r in freed:
-        step[r][first_after(f.after)] -= b
-        step[r][first_after(f.until)] += b
-    for t, live in enumerate(problem.live.points):
-        for n in live:
-            d = problem.decisions[n]
-            acts[rank(chunk_of[n])][t] += d.act_bytes[choice[d.leader]]
-    for r in range(p):
-        run = 0.0
-        for t in range(n_pts):
-            run += step[r][t]
-            acts[r][t] += run
-    groups = {g.key: g for g in fam.groups}
+    for t, (owners, flight) in enumerate(zip(live.points, live.grads or [()] * n_pts)):
+        for n in (*owners, *flight):
+            acts[rank(chunk_of[n])][t] += act_bytes(problem, n, choice)
+    copies: list[list] = [[] for _ in range(p)]
+    for e, a, b in picked_edges(problem, choice):
+        r = rank(last if e.dst == "output" else chunk_of[e.dst])
+        copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
+    made: list[list] = [[] for _ in range(p)]
+    for n, d in problem.decisions.items():
+        if d.grad_bytes:
+            made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
+    freed = [(f, f.expr.value(problem, choice), rank(term(f.expr))) for f in fam.freed if f.frees(on)]
+    fwd_end = max((t for t, w in enumerate(positions) if w <= live.last), default=-1)
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
-    out = _RankMemory([], [], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
+    groups = {g.key: g for g in fam.groups}
+    out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     for r in range(p):
+        cs = sorted(copies[r], key=lambda x: x[0])
+        kept, kept_at = _prefix([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
+        temps: dict = {}
+        for pos, _, tmp in cs:
+            temps[pos] = temps.get(pos, 0.0) + tmp
+        ms = sorted(made[r], key=lambda x: x[0])
+        grown, grown_at = _prefix([b for _, b in ms]), [since for since, _ in ms]
+        mine = [(f, b) for f, b, q in freed if q == r]
+        one = []
+        for t, where in enumerate(positions):
+            x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
+            x -= sum(b for f, b in mine if f.after < where <= f.until)
+            one.append(x + grown[bisect_right(grown_at, where)] if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
-        saved = acts[r][-1] if positions else 0.0
+        saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]
-        pts = [fwd_state + x + (k - 1) * saved for x in acts[r]]
-        back = {}
-        for key in fam.backs:
-            layer = key.partition(":")[2]
-            grp = next((g for g in fam.groups if g.family == "recompute" and layer in g.members), None)
-            if grp is None or not any(rank(member(x)) == r for x in grp.members):
-                continue
-            back[key] = fwd_state + k * saved + sum(b for f, b, _ in freed if f.back == key and
-                                                    any(on.get(g) == i for g, i in f.returns))
+        pts = [fwd_state + x + (k - 1) * saved for x in one]
         device_state = st[r] - sum(b for f, b, q in freed if q == r and f.after < 0)
         tiers: dict[str, float] = {}
         for h in fam.held:
@@ -513,7 +524,6 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         out.saved.append(saved)
         out.in_flight.append(k)
         out.points.append(pts)
-        out.backward.append(back)
         out.tiers.append(tiers)
-        out.peak.append(max(device_state, *pts, *back.values()))
+        out.peak.append(max(device_state, *pts))
     return out

@@ -7,11 +7,12 @@ linear in the layout choice:
 
 * `Cost`: seconds added to the step when a group takes an option, clamped at 0 (a transfer
   hidden behind compute costs nothing), times `count` (the linked layers it stands for);
-* `Freed`: bytes the device stops holding at the forward points in (after, until] when any of
-  its `gates` is on (a saved activation recomputed or offloaded, a gathered parameter copy
-  freed after use; an item is freed once, whichever gates free it), held again in the backward
-  row `back` (the layer's backward) when one of its `returns` gates is on (a recomputed layer's
-  tensors all exist again at once; offloaded ones are fetched one op at a time and are not);
+* `Freed`: bytes the device stops holding at the points of the step's timeline in (after, until]
+  (`cost_model.memory`: forward positions, then each op's backward) when any of its `gates` is
+  on: a saved activation recomputed or offloaded (held again from its layer's backward on), a
+  gathered parameter copy freed after use (gathered again for its consumer's backward), optimizer
+  state kept off the device (the whole step). An item is freed once, whichever gates free it,
+  and not when one of its `unless` gates is on;
 * `Held`: bytes another tier ("host", "disk") holds when an option is on, against that tier's
   capacity.
 
@@ -83,12 +84,15 @@ class Cost:
 class Freed:
     expr: Expr                    # bytes per device
     gates: tuple[Gate, ...]
-    after: int                    # freed at forward points with position > after ...
-    until: int                    # ... and <= until
-    back: str | None = None       # the backward row it is held again in ...
+    after: int                    # freed at points with timeline position > after ...
+    until: int                    # ... and <= until (after < 0: from the start of the step)
     what: str = ""
     key: str = ""                 # the item: terms with one key free the same bytes
-    returns: tuple[Gate, ...] = ()   # ... under these gates
+    unless: tuple[Gate, ...] = ()    # not freed when one of these is on (another family brought it back)
+
+    def frees(self, on: Mapping[str, int]) -> bool:
+        """Is it freed under the options `on` (group key -> option)?"""
+        return any(on.get(g) == i for g, i in self.gates) and not any(on.get(g) == i for g, i in self.unless)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +117,6 @@ class Families:
         self.costs += other.costs
         self.freed += other.freed
         self.held += other.held
-
-    @property
-    def backs(self) -> list[str]:
-        """The backward rows: `Freed.back` of the items that can come back there, in order."""
-        return list(dict.fromkeys(f.back for f in self.freed if f.back is not None and f.returns))
 
     def family_of(self) -> dict[str, str]:
         """group key -> its family's name."""

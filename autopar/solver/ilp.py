@@ -29,8 +29,9 @@ optimizer step and the runtime's per-node cost, which the layouts barely move.
 
 The other decision families (recomputation, residency, offload) add option variables g, gated
 cost terms w, freed bytes z and tier bytes v, rows (G)-(L): `ilp_terms.py` states them. (D) then
-also has one row per backward row of a family (a recomputed layer's backward) and subtracts the
-bytes freed at each point; the objective adds the families' seconds.
+subtracts the bytes freed at each point; the objective adds the families' seconds. The points t
+run over the whole step (`cost_model.memory`): the backward's points also hold the gradients in
+flight and the parameter gradients made so far, and keep a copy k[e] until its consumer's backward.
 
 The model is written as arrays (`mip.py`) and solved by HiGHS through highspy (CBC through pulp
 where highspy is missing), starting from the best heuristic plan (`heuristic.py`): that plan is
@@ -183,10 +184,12 @@ class StrategyILP:
             self.m.cost[j] += c
 
     def memory_rows(self) -> list[dict[int, float]]:
-        """Per-device memory at every liveness point, in GiB (rows in bytes, 1e9-1e11 next to 0/1
-        variables, trip the solver's tolerances). Built in one sweep over the points: between
-        neighbours only the activations defined or freed, and the copies kept since, change."""
-        p = self.p
+        """Per-device memory at every liveness point, forward and backward (`cost_model.memory`), and
+        after the backward, in GiB (rows in bytes, 1e9-1e11 next to 0/1 variables, trip the solver's
+        tolerances). Built in one sweep over the points in timeline order: between neighbours only
+        the activations and gradients that appear or go, the copies kept for backwards not yet run,
+        and the parameter gradients made, change."""
+        p, live = self.p, self.p.live
         params = [n for n, d in p.decisions.items() if d.kind == "param"]
         whole: dict = {}                 # after the backward: every gradient exists, no activation
         self._node_terms(whole, "state_bytes", params)
@@ -195,31 +198,36 @@ class StrategyILP:
         state: dict = {}                 # in the forward: no gradient yet (zero_grad sets them to None)
         self._node_terms(state, "state_bytes", params)
         self._node_terms(state, "grad_bytes", params, -1.0)
-        if not p.live.points:
+        if not live.points:
             return [{v: c / GIB for v, c in whole.items()}]
         acts: dict = {}
-        live: set[str] = set()
+        owners: set[str] = set()
+        flight: set[str] = set()
         kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
+        made = sorted((p.grad_since(n), n) for n in params if p.decisions[n].grad_bytes)
         copies: dict = {}
+        grads: dict = {}
         temps_at: dict[int, list[int]] = {}
         for k, e in enumerate(p.edges):
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
-        nk = 0
+        nk = nm = 0
         rows = []
-        for members, where in zip(p.live.points, p.live.positions):
-            now = set(members)
-            self._add_nodes(acts, live - now, -1.0)
-            self._add_nodes(acts, now - live, 1.0)
-            live = now
-            while nk < len(kept) and kept[nk][0] <= where:
-                k = kept[nk][1]
-                kv = self.copy_bytes.get(self.group_of[k])
-                if kv is None:
-                    self.add_edge_terms(copies, k, p.edges[k].saved)
-                else:
-                    copies[kv] = copies.get(kv, 0.0) + GIB    # k is in GiB already
+        for members, inflight, where in zip(live.points, live.grads or [()] * len(live.points), live.positions):
+            for before, now in ((owners, set(members)), (flight, set(inflight))):
+                self._add_nodes(acts, before - now, -1.0)
+                self._add_nodes(acts, now - before, 1.0)
+            owners, flight = set(members), set(inflight)
+            reach = live.mirror(where)
+            while nk < len(kept) and kept[nk][0] <= reach:      # copies made in the forward ...
+                self._copy_terms(copies, kept[nk][1], 1.0)
                 nk += 1
+            while nk > 0 and kept[nk - 1][0] > reach:          # ... and freed after their backward
+                nk -= 1
+                self._copy_terms(copies, kept[nk][1], -1.0)
+            while where > live.last and nm < len(made) and made[nm][0] <= where:
+                self._node_terms(grads, "grad_bytes", [made[nm][1]])
+                nm += 1
             temps: dict = {}
             for k in temps_at.get(where, ()):
                 uv = self.temp_bytes.get(self.group_of[k])
@@ -228,15 +236,21 @@ class StrategyILP:
                 else:
                     temps[uv] = temps.get(uv, 0.0) + GIB    # u is in GiB already
             total = dict(state)
-            for part in (acts, copies, temps):
+            for part in (acts, copies, temps, grads):
                 for v, c in part.items():
                     total[v] = total.get(v, 0.0) + c
             for z, n in self.terms.freed_at(where).items():
                 total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
             rows.append(total)
-        rows += self.terms.backward_rows(rows[-1]).values()
         rows.append(whole)
         return [{v: c / GIB for v, c in row.items() if abs(c) > 1e-6} for row in rows]
+
+    def _copy_terms(self, coef: dict, k: int, sign: float) -> None:
+        kv = self.copy_bytes.get(self.group_of[k])
+        if kv is None:
+            self.add_edge_terms(coef, k, self.p.edges[k].saved, sign)
+        else:
+            coef[kv] = coef.get(kv, 0.0) + sign * GIB    # k is in GiB already
 
     def _add_nodes(self, coef: dict, names, sign: float) -> None:
         for name in sorted(names):
@@ -304,6 +318,8 @@ class StrategyILP:
                 val[j] = val[d.product[0]] * val[d.product[1]]
                 continue
             if d.gates is not None and not any(val[g] > 0.5 for g in d.gates):
+                continue
+            if any(val[g] > 0.5 for g in d.unless):
                 continue
             v = d.const + sum(c * val[i] for i, c in d.coef.items())
             val[j] = max(0.0, v) if d.clamp else v

@@ -4,11 +4,11 @@ Variables, beside the layout family's x and y (`ilp.py`):
     g[G,o]   binary, one per allowed option o of group G;  (G) sum_o g[G,o] = 1
     p[v,g]   in [0, 1], the product of a layout variable v (x or y) and an option g, exactly:
              (M) p <= v, p <= g, p >= v + g - 1
-    z[f]     >= 0, GiB freed by item f;                    (I) z[f] <= E_f(x,y),  (J) z[f] <= sum_{gates} E_f(p)
+    z[f]     >= 0, GiB freed by item f;                    (I) z[f] <= E_f(x,y),  (J) z[f] <= sum_{gates} E_f(p),
+             (K') z[f] <= E_f(x,y) - sum_{unless} E_f(p): not freed when an `unless` gate is on
 E is linear in the layout variables (Expr) and E(p) is E with every variable v replaced by p[v,g] and
 its constant by constant * g: E when the option is on, 0 when off. Objective: + sum_c count_c E_c(p).
-Memory rows (D) at forward point t: - sum_{f: after_f < t <= until_f} z[f]; backward row b: the last
-forward row + sum_{f: back_f = b} z[f]; (L) tier[T]: sum_h count_h E_h(p) <= capacity_T. A cost term
+Memory rows (D) at point t (forward or backward): - sum_{f: after_f < t <= until_f} z[f]; (L) tier[T]: sum_h count_h E_h(p) <= capacity_T. A cost term
 that could be negative is clamped at 0 through a variable (H) w >= E(p), w >= 0. A group with one
 allowed option has no variables: its gates are constants. The products keep the LP relaxation
 tight (a big-M form, z <= M g, left the solver to branch over thousands of nodes on small models). Terms that are the same function of the
@@ -41,7 +41,7 @@ class FamilyTerms:
         self.z: list[tuple] = []       # (Freed, z variable) for items some allowed gate can free
         shared: dict = {}
         for k, f in enumerate(fam.freed):
-            key = self._signature(f.expr, f.gates)
+            key = self._signature(f.expr, (f.gates, f.until if f.unless else None, f.unless))
             if key not in shared:
                 shared[key] = self._freed_var(k, f)
             if shared[key] is not None:
@@ -125,25 +125,33 @@ class FamilyTerms:
 
     def _freed_var(self, k: int, f):
         gates = [self.gate(gt) for gt in f.gates]
-        if all(kind == "off" for kind, _ in gates):
+        unless = [self.gate(gt) for gt in f.unless]
+        if all(kind == "off" for kind, _ in gates) or any(kind == "on" for kind, _ in unless):
             return None
         coef = self.coef(f.expr, 1.0 / GIB)
         gated = not any(kind == "on" for kind, _ in gates)
         z = self.ilp.add_aux(Defined(coef, f.expr.const / GIB,
-                                     tuple(g for kind, g in gates if kind == "var") if gated else None, clamp=True))
+                                     tuple(g for kind, g in gates if kind == "var") if gated else None, clamp=True,
+                                     unless=tuple(g for kind, g in unless if kind == "var")))
         row = {z: 1.0}
         for v, c in coef.items():
             row[v] = row.get(v, 0.0) - c
         self.ilp.m.add_row(row, -INF, f.expr.const / GIB)                 # (I)
         if gated:
-            cap = {z: 1.0}
-            for gt in f.gates:
-                terms = self.gated(f.expr, gt, 1.0 / GIB)
-                if terms is not None:
-                    for v, c in terms[0].items():
-                        cap[v] = cap.get(v, 0.0) - c
-            self.ilp.m.add_row(cap, -INF, 0.0)                                # (J)
+            self.ilp.m.add_row(self._gated_sum(z, f.expr, f.gates, -1.0), -INF, 0.0)          # (J)
+        if any(kind == "var" for kind, _ in unless):      # (K') z <= E - sum_unless E(p)
+            self.ilp.m.add_row(self._gated_sum(dict(row), f.expr, f.unless, 1.0), -INF, f.expr.const / GIB)
         return z
+
+    def _gated_sum(self, row, expr: Expr, gates, sign: float) -> dict:
+        """row + sign * sum_{gates} E(p): E where a gate is on (at most one of them is)."""
+        row = {row: 1.0} if isinstance(row, int) else row
+        for gt in gates:
+            terms = self.gated(expr, gt, 1.0 / GIB)
+            if terms is not None:
+                for v, c in terms[0].items():
+                    row[v] = row.get(v, 0.0) + sign * c
+        return row
 
     def objective_terms(self, coef: dict) -> None:
         for grp in self.fam.groups:
@@ -157,30 +165,13 @@ class FamilyTerms:
                     coef[v] = coef.get(v, 0.0) + count * x
 
     def freed_at(self, t: int, throughout: bool = False) -> dict:
-        """z variable -> how many items it stands for that are freed at forward point t (or, with
+        """z variable -> how many items it stands for that are freed at point t (or, with
         `throughout`, for the whole step: optimizer state kept off the device)."""
         out: dict = {}
         for f, z in self.z:
             if (f.after < 0 if throughout else f.after < t <= f.until):
                 out[z] = out.get(z, 0) + 1
         return out
-
-    def backward_rows(self, end_row: dict) -> dict[str, dict]:
-        """Each backward row: the end of the forward plus what comes back there (E_f when one of
-        the item's `returns` gates is on)."""
-        rows = {}
-        for key in self.fam.backs:
-            row = dict(end_row)
-            for f in self.fam.freed:
-                if f.back != key:
-                    continue
-                for gt in f.returns:
-                    terms = self.gated(f.expr, gt, 1.0)
-                    if terms is not None:
-                        for v, c in terms[0].items():
-                            row[v] = row.get(v, 0.0) + c
-            rows[key] = row
-        return rows
 
     def add_tiers(self, capacity: dict[str, float]) -> None:
         """(L): what the host and disk tiers hold fits their capacity per device."""

@@ -38,6 +38,7 @@ class Defined:
     gates: tuple[int, ...] | None = None
     clamp: bool = False
     product: tuple[int, int] | None = None      # instead: the product of these two columns
+    unless: tuple[int, ...] = ()                 # and 0 when one of these is on
 
 
 @dataclass(slots=True)

@@ -91,6 +91,13 @@ class Problem:
     families: Families = field(default_factory=lambda: Families())   # decisions beyond layouts (families.py)
     layer: dict[str, str] = field(default_factory=dict)  # node -> its layer (`passes.layers.layer_key`)
     optimizer: str = "adamw"
+    # parameter -> forward position of its last consumer: its gradient exists from that op's backward
+    # on (a parameter no edge reaches, from the start of the backward)
+    grad_from: dict[str, int] = field(default_factory=dict)
+
+    def grad_since(self, name: str) -> int:
+        """The timeline position from which parameter `name`'s gradient exists."""
+        return self.live.backward_of(self.grad_from.get(name, self.live.last))
 
     def n_choices(self, leader: str) -> int:
         return len(self.decisions[leader].strategies)
@@ -363,14 +370,18 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves)
     order = [n.name for n in nodes if n.name in decisions]
     op_nodes = [n for n in nodes if n.name in decisions and decisions[n.name].kind == "op"]
-    live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes], saved_frees=saved_frees)
+    live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes], saved_frees=saved_frees, needs_grad=ng)
     op_pos = {n.name: i for i, n in enumerate(op_nodes)}
+    grad_from: dict[str, int] = {}
     for e in edges:
         e.dst_pos = op_pos.get(e.dst, len(op_nodes))
+        if decisions[e.src].kind == "param":
+            grad_from[e.src] = max(grad_from.get(e.src, -1), e.dst_pos)
     leaders = [n for n in order if decisions[n].leader == n]
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
     layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
-    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer)
+    return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer,
+                   grad_from=grad_from)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:

@@ -25,15 +25,26 @@ def add_families(problem: Problem, *, recompute_mode: str = "auto", residency_mo
 
 
 def merge_freed(fam: Families) -> Families:
-    """One `Freed` per item: families that free the same bytes (an activation recomputed or offloaded)
-    add their gates to one item, so its bytes are freed once."""
-    by_key: dict[str, Freed] = {}
+    """One `Freed` per item and window: families that free the same bytes (an activation recomputed or
+    offloaded, a gathered copy re-gathered or recomputed) add their gates to one item, so its bytes
+    are freed once. Where they bring it back at different points (a recomputed layer's tensors all at
+    its backward's start, an offloaded one when its op's backward needs it), the item is split: up to
+    the earlier point under any gate, after it under the later family's gates unless the earlier's
+    are on."""
+    by_key: dict[str, list[Freed]] = {}
     for f in fam.freed:
-        old = by_key.get(f.key)
-        if old is None:
-            by_key[f.key] = f
-        else:
-            by_key[f.key] = replace(old, gates=old.gates + f.gates, back=old.back or f.back,
-                                    returns=old.returns + f.returns)
-    fam.freed = list(by_key.values())
+        by_key.setdefault(f.key, []).append(f)
+    out = []
+    for items in by_key.values():
+        items.sort(key=lambda f: f.until)
+        first = items[0]
+        out.append(replace(first, gates=tuple(g for f in items for g in f.gates)))
+        for k in range(1, len(items)):
+            f = items[k]
+            if f.until > items[k - 1].until:
+                if len({g for e in items[:k] for g, _ in e.gates}) > 1:     # (K') needs them exclusive
+                    raise ValueError(f"{f.key}: brought back at different points by more than two families")
+                out.append(replace(f, after=max(f.after, items[k - 1].until), key=f"{f.key}@{items[k - 1].until}",
+                                   unless=tuple(g for e in items[:k] for g in e.gates)))
+    fam.freed = out
     return fam

@@ -48,12 +48,12 @@ def layer_groups(problem: Problem) -> LayerGroups:
     return LayerGroups({k: tuple(v) for k, v in nodes.items()}, rep, {k: tuple(v) for k, v in members.items()})
 
 
-def back_row(groups: LayerGroups, layer: str | None) -> str | None:
-    """The backward memory row of `layer`: one per group, taken at its first layer (the group's
-    layers are alike, so one row stands for all)."""
-    if layer is None or layer not in groups.rep:
-        return None
-    return f"backward:{layer}" if groups.members[groups.rep[layer]][0] == layer else None
+def before_backward(problem: Problem, groups: LayerGroups, layer: str) -> int:
+    """The last timeline point before `layer`'s backward starts (its last op's backward): what the
+    layer frees until then exists again for its backward (recomputed, or fetched back)."""
+    live = problem.live
+    ops = [live.op_pos[n] for n in groups.nodes[layer] if n in live.op_pos]
+    return live.backward_of(max(ops)) - 1 if ops else live.last      # no op: the layer frees nothing
 
 
 def saved_only_in(problem: Problem) -> dict[str, list[str]]:

@@ -1,8 +1,8 @@
 """Offload to host memory or disk (`Plan.offload`), per layer and tensor class.
 
 * "activations:<layer>": the tensors the layer saves for its backward are copied out as they
-  are saved and freed on the device after their last forward use, then fetched back for the
-  layer's backward (saved-tensor hooks). The copies are priced as the runtime makes them
+  are saved and freed on the device after their last forward use, then fetched back when an op's
+  backward first needs one (saved-tensor hooks). The copies are priced as the runtime makes them
   (`runtime/offload.py`): synchronously, each way, with each copy's latency (copies on a side
   stream overlapping compute are not built yet, so no overlap is assumed).
 * "optimizer:<layer or parameter>": optimizer state and, in mixed precision, the fp32 master
@@ -18,7 +18,7 @@ from __future__ import annotations
 from ...plan import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
-from .common import allowed_options, back_row, layer_groups, saved_only_in
+from .common import allowed_options, layer_groups, saved_only_in
 
 HOST, DISK = 1, 2
 # the host step casts each gradient to fp32 on the host (runtime/optimizer.py MASTER_DTYPE), whatever
@@ -72,8 +72,10 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
         items = saved.get(layer, [])
         gates = tuple((key, t) for t in allowed if t)
         for o in items:
+            # fetched back when the first of its savers to run its backward needs it
+            until = live.backward_of(max(live.op_pos[s] for s in live.savers[o])) - 1
             fam.freed.append(Freed(Expr(((o, tuple(problem.decisions[o].act_bytes)),)), gates, live.fwd_end[o],
-                                   live.last, back_row(groups, layer), f"activation {o} of {layer}", f"act:{o}"))
+                                   until, f"activation {o} of {layer}", f"act:{o}"))
         if layer != rep:
             continue
         held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
@@ -96,7 +98,7 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
         held = opt if d.mixed else Expr(((n, tuple(o + g for o, g in zip(d.opt_bytes, d.grad_bytes))),))
         # while the host steps, the gradient waits there in fp32 (ZeRO-Offload's fp32 gradient buffer)
         in_transit = Expr(((n, tuple(HOST_STEP_GRAD_ITEMSIZE * e for e in d.elements)),))
-        fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.last, None,
+        fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.step_end,
                                f"optimizer state of {d.fqn}", f"opt:{n}"))
         # gradient out, parameter back: param + grad bytes = state - optimizer part
         moved = tuple((s - o) / host.bandwidth + e * prof.host_optimizer_element_time

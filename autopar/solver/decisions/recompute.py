@@ -5,7 +5,7 @@
   collectives inside it, parameter gathers included) runs again before its backward;
 * selective: as full, but the outputs of matrix multiplications are kept
   (`cost_model.recompute.SELECTIVE_SAVED_OPS`), so only the other ops run again;
-* during the layer's backward its freed tensors exist again (`Freed.back`).
+* from the layer's backward on, its freed tensors exist again (the `Freed` window ends there).
 The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import allowed_options, back_row, layer_groups, saved_only_in
+from .common import allowed_options, before_backward, layer_groups, saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -34,7 +34,7 @@ def build(problem: Problem, setting: str) -> Families:
                       Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
         for layer in layers:
             fam.freed += freed_in(problem, layer, groups.nodes[layer], saved.get(layer, ()), key,
-                                  back_row(groups, layer))
+                                  before_backward(problem, groups, layer))
     return fam
 
 
@@ -52,9 +52,10 @@ def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
     return Expr(tuple(full), comm), Expr(tuple(sel), comm)
 
 
-def freed_in(problem: Problem, layer: str, names, saved, key: str, back: str | None) -> list[Freed]:
-    """What recomputing `layer` frees: tensors it made and only it saves (`saved`: what only it
-    saves), and parameter copies gathered for its ops (gathered again when it runs again)."""
+def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int) -> list[Freed]:
+    """What recomputing `layer` frees until its backward (timeline position `until`): tensors it
+    made and only it saves (`saved`: what only it saves), and parameter copies gathered for its
+    ops (gathered again when it runs again)."""
     live, inside = problem.live, set(names)
     out = []
     for o in saved:
@@ -62,18 +63,17 @@ def freed_in(problem: Problem, layer: str, names, saved, key: str, back: str | N
             continue
         d = problem.decisions[o]
         gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
-        out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], live.last, back,
-                         f"activation {o} of {layer}", f"act:{o}", returns=gates))
+        out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], until,
+                         f"activation {o} of {layer}", f"act:{o}"))
     for k, e in enumerate(problem.edges):
         if e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "param":
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), back, returns=True))
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until))
     return out
 
 
-def copy_freed(problem: Problem, k: int, gates, back: str | None, returns: bool) -> Freed:
+def copy_freed(problem: Problem, k: int, gates, until: int) -> Freed:
     """The gathered copy edge k keeps for its consumer's backward, freed after the consumer runs
-    (`returns`: all there again in the backward row, as when its layer is recomputed)."""
+    and gathered again at timeline position `until` + 1."""
     e = problem.edges[k]
-    return Freed(Expr((), ((k, tuple(map(tuple, e.saved))),)), tuple(gates), e.dst_pos, problem.live.last, back,
-                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}",
-                 returns=tuple(gates) if returns else ())
+    return Freed(Expr((), ((k, tuple(map(tuple, e.saved))),)), tuple(gates), e.dst_pos, until,
+                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ...plan import RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
-from .common import allowed_options, back_row, layer_groups
+from .common import allowed_options, layer_groups
 from .recompute import copy_freed
 
 REGATHER = 1
@@ -42,8 +42,8 @@ def build(problem: Problem, setting: str) -> Families:
         for p in params:
             for k in copies[p]:
                 e = problem.edges[k]
-                fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), back_row(groups, problem.layer.get(e.dst)),
-                                            returns=False))
+                # gathered again for the consumer's backward
+                fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), problem.live.backward_of(e.dst_pos) - 1))
                 fam.costs.append(Cost(Expr((), ((k, tuple(map(tuple, e.fwd))),)), (key, REGATHER), 1.0,
                                       f"re-gather {problem.decisions[p].fqn} for {e.dst}"))
     return fam
