@@ -7,13 +7,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import AutoparError, PlanFileError, PlanMismatchError
+from .errors import AutoparError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
 from .progress import PhaseProgress
+from .pipeline_search import search_pipeline
 from .passes.stages import microbatch
-from .pipelining import make_pipelined_plan, pipeline_of, plan_with_pipeline
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
 
@@ -49,10 +49,10 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
-    pipeline: None or False (no pipeline), or dict(axis=, stages=, microbatches=, schedule=,
-        virtual_stages=1): pipeline stages along mesh axis `axis` (`stages` = its size), the batch split
-        into `microbatches`, run by `schedule` ("gpipe", "1f1b", "interleaved" with virtual_stages > 1,
-        "zb"); the layers are cut evenly (`plan.pipeline`).
+    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). A dict fixes the keys it gives
+        (axis, stages, virtual_stages, microbatches, schedule) and the planner chooses the rest, with
+        "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything; the
+        search solves one ILP per pipeline axis and microbatch count); None or False: no pipeline.
     """
     show = sys.stderr.isatty() if progress is None else progress
     with PhaseProgress() if show else contextlib.nullcontext() as phases:
@@ -60,10 +60,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
                            sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
                            precision=precision, pipeline=pipeline)
-        pipe = pipeline_of(opts, mesh)
-        if pipe is not None:
-            return make_pipelined_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts, pipe)
-        return make_plan(model, _as_tuple(example_inputs), example_kwargs, mesh, opts)
+        args = _as_tuple(example_inputs)
+        if isinstance(pipeline, Mapping):
+            return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)
+        if pipeline is not None and pipeline is not False:
+            raise PlanOptionError(f"pipeline={pipeline!r}: give None, False or a dict such as dict(axis='pp')")
+        return make_plan(model, args, example_kwargs, mesh, opts)
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
@@ -90,15 +92,14 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
         watch_mesh(device_mesh, collective_timeout)
     args, kwargs = _as_tuple(example_inputs), example_kwargs
     plan_opts = PlanOptions(**options) if plan is None else None
-    pipe = pipeline_of(plan_opts, mesh) if plan is None else (plan.pipeline if plan.pipeline.stages > 1 else None)
-    if pipe is not None:     # a pipelined plan runs, and is planned, on one microbatch
+    if plan is None and isinstance(plan_opts.pipeline, Mapping):     # searched and priced as `plan()` does
+        plan = planned_on_rank0(lambda: search_pipeline(model, args, kwargs, mesh, plan_opts, plan_opts.pipeline))
+    pipe = plan.pipeline if plan is not None and plan.pipeline.stages > 1 else None
+    if pipe is not None:     # a pipelined plan runs on one microbatch
         args, kwargs = microbatch(args, kwargs, pipe.microbatches)
     cap = capture(model, args, kwargs)
-    source = (model, args, kwargs)     # for the plan's symbolic costs
-    if plan is None and pipe is not None:
-        plan = planned_on_rank0(lambda: plan_with_pipeline(cap, mesh, plan_opts, pipe, source))
-    elif plan is None:
-        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
+    if plan is None:
+        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=(model, args, kwargs)))
     else:
         check_plan(plan, cap, mesh)
     if pipe is not None:

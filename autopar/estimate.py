@@ -49,7 +49,7 @@ import math
 import operator
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -69,7 +69,8 @@ from .placement import layout_str
 from .plan import Plan
 from .cost_model.recompute import saved_under_selective
 from .planner import PlanOptions, communication, plan_assignment, planning_problem
-from .solver.evaluate import evaluate
+from .solver.decisions.stages import node_chunks
+from .solver.evaluate import Staging, evaluate
 from .solver.ilp import solve
 from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost_args
 from .strategies.strategy import shard_count
@@ -300,12 +301,19 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     if pipe.axis in mesh.axis_names and mesh.shape[mesh.axis_index(pipe.axis)] != p:
         raise ValueError(f"pipeline of {p} stages on axis {pipe.axis!r} of size "
                          f"{mesh.shape[mesh.axis_index(pipe.axis)]}: they must match")
+    if isinstance(plan, Plan):
+        if pipe.stages > 1 or pipe.microbatches > 1 or recompute or num_layers is not None or grad_overlap:
+            raise ValueError("an autopar Plan decides its own recomputation and pipeline: estimate it as planned "
+                             "(no pipeline=, recompute=, num_layers=, grad_overlap=), or pass pins for a "
+                             "hand-written configuration")
+        m = plan.pipeline.microbatches
+        pipe = Pipeline(plan.pipeline.stages, m, axis=plan.pipeline.axis) if plan.pipeline.stages > 1 else pipe
     smesh = _stage_mesh(mesh, pipe.axis)
     micro = _microbatch(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), m)
     cap = capture(model, micro, example_kwargs)
     infos = annotate(cap.gm)
     if isinstance(plan, Plan):
-        return _estimate_plan(cap, infos, mesh, plan, pipe, recompute, num_layers, grad_overlap)
+        return _estimate_plan(cap, infos, mesh, smesh, plan)
     sharded_outputs = False
     problem = build_problem(cap, infos, smesh, pins=dict(plan) if plan else None, optimizer=optimizer,
                             batch_axes=batch_axes)
@@ -541,20 +549,20 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         runtime_s=m * dev_total(slow, "runtime"), graph_nodes=n_nodes)
 
 
-def _estimate_plan(cap, infos, mesh: Mesh, plan: Plan, pipe: Pipeline, recompute: bool, num_layers, grad_overlap):
+def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
     """An autopar plan's step, as the planner priced it: its layouts and memory decisions read back on
-    its own planning problem and priced by the one evaluator (`solver.evaluate`), so it equals
-    `plan.estimate` exactly. Pipelines, microbatches, recomputation and depth scaling are decided
-    by the plan itself, not here."""
-    if pipe.stages > 1 or pipe.microbatches > 1 or recompute or num_layers is not None or grad_overlap:
-        raise ValueError("an autopar Plan decides its own recomputation and has no pipeline or microbatches yet: "
-                         "estimate it as planned (no pipeline=, recompute=, num_layers=, grad_overlap=), or pass "
-                         "pins for a hand-written configuration")
+    its own planning problem (one microbatch on the mesh without the pipeline axis) and priced by the
+    one evaluator (`solver.evaluate`, per pipeline rank when it is pipelined), so it equals
+    `plan.estimate` exactly."""
     if list(plan.mesh["shape"]) != list(mesh.shape):
         raise PlanMismatchError(f"the plan was made for mesh {plan.mesh['shape']}, not {mesh.shape}")
-    problem = planning_problem(cap, infos, mesh, PlanOptions.from_dict(plan.options))
-    choice, options = plan_assignment(problem, plan)
-    ev = evaluate(problem, choice, options)
+    pp = plan.pipeline
+    staged = pp.stages > 1
+    problem = planning_problem(cap, infos, smesh, PlanOptions.from_dict(plan.options))
+    choice, options = plan_assignment(problem, stage_view(plan, mesh.axis_index(pp.axis)) if staged else plan)
+    staging = (Staging(pp, node_chunks(problem, cap.gm.graph, pp), mesh.axes[mesh.axis_index(pp.axis)].link)
+               if staged else None)
+    ev = evaluate(problem, choice, options, staging)
     _, per_axis = communication(problem, choice, cap)
     ng = problem.needs_grad
     model_flops = sum(infos[n].flops * (3.0 if ng.get(n) else 1.0) for n, d in problem.decisions.items()
@@ -563,16 +571,30 @@ def _estimate_plan(cap, infos, mesh: Mesh, plan: Plan, pipe: Pipeline, recompute
     again = sum(infos[n].flops for n, d in problem.decisions.items() if d.kind == "op" and (
         modes.get(problem.layer.get(n)) == "full" or (modes.get(problem.layer.get(n)) == "selective"
                                                       and not saved_under_selective(d.facts.op))))
-    fwd_bwd = ev.step_s - ev.grad_sync_s - ev.optimizer_s
+    m = pp.microbatches
+    price = ev.pipeline
+    fwd_bwd = price.pipeline_s if price else ev.step_s - ev.grad_sync_s - ev.optimizer_s
     return StepEstimate(
         step_time_s=ev.step_s, pipeline_s=fwd_bwd, compute_s=ev.compute_s + ev.family_s.get("recompute", 0.0),
-        comm_s=ev.comm_s - ev.grad_sync_s, p2p_s=0.0, bubble_s=0.0, grad_sync_s=ev.grad_sync_s,
+        comm_s=ev.comm_s - ev.grad_sync_s, p2p_s=price.p2p_s if price else 0.0,
+        bubble_s=price.bubble_s if price else 0.0, grad_sync_s=ev.grad_sync_s,
         grad_sync_exposed_s=ev.grad_sync_s, optimizer_s=ev.optimizer_s, peak_memory_bytes=ev.peak_bytes,
-        param_state_bytes=ev.state_bytes, activation_bytes=ev.peak_bytes - ev.state_bytes, model_flops=model_flops,
-        hardware_flops=model_flops + again, devices=mesh.size, microbatches=1, stages=1, virtual_stages=1,
+        param_state_bytes=ev.state_bytes, activation_bytes=ev.peak_bytes - ev.state_bytes,
+        model_flops=m * model_flops, hardware_flops=m * (model_flops + again),
+        devices=mesh.size, microbatches=m, stages=pp.stages, virtual_stages=pp.virtual_stages,
         layers=len(set(problem.layer.values())), recompute=any(v != "none" for v in plan.recompute.values()),
-        grad_overlap=0.0, per_device_s=(fwd_bwd,), comm_bytes_per_axis=per_axis,
-        layout_summary=dict(plan.placements), runtime_s=ev.runtime_s, graph_nodes=ev.graph_nodes)
+        grad_overlap=0.0, per_device_s=tuple(s.fwd_s + s.bwd_s for s in price.stages) if price else (fwd_bwd,),
+        comm_bytes_per_axis=per_axis, layout_summary=dict(plan.placements), runtime_s=ev.runtime_s,
+        graph_nodes=ev.graph_nodes)
+
+
+def stage_view(plan: Plan, k: int) -> Plan:
+    """A pipelined plan's layouts without their placement on the pipeline axis k (what one stage runs
+    on the mesh without it)."""
+    cut = lambda lay: tuple(x for i, x in enumerate(lay) if i != k) or ("R",)  # noqa: E731
+    nodes = [replace(n, inputs=tuple(cut(i) for i in n.inputs), output=cut(n.output) if n.output else n.output,
+                     labels=cut(n.labels) if n.labels else n.labels) for n in plan.nodes]
+    return replace(plan, nodes=nodes, placements={f: cut(p) for f, p in plan.placements.items()})
 
 
 def _param_multiplicity(segments: set, layer_segs: list[str], n_layers_here: int, k: int, d: int, p: int) -> float:

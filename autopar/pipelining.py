@@ -1,5 +1,7 @@
-"""Planning a pipelined model for one given pipeline (axis, stages, virtual stages, microbatches,
-schedule): `plan_with_pipeline`. The search over pipelines calls it once per candidate.
+"""What planning a pipelined model needs for one pipeline (axis, stages, virtual stages, microbatches,
+schedule): the checked settings (`fixed_pipeline`), the options of the stage mesh (`stage_options`) and
+the stage plan lifted to the whole mesh (`lifted`). The search (`pipeline_search.py`) uses them per
+candidate.
 
 The layouts are solved on the stage mesh, the mesh without the pipeline axis (each of its other
 axes keeps the links it has in the whole mesh), for one microbatch: that is what every stage runs.
@@ -10,22 +12,18 @@ is the same problem: the plan cache serves both. The stage plan is then lifted t
 every layout gets "R" on the pipeline axis (plan.py's rule for pipelined plans), and
 `plan.pipeline` says how the layers are cut (`passes/stages.even_boundaries`).
 
-What the stage plan does not price yet (the search's evaluator does): the bubble, the sends
-between stages, and memory per stage (the stage plan holds every layer's state on each device,
-an upper bound on a stage's).
+The stage plan alone does not price the bubble, the sends between stages or memory per stage: the
+search prices the lifted plan with the evaluator (`solver/evaluate.py`, `Staging`).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 
 from .errors import PlanOptionError
 from .mesh import Mesh
-from .passes.capture import Captured, capture
-from .passes.stages import even_boundaries, layer_sequence, microbatch
 from .plan import PIPELINE_KEYS, PIPELINE_SCHEDULES, PipelinePlan, Plan, Scaling
-from .planner import PlanOptions, plan_captured
+from .planner import PlanOptions
 
 STAGE_LABEL = "stage"     # a node's label on the pipeline axis: stages own disjoint nodes
 
@@ -47,19 +45,9 @@ def pipeline_of(opts: PlanOptions, mesh: Mesh) -> PipelinePlan | None:
     return pipe
 
 
-def make_pipelined_plan(model, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
-                        pipe: PipelinePlan) -> Plan:
-    """Capture one microbatch of (args, kwargs) and plan it with `pipe`."""
-    t0 = time.perf_counter()
-    args, kwargs = microbatch(args, kwargs, pipe.microbatches)
-    if opts.on_phase is not None:
-        opts.on_phase("capture", "")
-    return plan_with_pipeline(capture(model, args, kwargs), mesh, opts, pipe, (model, args, kwargs), t0)
-
-
 def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     """The pipeline `spec` (the `pipeline=` option, a dict) gives, checked against `mesh`; its
-    boundaries are left empty (`plan_with_pipeline` fills them). A PlanOptionError names the key."""
+    boundaries are left empty (the search fills them). A PlanOptionError names the key."""
     unknown = sorted(set(spec) - set(PIPELINE_KEYS))
     if unknown:
         raise PlanOptionError(f"pipeline: unknown key(s) {unknown}; the keys are {', '.join(PIPELINE_KEYS)}")
@@ -96,19 +84,7 @@ def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     return PipelinePlan(axis, size, virtual, spec["microbatches"], schedule)
 
 
-def plan_with_pipeline(cap: Captured, mesh: Mesh, opts: PlanOptions, pipe: PipelinePlan,
-                       source: tuple | None = None, t0: float | None = None) -> Plan:
-    """The plan for `pipe` (from `fixed_pipeline`; boundaries are filled here). `cap` is the model
-    captured at ONE microbatch (`passes.stages.microbatch`), `source` = (model, args, kwargs) of that
-    microbatch. `opts` are the user's options over the whole mesh."""
-    t0 = time.perf_counter() if t0 is None else t0
-    boundaries = even_boundaries(layer_sequence(cap.gm.graph), pipe.chunks)
-    k = mesh.axis_index(pipe.axis)
-    stage_plan = plan_captured(cap, mesh.stage_mesh(pipe.axis), _stage_options(opts, mesh, k), t0, source)
-    return _lifted(stage_plan, mesh, k, opts, replace(pipe, boundaries=boundaries))
-
-
-def _stage_options(opts: PlanOptions, mesh: Mesh, k: int) -> PlanOptions:
+def stage_options(opts: PlanOptions, mesh: Mesh, k: int) -> PlanOptions:
     """The options for the stage mesh: pins without their pipeline-axis placement (which must be
     "R"), no pipeline."""
     axis = mesh.axis_names[k]
@@ -124,7 +100,7 @@ def _stage_options(opts: PlanOptions, mesh: Mesh, k: int) -> PlanOptions:
     return replace(opts, pins=pins or None, pipeline=False, symbolic=False)
 
 
-def _lifted(stage: Plan, mesh: Mesh, k: int, opts: PlanOptions, pipe: PipelinePlan) -> Plan:
+def lifted(stage: Plan, mesh: Mesh, k: int, opts: PlanOptions, pipe: PipelinePlan) -> Plan:
     """`stage` (a plan on the stage mesh) as a plan on `mesh`: "R" inserted at axis k everywhere."""
     alone = mesh.ndim == 1       # the stage mesh was one device standing for no axis
 
@@ -146,4 +122,4 @@ def _lifted(stage: Plan, mesh: Mesh, k: int, opts: PlanOptions, pipe: PipelinePl
                    indivisible=list(stage.indivisible))
 
 
-__all__ = ["pipeline_of", "make_pipelined_plan", "fixed_pipeline", "plan_with_pipeline"]
+__all__ = ["pipeline_of", "fixed_pipeline", "stage_options", "lifted"]

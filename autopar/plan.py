@@ -77,6 +77,11 @@ class Estimate:
     grad_sync_s: float = 0.0          # gradient synchronisation (part of comm_s)
     optimizer_s: float = 0.0          # the optimizer step on the device
     runtime_s: float = 0.0            # autopar runtime's per-node cost
+    bubble_s: float = 0.0             # pipeline fill and drain (0 without a pipeline)
+    p2p_s: float = 0.0                # pipeline point-to-point sends on the slowest rank
+    stage_memory_bytes: dict[str, float] = field(default_factory=dict)   # pipeline rank -> peak bytes
+    stage_fwd_s: dict[str, float] = field(default_factory=dict)          # pipeline rank -> one microbatch's forward
+    stage_bwd_s: dict[str, float] = field(default_factory=dict)          # ... and backward
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Tim
 from .plan_cache import PlanCache
 from .scaling import build_scaling
 from .solver.decisions import add_families
-from .solver.evaluate import chosen_options, effective_options, evaluate, recorded_options
+from .solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
 from .solver.ilp import min_memory, solve
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 from .strategies import op_name, rule_for
@@ -182,18 +182,15 @@ def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanO
 
 
 def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions,
-             options: Mapping[str, int] | None = None) -> Plan:
+             options: Mapping[str, int] | None = None, staging: Staging | None = None) -> Plan:
     """Turn a choice per decision (and an option per family group) into a Plan with per-node layouts,
-    collectives, memory decisions and estimates."""
+    collectives, memory decisions and estimates (`staging`: priced as that pipeline)."""
     options = effective_options(problem, choice, options or {})
-    ev = evaluate(problem, choice, options)
-    compute, comm, peak, state = ev.compute_s, ev.comm_s, ev.peak_bytes, ev.state_bytes
+    ev = evaluate(problem, choice, options, staging)
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     collectives, per_axis = communication(problem, choice, cap)
-    act_peak = max(peak - state, 0.0)
-    estimate = Estimate(ev.step_s, compute, comm, peak, state, act_peak, per_axis, dict(ev.family_s),
-                        dict(ev.tiers), dict(ev.freed_bytes), ev.grad_sync_s, ev.optimizer_s, ev.runtime_s)
+    estimate = estimate_of(ev, per_axis)
     nodes = []
     placements = {}
     for node in cap.gm.graph.nodes:
@@ -224,6 +221,18 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
                 SolverInfo("none", "unsolved", 0, 0, ev.step_s, len(problem.leaders), len(problem.order)),
                 fallbacks, recompute=decided.get("recompute", {}), residency=decided.get("residency", {}),
                 offload=decided.get("offload", {}), indivisible=_indivisible(cap, placements, mesh))
+
+
+def estimate_of(ev: Evaluation, per_axis: Mapping[str, float]) -> Estimate:
+    """A plan's `Estimate` from the evaluator's price (per pipeline rank where it is pipelined)."""
+    pp = ev.pipeline
+    ranks = {} if pp is None else {str(r): s for r, s in enumerate(pp.stages)}
+    return Estimate(ev.step_s, ev.compute_s, ev.comm_s, ev.peak_bytes, ev.state_bytes,
+                    max(ev.peak_bytes - ev.state_bytes, 0.0), dict(per_axis), dict(ev.family_s), dict(ev.tiers),
+                    dict(ev.freed_bytes), ev.grad_sync_s, ev.optimizer_s, ev.runtime_s,
+                    pp.bubble_s if pp else 0.0, pp.p2p_s if pp else 0.0,
+                    {r: s.peak_bytes for r, s in ranks.items()}, {r: s.fwd_s for r, s in ranks.items()},
+                    {r: s.bwd_s for r, s in ranks.items()})
 
 
 def _indivisible(cap: Captured, placements: dict[str, tuple[str, ...]], mesh: Mesh) -> list[str]:

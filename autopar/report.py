@@ -49,6 +49,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
              f"{sol.n_constraints} constraints; {sol.n_decisions} decisions for {sol.n_nodes} nodes, "
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
              f"planning took {plan.timings.total_s:.2f} s", ""]
+    lines += _pipeline_lines(plan)
     # parameters, grouped by module
     lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "):")
     for fqn, layout in plan.placements.items():
@@ -100,6 +101,78 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
     else:
         lines.append("Ops with no sharding rule: none")
     return "\n".join(lines)
+
+
+TIMELINE_COLUMNS = 96      # characters of the widest timeline row
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The stages (where each starts, its layers, memory and times per rank) and a timeline of one step."""
+    pp, est = plan.pipeline, plan.estimate
+    if pp.stages <= 1:
+        return []
+    sched = pp.schedule + (f" x {pp.virtual_stages} virtual stages" if pp.virtual_stages > 1 else "")
+    lines = [f"Pipeline: {pp.stages} stages over mesh axis {pp.axis!r}, {pp.microbatches} microbatches, {sched}; "
+             f"bubble {_ms(est.bubble_s)}, point-to-point {_ms(est.p2p_s)}",
+             f"  {'rank':>4}  {'chunks start at':<36} {'peak memory':>12} {'fwd/microbatch':>15} {'bwd/microbatch':>15}"]
+    for r in range(pp.stages):
+        starts = ", ".join(pp.boundaries[c] or "(first node)" for c in range(r, pp.chunks, pp.stages))
+        lines.append(f"  {r:>4}  {starts[:36]:<36} {_gib(est.stage_memory_bytes.get(str(r), 0.0)):>12} "
+                     f"{_ms(est.stage_fwd_s.get(str(r), 0.0)):>15} {_ms(est.stage_bwd_s.get(str(r), 0.0)):>15}")
+    f = [est.stage_fwd_s.get(str(r), 0.0) for r in range(pp.stages)]
+    b = [est.stage_bwd_s.get(str(r), 0.0) for r in range(pp.stages)]
+    if all(x > 0 for x in f + b):
+        rows, unit = timeline(f, b, pp.microbatches, pp.schedule)
+        note = "" if pp.schedule in ("1f1b", "gpipe") else f" (drawn in 1F1B order; {pp.schedule} priced by its own bubble)"
+        lines.append(f"  timeline of one step, one column = {_ms(unit)}: digit n = forward of microbatch n (mod 10), "
+                     f"letter = its backward (a = 0, b = 1, ...), '.' = idle{note}")
+        lines += [f"  {r:>4}  {row}" for r, row in enumerate(rows)]
+    lines.append("")
+    return lines
+
+
+def timeline(fwd: list[float], bwd: list[float], m: int, schedule: str) -> tuple[list[str], float]:
+    """One text row per pipeline rank of a step of m microbatches (GPipe: all forwards then all
+    backwards; otherwise 1F1B: p - r - 1 warm-up forwards, then one forward one backward), each op
+    starting when its rank is free and its input (forward from the rank before, backward from the
+    rank after) is done. Returns the rows and the seconds per column."""
+    p = len(fwd)
+    orders = []
+    for r in range(p):
+        if schedule == "gpipe":
+            orders.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            continue
+        warm = min(p - r - 1, m)
+        order = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("F", warm + i), ("B", i)]
+        order += [("B", i) for i in range(m - warm, m)]
+        orders.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    spans: list[list[tuple[float, float, str]]] = [[] for _ in range(p)]
+    free, pos = [0.0] * p, [0] * p
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        for r in range(p):
+            if pos[r] >= len(orders[r]):
+                continue
+            kind, i = orders[r][pos[r]]
+            need = ("F", r - 1, i) if kind == "F" and r > 0 else ("B", r + 1, i) if kind == "B" and r < p - 1 else None
+            if need is not None and need not in done:
+                continue
+            start = max(free[r], done.get(need, 0.0))
+            end = start + (fwd[r] if kind == "F" else bwd[r])
+            done[(kind, r, i)] = free[r] = end
+            spans[r].append((start, end, str(i % 10) if kind == "F" else chr(ord("a") + i % 26)))
+            pos[r] += 1
+    unit = max(free) / TIMELINE_COLUMNS
+    rows = []
+    for r in range(p):
+        row = ["."] * TIMELINE_COLUMNS
+        for start, end, ch in spans[r]:
+            for k in range(int(start / unit + 0.5), max(int(end / unit + 0.5), int(start / unit + 0.5) + 1)):
+                row[min(k, TIMELINE_COLUMNS - 1)] = ch
+        rows.append("".join(row))
+    return rows, unit
 
 
 BATCH_STATS_OP = "autopar.batch_stat_mean"   # BatchNorm's statistics (passes/lowering.py)

@@ -23,6 +23,10 @@ RUNS = [
     ["bench_scaling.py"],
     # issue 4: the cost model against Megatron-LM's Table 1, and against this machine (4 gloo ranks)
     ["bench_megatron.py"],
+    # issue 12: GPT-3 175B on (16, 8, 8) planned with pipelines vs Megatron-LM's configuration, and
+    # Table 1's rows (the planner's choice vs Megatron's (TP, PP, DP)), all priced by the one evaluator
+    ["bench_pipeline.py", "gpt3"],
+    ["bench_pipeline.py", "table1", "--rows", "0,1,2,3,4,5,6,7,8,9"],
     ["bench_cpu_plans.py"],
     ["bench_kernels.py"],
     # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)

@@ -15,8 +15,16 @@ pipeline, the slowest device paces the other m - 1, the last one drains it. Tran
 critical path (Megatron's schedules wait on their send/recv pairs), which is why interleaving,
 with v times more boundaries, pays v times more point-to-point time.
 
+Zero bubble (ZB-1P; Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward is split
+into the input gradient B and the weight gradient W, and the Ws fill the bubbles of the drain. The
+paper's handcrafted schedule ZB-H1 keeps 1F1B's memory and shrinks the bubble from
+(p - 1)(F + B + W) to (p - 1)(F + B - W); its automatic ZB-1P at 1F1B's memory is at least as good,
+so we price it by ZB-H1's bubble: with w_d the weight-gradient seconds of device d,
+
+    T = m * max_d t_d  +  sum_d (t_d - 2 w_d) - max_d (t_d - 2 w_d)
+
 In-flight microbatches (activation memory): 1F1B keeps p - d forward passes in flight on device d,
-GPipe all m; interleaved 1F1B keeps (p - d - 1) * 2 + (v - 1) * p + 1 chunk-forwards of 1/v of
+GPipe all m; zb as 1F1B (ZB-H1's memory bound); interleaved 1F1B keeps (p - d - 1) * 2 + (v - 1) * p + 1 chunk-forwards of 1/v of
 the device's activations each (Megatron's warm-up count), at most m * v.
 """
 from __future__ import annotations
@@ -26,15 +34,15 @@ from dataclasses import dataclass
 
 __all__ = ["Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches", "SCHEDULES"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     """How a model is pipelined: `stages` devices along mesh axis `axis`, `microbatches` per step.
 
-    schedule: "1f1b" (PipeDream-flush, Megatron's default), "gpipe", or "interleaved" with
-    `virtual_stages` chunks per device. `scatter_gather`: a stage boundary tensor that is
+    schedule: "1f1b" (PipeDream-flush, Megatron's default), "gpipe", "zb" (zero bubble, ZB-1P), or
+    "interleaved" with `virtual_stages` chunks per device. `scatter_gather`: a stage boundary tensor that is
     replicated over other mesh axes is sent 1/r by each of the r replicas and all-gathered on
     arrival (Megatron's scatter/gather optimisation, section 4.1 of the paper).
     """
@@ -70,8 +78,10 @@ class PipelineTime:
 
 
 def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], microbatches: int, *, virtual_stages: int = 1,
-                  p2p_forward: float = 0.0, p2p_backward: float = 0.0) -> PipelineTime:
-    """Step time of m microbatches through devices with per-microbatch times fwd[d], bwd[d]."""
+                  p2p_forward: float = 0.0, p2p_backward: float = 0.0,
+                  weight_grad: Sequence[float] | None = None) -> PipelineTime:
+    """Step time of m microbatches through devices with per-microbatch times fwd[d], bwd[d];
+    `weight_grad[d]` (the weight-gradient part of bwd[d]): the zero-bubble schedule's fill and drain."""
     p = len(fwd)
     if p < 1 or len(bwd) != p:
         raise ValueError("pipeline_time: fwd and bwd need one entry per device (at least one)")
@@ -79,7 +89,8 @@ def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     c = v * (p2p_forward + p2p_backward) if p > 1 else 0.0
     t = [f + b + c for f, b in zip(fwd, bwd)]
     t_max = max(t)
-    total = m * t_max + (sum(t) - t_max) / v
+    fill = t if weight_grad is None else [x - 2.0 * w for x, w in zip(t, weight_grad)]
+    total = m * t_max + (sum(fill) - max(fill)) / v
     busy = m * t_max
     p2p = c * (m + (p - 1) / v)
     return PipelineTime(total, busy, total - busy, p2p, tuple(t))

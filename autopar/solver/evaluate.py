@@ -4,18 +4,45 @@ The ILP (`ilp.py`) is built from the same tables and terms, so for an integral s
 objective and memory rows equal what `evaluate` returns; the planner's `Plan.estimate`, the
 report and `autopar.estimate` all come from here. Works on numbers and on sympy expressions
 alike for the layout family's parts (a problem priced at symbolic sizes, `autopar.scaling`).
+
+A pipelined assignment (`Staging`: the problem is one microbatch on the mesh without the
+pipeline axis, each node in one model chunk, chunk c on pipeline rank c % stages) is priced from
+the same tables, per pipeline rank (`evaluate_pipeline`):
+
+* per microbatch: forward and backward seconds of the rank's nodes and of the edges into them,
+  the runtime's per-node cost, the families' per-layer seconds (recompute, re-gather, activation
+  offload) for the layers the rank holds, and the point-to-point sends of every tensor entering
+  a chunk from the chunk before it (over the pipeline axis' link; its gradient comes back);
+* per step: the gradient legs of parameter edges (synchronised once, after the rank's last
+  backward: they overlap the cool-down while earlier ranks still drain), the optimizer step of
+  the rank's parameters and the per-step families (optimizer offload); a parameter used on
+  several ranks (tied embedding and head) is held by each and its gradient all-reduced between them;
+* the step: `cost_model.pipeline.pipeline_time` (bubble per schedule), then each rank ends at
+  its last backward + its gradient sync + its optimizer step; the step is the latest;
+* memory per rank: its state, plus its forward points over one microbatch, plus
+  `in_flight_microbatches - 1` more microbatches of what its chunks save; the plan's peak is the
+  largest rank's. The first and last chunks hold the nodes before and after the layer stack
+  (embedding, head, loss), so their ranks' times and memory carry that imbalance.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..cost_model.comm import collective_time, p2p_time
 from ..cost_model.compute import optimizer_seconds
+from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
 from ..cost_model.symbolic import Poly2, smax, ssum
+from ..passes.layers import layer_key
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
 from .problem import Problem
+
+# Zero-bubble schedules split each backward into the input gradient and the weight gradient; for a
+# matrix multiplication the two are GEMMs of equal FLOPs, so half of the backward of an op that
+# takes a parameter is weight gradient (the ZB paper's T_B = T_W for transformer layers).
+WEIGHT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +59,7 @@ class Evaluation:
     optimizer_s: float = 0.0          # the optimizer step on the device (offloaded parameters: family_s)
     runtime_s: float = 0.0            # autopar runtime's per-node cost (profile.runtime_op_overhead)
     graph_nodes: int = 0              # modules of the rank's graph (LocalOp, Reshard, ...)
+    pipeline: PipelinePrice | None = None   # a pipelined assignment: per pipeline rank (then step_s is its step)
 
     @property
     def objective_s(self) -> float:
@@ -41,12 +69,57 @@ class Evaluation:
 
     @property
     def step_s(self) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.step_s
         return self.objective_s + self.optimizer_s + self.runtime_s
 
 
-def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None = None) -> Evaluation:
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """How a problem's nodes are pipelined: the plan's `PipelinePlan`, node -> model chunk, and the
+    link of the pipeline axis (stage-to-stage sends)."""
+    pipe: object                      # plan.PipelinePlan (axis, stages, virtual_stages, microbatches, schedule)
+    chunk_of: Mapping[str, int]
+    link: object                      # cost_model.comm link of the pipeline axis
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrice:
+    """One pipeline rank: seconds per microbatch, per step, and its memory."""
+    chunks: tuple[int, ...]
+    layers: tuple[str, ...]           # the layers its chunks hold, in order
+    fwd_s: float                      # one microbatch's forward (compute, collectives, runtime, p2p in)
+    bwd_s: float                      # one microbatch's backward (with recompute and the families' seconds)
+    weight_grad_s: float              # the weight-gradient part of bwd_s (zero-bubble schedules)
+    p2p_s: float                      # one microbatch's sends into its chunks, both directions (in fwd_s + bwd_s)
+    grad_sync_s: float                # its parameters' gradient synchronisation, once per step
+    optimizer_s: float                # its optimizer step (and per-step family seconds)
+    state_bytes: float
+    saved_bytes: float                # what one microbatch leaves saved at the end of its forward
+    in_flight: float                  # microbatches of saved activations it holds at its peak
+    peak_bytes: float
+    done_s: float                     # when its step ends
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePrice:
+    stages: tuple[StagePrice, ...]
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    pipeline_s: float                 # forward and backward of every microbatch, bubble included
+    bubble_s: float
+    p2p_s: float                      # point-to-point seconds on the critical path
+    step_s: float
+
+
+def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None = None,
+             staging: Staging | None = None) -> Evaluation:
     """Price `choice` (leader -> strategy index) with family `options` (group key -> option index;
-    a missing group takes its first allowed option)."""
+    a missing group takes its first allowed option); with `staging`, as a pipeline."""
+    if staging is not None and (staging.pipe.stages > 1 or staging.pipe.microbatches > 1
+                                or staging.pipe.virtual_stages > 1):
+        return evaluate_pipeline(problem, choice, options, staging)
     fam = problem.families
     on = {**fam.defaults(), **(options or {})}
     family_of = fam.family_of()
@@ -97,9 +170,11 @@ def grad_sync_total(p: Problem, choice: Mapping[str, int]):
                 if p.decisions[e.src].kind == "param" and e.fwd is not None)
 
 
-def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset()) -> float:
-    """The optimizer step on the device over every parameter whose state is not offloaded."""
-    params = [d for d in p.decisions.values() if d.kind == "param" and d.name not in offloaded]
+def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset(), only=None) -> float:
+    """The optimizer step on the device over every parameter whose state is not offloaded (and is
+    in `only`, when given: one pipeline rank's)."""
+    params = [d for d in p.decisions.values() if d.kind == "param" and d.name not in offloaded
+              and (only is None or d.name in only)]
     total = 0.0
     for mixed in (False, True):      # one fused step over the parameters of each precision
         group = [d for d in params if d.mixed == mixed]
@@ -112,16 +187,22 @@ def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset()
 def graph_nodes(p: Problem, choice: Mapping[str, int]) -> int:
     """Modules of the rank's graph the runtime runs per step (passes/rewrite.py): one per op but
     getitem, a Reshard per edge that needs one, two per graph output."""
-    n = sum(1 for d in p.decisions.values() if d.kind == "op" and d.facts.op != "getitem")
+    return sum(k for _, k in node_modules(p, choice))
+
+
+def node_modules(p: Problem, choice: Mapping[str, int]):
+    """(node, modules the rewrite makes for it or on the edge into it; "output" for the outputs')."""
+    for d in p.decisions.values():
+        if d.kind == "op" and d.facts.op != "getitem":
+            yield d.name, 1
     for e, a, b in picked_edges(p, choice):
         src = p.decisions[e.src]
         if e.dst == "output":
-            n += output_modules(False)
+            yield "output", output_modules(False)
         else:
             t = p.decisions[e.dst].strategies[choice[p.decisions[e.dst].leader]]
-            n += int(reshards_edge(src.kind, tuple(src.strategies[choice[src.leader]].output),
-                                   tuple(t.inputs[e.slot])))
-    return n
+            yield e.dst, int(reshards_edge(src.kind, tuple(src.strategies[choice[src.leader]].output),
+                                           tuple(t.inputs[e.slot])))
 
 
 def picked_edges(p: Problem, choice: Mapping[str, int]):
@@ -207,4 +288,242 @@ def recorded_options(fam: Families, recorded: Mapping[str, Mapping[str, str]]) -
         if names and names[0] not in g.options:
             raise ValueError(f"{g.family} option {names[0]!r} for {g.members[0]} is not one of {g.options}")
         out[g.key] = g.options.index(names[0]) if names else g.allowed[0]
+    return out
+
+
+def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None,
+                      staging: Staging) -> Evaluation:
+    """Price a pipelined assignment per pipeline rank (the module docstring says how)."""
+    pipe = staging.pipe
+    p, v, m = pipe.stages, pipe.virtual_stages, pipe.microbatches
+    on = {**problem.families.defaults(), **(options or {})}
+    ch = _chunk_costs(problem, choice, on, staging)
+    ranks = [tuple(range(r, p * v, p)) for r in range(p)]
+    sums = lambda xs, r: sum(xs[c] for c in ranks[r])  # noqa: E731
+    f_r = [sums(ch.fwd, r) + sums(ch.p2p, r) for r in range(p)]
+    b_r = [sums(ch.bwd, r) + sums(ch.p2p, r) for r in range(p)]
+    pt = pipeline_time(f_r, b_r, m, virtual_stages=v,
+                       weight_grad=[sums(ch.wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
+    mem = _rank_memory(problem, choice, on, staging.chunk_of, ch.terms, ch.state, ch.grads, pipe)
+    stages, drained = [], 0.0
+    for r in range(p):
+        mine = {n for n, d in problem.decisions.items() if d.kind == "param" and staging.chunk_of[n] % p == r}
+        opt = optimizer_total(problem, choice, mem.offloaded, mine) + sums(ch.once, r)
+        done = pt.total_s - drained + sums(ch.sync, r) + opt      # rank r's last backward ends `drained` early
+        drained += b_r[r] / v
+        layers = tuple(dict.fromkeys(problem.layer[n] for n in problem.order
+                                     if n in problem.layer and staging.chunk_of[n] % p == r))
+        stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(ch.wgrad, r), 2 * sums(ch.p2p, r),
+                                 sums(ch.sync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
+                                 done))
+    slow = max(range(p), key=lambda r: pt.per_device_s[r])
+    top = max(range(p), key=lambda r: mem.peak[r])
+    family: dict[str, float] = {}
+    for c in ranks[slow]:
+        for k, x in ch.fam_s[c].items():
+            family[k] = family.get(k, 0.0) + m * x
+        for k, x in ch.per_step[c].items():
+            family[k] = family.get(k, 0.0) + x
+    price = PipelinePrice(tuple(stages), pipe.schedule, m, v, pt.total_s, pt.bubble_s, m * stages[slow].p2p_s,
+                          max(s.done_s for s in stages))
+    sync = sums(ch.sync, slow)
+    return Evaluation(m * sums(ch.comp, slow), m * (sums(ch.comm, slow) - sync) + sync, family, mem.peak[top],
+                      mem.state[top], tuple(mem.points[top]), mem.tiers[top], {},
+                      max(s.grad_sync_s for s in stages), max(s.optimizer_s for s in stages),
+                      m * sums(ch.runtime, slow), sum(k for _, k in node_modules(problem, choice)), price)
+
+
+@dataclass(slots=True)
+class _Chunks:
+    """Per model chunk: seconds of one microbatch (fwd, bwd, its weight-gradient part wgrad, compute
+    comp, collectives comm, runtime, p2p sends into it), per step (sync, once), the families' seconds
+    (fam_s per microbatch, per_step), state and gradient bytes, and where family terms land (terms)."""
+    fwd: list
+    bwd: list
+    wgrad: list
+    comp: list
+    comm: list
+    runtime: list
+    p2p: list
+    sync: list
+    once: list
+    fam_s: list
+    per_step: list
+    state: list
+    grads: list
+    terms: tuple
+
+
+def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
+    chunk_of, pipe, dec = staging.chunk_of, staging.pipe, problem.decisions
+    n, p = pipe.stages * pipe.virtual_stages, pipe.stages
+    where = lambda name: n - 1 if name == "output" else chunk_of[name]  # noqa: E731
+    ch = _Chunks(*([0.0] * n for _ in range(9)), [dict() for _ in range(n)], [], [], [], _term_chunks(problem, chunk_of))
+    weighted = {e.dst for e in problem.edges if dec[e.src].kind == "param"}
+    for d in dec.values():
+        i, c = choice[d.leader], chunk_of[d.name]
+        f = d.fwd_s[i] if d.fwd_s else 0.0
+        ch.fwd[c] += f
+        ch.bwd[c] += d.compute_s[i] - f
+        ch.comp[c] += d.compute_s[i]
+        if d.name in weighted:
+            ch.wgrad[c] += WEIGHT_GRAD_SHARE * (d.compute_s[i] - f)
+    entering: list[dict[str, float]] = [dict() for _ in range(n)]   # chunk -> tensors sent into it
+    users: dict[str, set[int]] = {}                                 # parameter -> chunks using it
+    for e, a, b in picked_edges(problem, choice):
+        src, c = dec[e.src], where(e.dst)
+        f = e.fwd[a][b] if e.fwd is not None else e.cost[a][b]
+        ch.fwd[c] += f
+        ch.comm[c] += e.cost[a][b]
+        if src.kind == "param":
+            users.setdefault(e.src, {chunk_of[e.src]}).add(c)
+            ch.sync[c] += e.cost[a][b] - f
+        else:
+            ch.bwd[c] += e.cost[a][b] - f
+            if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
+                entering[c][e.src] = src.act_bytes[choice[src.leader]]
+    for name, k in node_modules(problem, choice):
+        ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
+    for c in range(n):
+        ch.fwd[c] += ch.runtime[c]
+        ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
+    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
+    ch.state, ch.grads = [0.0] * n, [0.0] * n
+    for d in dec.values():
+        for c in users.get(d.name, {chunk_of[d.name]}):
+            ch.state[c] += d.state_bytes[choice[d.leader]]
+            ch.grads[c] += d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+    for name, cs in users.items():      # tied parameters: their gradients all-reduced over the ranks using them
+        held = sorted({c % p for c in cs})
+        if len(held) > 1:
+            d = dec[name]
+            nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+            for r in held:
+                t = collective_time("all_reduce", nbytes, len(held), staging.link)
+                ch.sync[r] += t
+                ch.comm[r] += t
+    return ch
+
+
+def _term_chunks(problem: Problem, chunk_of: Mapping[str, int]):
+    """(chunk of a family group's member, chunk of a term's first node or edge)."""
+    last = max(chunk_of.values(), default=0)
+    layer_chunk: dict[str, int] = {}
+    for n in problem.order:
+        if n in problem.layer:
+            layer_chunk.setdefault(problem.layer[n], chunk_of[n])
+    fqn_chunk = {d.fqn: chunk_of[d.name] for d in problem.decisions.values() if d.kind == "param"}
+
+    def member(m: str) -> int:
+        kind, sep, what = m.partition(":")
+        what = what if sep and kind in ("activations", "optimizer") else m
+        if what in layer_chunk:
+            return layer_chunk[what]
+        return fqn_chunk.get(what, layer_chunk.get(layer_key(what) or "", 0))
+
+    def term(expr) -> int:
+        if expr.nodes:
+            return chunk_of[expr.nodes[0][0]]
+        if expr.edges:
+            dst = problem.edges[expr.edges[0][0]].dst
+            return last if dst == "output" else chunk_of[dst]
+        return 0
+    return member, term
+
+
+def _shares(group, member) -> dict[int, float]:
+    """chunk -> the fraction of a group's members (linked layers, parameters) it holds."""
+    out: dict[int, float] = {}
+    for m_ in group.members:
+        c = member(m_)
+        out[c] = out.get(c, 0.0) + 1.0 / len(group.members)
+    return out
+
+
+def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list, fam_s: list) -> list[dict]:
+    """Add the families' seconds to the chunks holding their layers: per microbatch to `bwd` (and
+    `fam_s`), per step (optimizer offload) to `once`; returns the per-step seconds by chunk and family."""
+    member, _ = chunks
+    groups = {g.key: g for g in problem.families.groups}
+    per_step = [dict() for _ in bwd]
+    for c in problem.families.costs:
+        if on.get(c.gate[0]) != c.gate[1]:
+            continue
+        g = groups[c.gate[0]]
+        total = c.count * smax(0.0, c.expr.value(problem, choice))
+        step_wise = any(x.startswith("optimizer:") for x in g.members)
+        for k, share in _shares(g, member).items():
+            (once if step_wise else bwd)[k] += share * total
+            book = per_step[k] if step_wise else fam_s[k]
+            book[g.family] = book.get(g.family, 0.0) + share * total
+    return per_step
+
+
+@dataclass(slots=True)
+class _RankMemory:
+    state: list            # per rank, on the device (offloaded optimizer state left out)
+    saved: list
+    in_flight: list
+    peak: list
+    points: list           # per rank: bytes at each point of the step, in-flight microbatches included
+    tiers: list            # per rank: tier -> bytes
+    offloaded: set
+
+
+def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, grads: list, pipe) -> _RankMemory:
+    """Per rank: `memory_points` over the nodes its chunks hold, plus `in_flight - 1` more
+    microbatches of what they save (at the end of the forward) at every point of the step."""
+    p, fam, live = pipe.stages, problem.families, problem.live
+    member, term = chunks
+    rank = lambda c: c % p  # noqa: E731
+    last = pipe.stages * pipe.virtual_stages - 1
+    positions, n_pts = live.positions, len(live.positions)
+    acts = [[0.0] * n_pts for _ in range(p)]
+    for t, (owners, flight) in enumerate(zip(live.points, live.grads or [()] * n_pts)):
+        for n in (*owners, *flight):
+            acts[rank(chunk_of[n])][t] += act_bytes(problem, n, choice)
+    copies: list[list] = [[] for _ in range(p)]
+    for e, a, b in picked_edges(problem, choice):
+        r = rank(last if e.dst == "output" else chunk_of[e.dst])
+        copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
+    made: list[list] = [[] for _ in range(p)]
+    for n, d in problem.decisions.items():
+        if d.grad_bytes:
+            made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
+    freed = [(f, f.expr.value(problem, choice), rank(term(f.expr))) for f in fam.freed if f.frees(on)]
+    fwd_end = max((t for t, w in enumerate(positions) if w <= live.last), default=-1)
+    by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
+    st, gr = by_rank(state), by_rank(grads)
+    groups = {g.key: g for g in fam.groups}
+    out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
+    for r in range(p):
+        cs = sorted(copies[r], key=lambda x: x[0])
+        kept, kept_at = _prefix([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
+        temps: dict = {}
+        for pos, _, tmp in cs:
+            temps[pos] = temps.get(pos, 0.0) + tmp
+        ms = sorted(made[r], key=lambda x: x[0])
+        grown, grown_at = _prefix([b for _, b in ms]), [since for since, _ in ms]
+        mine = [(f, b) for f, b, q in freed if q == r]
+        one = []
+        for t, where in enumerate(positions):
+            x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
+            x -= sum(b for f, b in mine if f.after < where <= f.until)
+            one.append(x + grown[bisect_right(grown_at, where)] if where > live.last else x)
+        k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
+        saved = one[fwd_end] if fwd_end >= 0 else 0.0
+        fwd_state = st[r] - gr[r]
+        pts = [fwd_state + x + (k - 1) * saved for x in one]
+        device_state = st[r] - sum(b for f, b, q in freed if q == r and f.after < 0)
+        tiers: dict[str, float] = {}
+        for h in fam.held:
+            if on.get(h.gate[0]) == h.gate[1]:
+                share = sum(x for c, x in _shares(groups[h.gate[0]], member).items() if rank(c) == r)
+                tiers[h.tier] = tiers.get(h.tier, 0.0) + share * h.count * h.expr.value(problem, choice)
+        out.state.append(device_state)
+        out.saved.append(saved)
+        out.in_flight.append(k)
+        out.points.append(pts)
+        out.tiers.append(tiers)
+        out.peak.append(max(device_state, *pts))
     return out

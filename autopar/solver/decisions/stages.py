@@ -1,0 +1,242 @@
+"""The stage family: which mesh axis (if any) carries pipeline stages, how many microbatches, which
+schedule and how many virtual stages; where the stages start; chosen jointly with the layouts.
+
+Alpa's two levels (Zheng et al. 2022):
+
+* outside, `choose_pipeline` enumerates candidates (`candidates`): the pipeline axis (each mesh
+  axis not carrying the batch, or none), stages = that axis' size, the microbatch count (a
+  divisor of the batch one pipeline runs), the schedule and virtual stages;
+* inside, the intra-op problem of one microbatch on the mesh without the pipeline axis is solved
+  once per (axis, microbatch count) by the ILP (layouts and memory families jointly: a caller's
+  `solve_at`). Repeated layers share their variables, so the stages of equal layers are priced
+  by the same tables: every schedule and virtual-stage count of that (axis, microbatches) is then
+  re-priced by the one evaluator (`evaluate.evaluate` with a `Staging`), with the layer
+  boundaries a dynamic program over the layers places (`balanced_boundaries`: the first and
+  last chunks also hold the embedding and the head, so they get fewer layers when that is faster)
+  and, where the per-rank memory needs it, the layers' recomputation raised uniformly.
+
+The best candidate is the fastest step that fits the memory budget; ties go to the earlier
+candidate in `candidates`' order (fewer stages, fewer microbatches, the simpler schedule), so the
+choice is deterministic.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+from ...passes.stages import chunk_of, even_boundaries, layer_sequence
+from ...plan import PIPELINE_KEYS, PipelinePlan
+from ..evaluate import Evaluation, Staging, evaluate
+from ..problem import Problem
+
+# schedules the planner chooses among (each has an executor in runtime/pipeline.py); "zb" is priced
+# when a user fixes it but not chosen until its executor exists
+CHOSEN_SCHEDULES = ("1f1b", "interleaved", "gpipe")
+VIRTUAL_STAGES = (2, 3, 4)           # interleaved: chunks per pipeline rank tried
+MICROBATCH_SIZES = 3                 # the smallest microbatch sizes tried per axis (each one ILP solve)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    axis: str | None
+    stages: int
+    microbatches: int
+    schedule: str
+    virtual_stages: int
+
+
+def node_chunks(problem: Problem, graph, pipe: PipelinePlan) -> dict[str, int]:
+    """Decision -> model chunk: the partition of `passes.stages.chunk_of` for the graph's call nodes;
+    a placeholder (parameter, input) goes with the earliest chunk that reads it."""
+    part = {n.name: c for n, c in chunk_of(graph, pipe).items()}
+    last = max(pipe.chunks, 1) - 1
+    out = {n: part[n] for n in problem.decisions if n in part}
+    for e in problem.edges:
+        if e.src not in part:
+            c = last if e.dst == "output" else part.get(e.dst, 0)
+            out[e.src] = min(out.get(e.src, c), c)
+    return {n: out.get(n, 0) for n in problem.decisions}
+
+
+def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[float, list[float], float]:
+    """(seconds before the first layer, per layer, after the last): compute of the nodes and the
+    resharding into them, one microbatch (what the boundary program balances). Nodes between two
+    layers go with the next, as in `node_chunks`."""
+    order = layer_sequence(graph)
+    n = len(order)
+    seg = node_chunks(problem, graph, PipelinePlan("_", max(n, 1), 1, 1, "1f1b", ("",) + tuple(order[1:])))
+    first = next((i for i, q in enumerate(problem.order) if q in problem.layer), 0)
+    last = max((i for i, q in enumerate(problem.order) if q in problem.layer), default=-1)
+    for i, q in enumerate(problem.order):     # -1: before the layers, n: after them
+        if q not in problem.layer and (i < first or i > last):
+            seg[q] = -1 if i < first else n
+    per = [0.0] * (n + 2)
+    for d in problem.decisions.values():
+        per[seg[d.name] + 1] += d.compute_s[choice[d.leader]]
+    for e in problem.edges:
+        a = e.a_of[choice[problem.decisions[e.src].leader]]
+        b = 0 if e.dst == "output" else e.b_of[choice[problem.decisions[e.dst].leader]]
+        per[(n if e.dst == "output" else seg[e.dst]) + 1] += e.cost[a][b]
+    return per[0], per[1:-1], per[-1]
+
+
+def balanced_boundaries(problem: Problem, graph, choice: Mapping[str, int], chunks: int) -> tuple[str, ...]:
+    """Boundaries cutting the layers into `chunks` contiguous runs that minimise the slowest chunk,
+    the first chunk carrying what precedes the layers and the last what follows them: a dynamic
+    program over (chunks, layers), O(chunks x layers^2). Ties keep the earliest cut."""
+    order = layer_sequence(graph)
+    if chunks <= 1:
+        return ("",)
+    pre, per, post = layer_seconds(problem, graph, choice)
+    n = len(order)
+    prefix = [0.0]
+    for x in per:
+        prefix.append(prefix[-1] + x)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for c in range(1, chunks + 1):
+        for j in range(c, n - (chunks - c) + 1):
+            for i in range(c - 1, j):
+                cost = prefix[j] - prefix[i] + (pre if c == 1 else 0.0) + (post if c == chunks else 0.0)
+                val = max(best[c - 1][i], cost)
+                if val < best[c][j] * (1 - 1e-12):
+                    best[c][j], cut[c][j] = val, i
+    starts, j = [], n
+    for c in range(chunks, 0, -1):
+        i = cut[c][j]
+        starts.append(i)
+        j = i
+    starts.reverse()
+    return tuple("" if i == 0 else order[i] for i in starts)
+
+
+def candidates(mesh, batch: int, batch_axes, n_layers: int, fixed: Mapping) -> list[Candidate]:
+    """Every pipeline the options allow, in tie-break order. `batch`: the global batch of a step;
+    `fixed`: the keys of `PIPELINE_KEYS` the user gave."""
+    if "axis" in fixed:
+        axes = [fixed["axis"]]
+    else:
+        axes = [None] + [a for a, n in zip(mesh.axis_names, mesh.shape)
+                         if n > 1 and a not in (batch_axes or ()) and n <= n_layers]
+    out = []
+    for axis in axes:
+        stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
+        if fixed.get("stages", stages) != stages:
+            continue
+        split = math.prod(mesh.shape[mesh.axis_index(a)] for a in (batch_axes or ()) if a != axis)
+        per_pipe = batch // split if split and batch % split == 0 else batch
+        ms = _microbatch_counts(per_pipe, stages)
+        if "microbatches" in fixed:     # one stage runs one microbatch (no gradient accumulation yet)
+            ms = [fixed["microbatches"]] if stages > 1 or fixed["microbatches"] == 1 else []
+        for m in ms:
+            for sched, v in _schedules(stages, n_layers, fixed):
+                out.append(Candidate(axis, stages, m, sched, v))
+    return out
+
+
+def _microbatch_counts(per_pipe: int, stages: int) -> list[int]:
+    """No pipeline: one microbatch. A pipeline: the MICROBATCH_SIZES largest divisors of the batch
+    one pipeline runs that are at least the stage count (fewer leave ranks idle), fewest first."""
+    if stages == 1:
+        return [1]
+    divisors = [m for m in range(1, per_pipe + 1) if per_pipe % m == 0]
+    enough = [m for m in divisors if m >= stages] or divisors[-1:]
+    return sorted(enough[-MICROBATCH_SIZES:])
+
+
+def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, int]]:
+    if stages == 1:             # no pipeline: nothing to schedule
+        return [("1f1b", 1)]
+    out = []
+    for sched in ([fixed["schedule"]] if "schedule" in fixed else CHOSEN_SCHEDULES):
+        vs = [1] if sched != "interleaved" else [v for v in VIRTUAL_STAGES if stages * v <= n_layers]
+        if "virtual_stages" in fixed:       # interleaving needs several chunks per rank, the others one
+            v = fixed["virtual_stages"]
+            vs = [v] if (v > 1) == (sched == "interleaved") and stages * v <= n_layers else []
+        out += [(sched, v) for v in vs]
+    return out
+
+
+def per_step_view(problem: Problem, microbatches: int) -> Problem:
+    """The problem as the ILP should see one microbatch of m: a parameter's gradient is synchronised
+    once per step, its forward gather every microbatch, so the gradient leg of a parameter edge
+    weighs 1/m against the per-microbatch costs. A copy (edge tables are shared between identical
+    edges and priced as they are by the evaluator); the same choice indices."""
+    if microbatches == 1:
+        return problem
+    k, tables = 1.0 / microbatches, {}
+
+    def weighed(e):
+        key = (id(e.cost), id(e.fwd))       # identical edges keep sharing one table
+        if key not in tables:
+            tables[key] = [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(e.cost, e.fwd)]
+        return replace(e, cost=tables[key])
+    edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
+             for e in problem.edges]
+    return replace(problem, edges=edges)
+
+
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    candidate: Candidate
+    pipeline: PipelinePlan
+    problem: Problem
+    choice: dict
+    options: dict
+    evaluation: Evaluation
+
+
+SolveAt = Callable[[str | None, int], tuple[Problem, dict, dict, object] | None]
+
+
+def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float) -> tuple[Chosen | None, float]:
+    """The fastest candidate whose every pipeline rank fits `budget` (None if none does) and the
+    least peak memory seen. `solve_at(axis, microbatches)` -> (problem of one microbatch on the mesh
+    without `axis`, its layout choice, its family options, the captured graph): called once per
+    (axis, microbatches); None when nothing fits."""
+    solved: dict = {}
+    best, least = None, math.inf
+    for cand in cands:
+        key = (cand.axis, cand.microbatches)
+        if key not in solved:
+            solved[key] = solve_at(cand.axis, cand.microbatches)
+        if solved[key] is None:          # no plan of this microbatch fits even the relaxed budget
+            continue
+        problem, choice, options, graph = solved[key]
+        link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
+        for bounds in _boundary_choices(problem, graph, choice, cand):
+            pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
+            staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
+            for opts in _option_choices(problem, options):
+                ev = evaluate(problem, choice, opts, staging)
+                least = min(least, ev.peak_bytes)
+                if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
+                    best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
+                                  choice, opts, ev)
+    return best, least
+
+
+def _boundary_choices(problem: Problem, graph, choice, cand: Candidate) -> list[tuple[str, ...]]:
+    chunks = cand.stages * cand.virtual_stages
+    if chunks == 1:
+        return [("",)]
+    return list(dict.fromkeys([balanced_boundaries(problem, graph, choice, chunks),
+                               even_boundaries(layer_sequence(graph), chunks)]))
+
+
+def _option_choices(problem: Problem, options: Mapping[str, int]) -> list[dict]:
+    """The ILP's family options, then with every layer's recomputation raised to selective, then to
+    full (where allowed): the ILP saw one microbatch of the whole model on one device, a pipeline
+    rank holds fewer layers but several microbatches in flight."""
+    out = [dict(options)]
+    for level in (1, 2):
+        raised = dict(options)
+        for g in problem.families.groups:
+            if g.family == "recompute" and level in g.allowed and options.get(g.key, g.allowed[0]) < level:
+                raised[g.key] = level
+        if raised not in out:
+            out.append(raised)
+    return out

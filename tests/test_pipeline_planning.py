@@ -1,0 +1,92 @@
+"""The planner chooses pipelines (issue 12): stages over one mesh axis or none, microbatches, schedule
+and virtual stages, jointly with layouts and memory, priced per pipeline rank by the one evaluator."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import autopar
+from autopar.cost_model.pipeline import in_flight_microbatches, pipeline_time
+from autopar.estimate import estimate
+from memory_checks import gpt
+
+KW = dict(symbolic=False, progress=False, time_limit=30)
+
+
+def _gpt(layers=4, batch=8, hidden=32):
+    return gpt(hidden=hidden, batch=batch, layers=layers)
+
+
+@pytest.fixture(scope="module")
+def chosen():
+    model, inputs = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="h100")
+    return model, inputs, mesh, autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline={"axis": "pp"}, **KW)
+
+
+def test_planner_chooses_a_pipeline_priced_by_the_evaluator(chosen):
+    model, inputs, mesh, plan = chosen
+    pp = plan.pipeline
+    assert pp.axis == "pp" and pp.stages == 2 and pp.microbatches >= 2
+    assert len(pp.boundaries) == pp.chunks and pp.boundaries[0] == ""
+    assert all(lay[0] == "R" for lay in plan.placements.values())          # stages own nodes: "R" on pp
+    est = estimate(model, inputs, mesh, plan)
+    assert est.step_time_s == plan.estimate.step_time_s                       # one pricing path, to the last bit
+    assert est.peak_memory_bytes == plan.estimate.peak_memory_bytes
+    assert est.bubble_s == plan.estimate.bubble_s > 0
+    assert set(plan.estimate.stage_memory_bytes) == {"0", "1"}
+    text = plan.report()
+    assert "Pipeline:" in text and "timeline" in text
+    assert autopar.Plan.from_json(plan.to_json()) == plan                     # a pipelined plan is data
+
+
+def test_fixed_keys_are_respected_and_false_forbids():
+    model, inputs = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="h100")
+    plan = autopar.plan(model, inputs, mesh, batch_axes=("dp",),
+                        pipeline={"axis": "pp", "schedule": "gpipe", "microbatches": 4}, **KW)
+    assert (plan.pipeline.axis, plan.pipeline.schedule, plan.pipeline.microbatches) == ("pp", "gpipe", 4)
+    assert plan.pipeline.virtual_stages == 1
+    flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
+    assert flat.pipeline.stages == 1 and flat.pipeline.axis is None
+
+
+def test_schedules_bubble_and_memory():
+    # equal stages: 1F1B and GPipe take (m + p - 1) t; interleaving divides the fill by v; zero bubble
+    # fills with F + B - W only
+    t = pipeline_time([1.0] * 4, [2.0] * 4, 8)
+    assert t.total_s == 8 * 3 + 3 * 3
+    assert pipeline_time([1.0] * 4, [2.0] * 4, 8, virtual_stages=2).bubble_s == t.bubble_s / 2
+    zb = pipeline_time([1.0] * 4, [2.0] * 4, 8, weight_grad=[1.0] * 4)
+    assert zb.bubble_s == 3 * (1.0 + 2.0 - 2 * 1.0) < t.bubble_s
+    # in flight: GPipe all m, 1F1B p - d on rank d, interleaved more than 1F1B on rank 0
+    assert [in_flight_microbatches(d, 4, 8, "gpipe") for d in range(4)] == [8.0] * 4
+    assert [in_flight_microbatches(d, 4, 8, "1f1b") for d in range(4)] == [4.0, 3.0, 2.0, 1.0]
+    assert in_flight_microbatches(0, 4, 8, "zb") == 4.0
+    assert in_flight_microbatches(0, 4, 8, "interleaved", 2) > 4.0
+
+
+def test_schedules_priced_on_a_plan(chosen):
+    # one plan's layouts re-priced under each schedule (estimate() of a Plan runs the evaluator)
+    model, inputs, mesh, plan = chosen
+    pipe = replace(plan.pipeline, virtual_stages=1, microbatches=4, boundaries=("", "blocks.2"))
+    e = {s: estimate(model, inputs, mesh, replace(plan, pipeline=replace(pipe, schedule=s)))
+         for s in ("1f1b", "gpipe", "zb")}
+    assert e["gpipe"].step_time_s == e["1f1b"].step_time_s
+    assert e["gpipe"].peak_memory_bytes > e["1f1b"].peak_memory_bytes       # all 4 microbatches in flight, not 2
+    assert e["zb"].bubble_s < e["1f1b"].bubble_s
+    assert e["zb"].peak_memory_bytes == e["1f1b"].peak_memory_bytes
+
+
+def test_a_budget_only_a_pipeline_fits():
+    model, inputs = _gpt(layers=4, batch=4, hidden=64)
+    mesh = autopar.Mesh((2,), ("pp",), device="h100")
+    fixed = dict(recompute="none", residency="keep", offload="none")
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, inputs, mesh, memory_budget=1, pipeline=False, **fixed, **KW)
+    flat = e.value.min_memory_bytes
+    piped = autopar.plan(model, inputs, mesh, pipeline={"axis": "pp"}, **fixed, **KW)
+    assert piped.estimate.peak_memory_bytes < flat
+    budget = (piped.estimate.peak_memory_bytes + flat) / 2
+    plan = autopar.plan(model, inputs, mesh, memory_budget=budget, pipeline={}, **fixed, **KW)
+    assert plan.pipeline.stages == 2 and plan.estimate.peak_memory_bytes <= budget
