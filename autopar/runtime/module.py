@@ -27,6 +27,7 @@ from . import rng
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
+from .reshard import to_layout
 from .respecialize import input_shapes, input_shapes_of, respecialize
 
 
@@ -80,6 +81,9 @@ class DistributedModule(torch.nn.Module):
         self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+        # inputs the plan keeps in another layout than they arrive in (a pinned sequence split): each
+        # rank takes its part of the input it was given (no communication)
+        self._kept_as = {n.name: parse_layout(n.output) for n in plan.nodes if n.executor == "input"}
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
         self._autopar["programs"][_key(input_shapes_of(cap))] = (cap, self._graph)
 
@@ -136,6 +140,8 @@ class DistributedModule(torch.nn.Module):
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
                     layout = self._input_layout if x.ndim else self._whole
                     x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
+                    if x.ndim and self._kept_as.get(name, layout) != layout:
+                        x = to_layout(x, self._kept_as[name])
                 values.append(x)
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))

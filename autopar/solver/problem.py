@@ -30,7 +30,7 @@ from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
-from ..placement import parse_layout, to_str
+from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..passes.layers import layer_key, module_path
 from .families import Families
@@ -285,8 +285,18 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         for pat, layout in pins.items():
             if any(fnmatch.fnmatchcase(k, pat) for k in keys if k):
                 used_pins.add(pat)
-                return pat, parse_layout(layout)
+                want = parse_pin(layout)
+                if len(want) != mesh.ndim:
+                    raise ShardingError(f"pin {pat!r}: {tuple(layout)} has {len(want)} entries but the mesh has "
+                                        f"{mesh.ndim} axes {mesh.axis_names}: give one per axis")
+                return pat, want
         return None, None
+
+    def placements_only(pat, want, what):
+        if any(isinstance(p, str) for p in want):
+            raise ShardingError(f"pin {pat!r} gives strategy labels {want} for {what}, which has a layout, not a "
+                                f"strategy: pin it with placements ('R', 'S(d)'), or pin the op that uses it")
+        return want
 
     for node in nodes:    # first, so a node knows which of its users send it a gradient
         ng[node.name] = _needs_grad(node, kinds, ng)
@@ -301,6 +311,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 layouts = [only[node.name].output] if only is not None else layout_space(meta, shape)
                 pat, want = pinned([slot.target, node.name])
                 if want is not None:
+                    want = placements_only(pat, want, f"parameter {slot.target!r}")
                     _check_pin(want, meta, mesh, slot.target)
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
@@ -318,7 +329,12 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
-                if slot.kind == "input" and batch_idx and only is None:
+                pat, want = pinned([str(slot.target), node.name]) if slot.kind == "input" else (None, None)
+                if only is not None and node.name in only:
+                    L = only[node.name].output
+                elif want is not None:   # the input arrives whole (or batch-split) and is kept in this layout
+                    L = placements_only(pat, want, f"input {slot.target} ({node.name})")
+                if slot.kind == "input" and (batch_idx or want is not None) and only is None:
                     _check_pin(L, meta, mesh, f"input {slot.target} ({node.name})")
                 decisions[node.name] = Decision(node.name, "input", node.name, [Strategy((), L)], [0.0], [0.0],
                                                 [0.0], fqn=str(slot.target), fwd_s=[0.0], opt_bytes=[0.0])
@@ -336,10 +352,10 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         if only is not None:
             own = [only[node.name]]
         else:
-            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape)
+            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape, rule)
         pat, want = pinned([node.name])
         if want is not None:
-            own = [s for s in own if s.output == want] or _bad_pin(node.name, want)
+            own = [s for s in own if _matches(s, want)] or _bad_pin(node.name, want)
         leader, strategies = node.name, own
         if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
             src = decisions[info.ins[0].name]
@@ -471,6 +487,12 @@ def _check_pin(layout, meta: TensorMeta, mesh: Mesh, what: str) -> None:
                     f"another dim, or Replicate on that axis")
 
 
+def _matches(s: Strategy, want) -> bool:
+    """Does strategy s follow a pin: per axis its output placement, or its label where a label is given?"""
+    return all(s.labels[a] == w if isinstance(w, str) else s.output[a] == w for a, w in enumerate(want))
+
+
 def _bad_pin(name, want):
-    raise ShardingError(f"node {name!r} has no strategy with output placement "
-                        f"{tuple(to_str(p) for p in want)}: pin another layout or leave it to the solver")
+    shown = tuple(w if isinstance(w, str) else to_str(w) for w in want)
+    raise ShardingError(f"node {name!r} has no strategy with output placement or label {shown} per mesh axis: pin "
+                        f"another layout or label, or leave it to the solver")
