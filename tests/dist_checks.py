@@ -85,7 +85,7 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
         # the saved-plan path: plan once (rank 0, as offline), ship the JSON, apply without solving
         import torch.distributed as dist
         saved = [autopar.plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
-                              **LAYOUTS_ONLY).to_json() if rank == 0 else None]
+                              symbolic=False, **LAYOUTS_ONLY).to_json() if rank == 0 else None]
         dist.broadcast_object_list(saved, src=0)
         saved = saved[0]
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs,

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.compute import RANDOM_OPS, random_time
+from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
@@ -32,6 +33,7 @@ from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
 from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
+from ..strategies.attention import context_axis, sdpa_args
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -204,15 +206,28 @@ class OpCostArgs(NamedTuple):
     out_b: float             # bytes of its (first) output on one device (a partial output is whole)
     all_out_b: float         # all its outputs on one device (when its autograd work needs it)
     facts: OpFacts
+    context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts) -> OpCostArgs:
+def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None) -> OpCostArgs:
     """The `OpCostArgs` of a node under strategy s."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts)
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts, context)
+
+
+def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> ContextComm | None:
+    """The transfers of an attention strategy with a context-parallel axis (None for any other)."""
+    axis = context_axis(s.labels) if op_name(node.target) == "aten.scaled_dot_product_attention" else None
+    if axis is None:
+        return None
+    args = sdpa_args(*node.args, **node.kwargs)
+    q_b = ins[0].nbytes / shard_count(s.inputs[0], mesh.shape)
+    kv_b = (ins[1].nbytes + ins[2].nbytes) / shard_count(s.inputs[1], mesh.shape)
+    return ContextComm(s.labels[axis], mesh.shape[axis], mesh.links[axis], q_b, kv_b,
+                       balanced=bool(args["is_causal"]) or args["attn_mask"] is not None)
 
 
 def op_cost(a: OpCostArgs, profile) -> tuple:
@@ -220,6 +235,8 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
     f = a.facts
     fwd, bwd = (0.0, 0.0) if f.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=f.family,
                                                    op=f.op, in_bytes=a.in_b, out_bytes=a.out_b)
+    if a.context is not None:
+        fwd, bwd = context_times(fwd, bwd, a.context)
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -366,7 +383,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts)
+            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh))
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
