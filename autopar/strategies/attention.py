@@ -67,7 +67,7 @@ def context_axis(labels: Sequence[str]) -> int | None:
     return axes[0] if axes else None
 
 
-def admissible(labels: Sequence[str], inputs, output, ins, mesh_shape, fits) -> bool:
+def admissible(labels: Sequence[str], inputs, output, ins, outs, mesh_shape, fits) -> bool:
     """At most one context-parallel axis; under Ulysses the heads of q, k and v divide as well."""
     if sum(lab in CONTEXT_LABELS for lab in labels) > 1:
         return False

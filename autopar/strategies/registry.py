@@ -45,7 +45,7 @@ class OpRule:
     is_view: bool = False        # output aliases the input (no new memory)
     follower: bool = False       # one tensor input, strategy implied by it: merged into its producer
     # which N-D combinations of its options run (labels, input layouts, output layout, input metas,
-    # mesh shape, fits) -> bool; None: all that split evenly
+    # output metas, mesh shape, fits) -> bool; None: all that split evenly
     admits: Callable | None = None
 
 

@@ -82,7 +82,7 @@ def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], ou
                      tuple(o.output for o in combo), tuple(o.label for o in combo))
         if all(fits(s.output, m, mesh_shape) for m in outs) and all(
                 fits(L, m, mesh_shape) for L, m in zip(s.inputs, ins)) and (
-                rule is None or rule.admits is None or rule.admits(s.labels, s.inputs, s.output, ins, mesh_shape, fits)):
+                rule is None or rule.admits is None or rule.admits(s.labels, s.inputs, s.output, ins, outs, mesh_shape, fits)):
             out.append(s)
     return out
 
