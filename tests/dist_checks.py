@@ -40,6 +40,9 @@ def build(name: str):
     if name == "gpt":
         model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
+    if name == "gpt-b2":   # a sample per data-parallel rank of a (2, 2) mesh: its loss view keeps the split
+        model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+        return model, gpt_inputs(batch=2, seq=16, vocab=64), lambda out: out
     if name == "llama":
         model = Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out

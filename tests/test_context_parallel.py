@@ -39,6 +39,19 @@ def test_context_parallel_trains_like_one_process(rank_pool, model, label):
     assert r["fallbacks"] == [], r["fallbacks"]
 
 
+def test_data_and_context_parallel_together(rank_pool):
+    """(dp, cp) = (2, 2): batch over dp, sequence over cp, ring attention; the loss's flattening of
+    (batch, sequence) keeps both splits ("merge"), so no rank gathers the logits."""
+    seq = ("S(0)", "S(1)")
+    pins = {"idx": seq, "targets": seq, "scaled_dot_product_attention*": ("batch", "ring"),
+            "view_8": ("S(0)", "S(0)"), "view_9": ("S(0)", "S(0)")}    # logits and targets flattened
+    results = rank_pool(4).run(train_and_compare, "gpt-b2", (2, 2), ("dp", "cp"), pins, timeout=300)
+    r = results[0]
+    for key in ("loss", "grad", "param", "buffer"):
+        assert max(x[key] for x in results) < TOL, (key, {k: r[k] for k in ("loss", "grad", "param", "buffer")})
+    assert {"ring", "merge"} <= set(r["labels"]), r["labels"]
+
+
 def test_unparseable_pin_names_it():
     model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=1)
     with pytest.raises(AutoparError, match="scaled_dot_product_attention.*Ring!"):
