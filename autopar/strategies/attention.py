@@ -79,6 +79,7 @@ def admissible(labels: Sequence[str], inputs, output, ins, outs, mesh_shape, fit
 
 @register(aten.scaled_dot_product_attention, family="attention", admits=admissible)
 def sdpa_rule(node, ins, outs):
+    """Split the batch, the heads, or the sequence ("ring", "allgather_kv", "ulysses": context parallelism)."""
     q = ins[0]
     opts = []
     for d in range(q.ndim - 2):
