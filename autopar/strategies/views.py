@@ -79,7 +79,7 @@ def merge_admitted(labels, inputs, output, ins, outs, mesh_shape, fits) -> bool:
 @register(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, family="view",
           saves_inputs=False, is_view=True, follower=True, admits=merge_admitted)
 def view_rule(node, ins, outs):
-    """A shard of a group's leading dim follows it; so does an inner merged dim's ("merge") where the pieces stay contiguous.
+    """A group's leading dim keeps its shard; so does an inner merged dim ("merge") if pieces stay contiguous.
 
     (Groups: `view_groups`; when the pieces are contiguous: `merge_admitted`.)"""
     groups = view_groups(ins[0].shape, outs[0].shape)
