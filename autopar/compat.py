@@ -15,6 +15,9 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   tensor saved twice unchanged from one written in between.
 * `sym_expr(size)`, `sym_hint(size)`: the sympy expression and the example value behind a
   symbolic size of a traced tensor (torch.SymInt's node).
+* `funcol`: torch.distributed._functional_collectives, torch's asynchronous, traceable collectives
+  (all_to_all_single, permute_tensor, all_gather_single, reduce_scatter_single); the context-parallel
+  attention executor overlaps its ring hops with them, as torch's own ring attention does.
 * `default_store()`: the job's rendezvous key-value store (torch.distributed's c10d internals);
   `set_group_timeout(group, seconds)`: how long a process group's collectives wait for peers.
 """
@@ -23,10 +26,11 @@ from __future__ import annotations
 import sympy
 import torch
 import torch.utils._pytree as pytree  # noqa: F401 - re-exported
+import torch.distributed._functional_collectives as funcol  # noqa: F401 - re-exported
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["pytree", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
+__all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout"]
 
 

@@ -12,11 +12,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "to_str", "from_str", "layout_str", "parse_layout",
-           "local_shape", "R", "P"]
+           "parse_pin", "local_shape", "R", "P"]
 
 R = Replicate()
 P = Partial()
 _SHARD_RE = re.compile(r"^S\((-?\d+)\)$")
+# a strategy label ("ring", "ulysses", "column", ...): lower case, so never a placement
+_LABEL_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 def to_str(p: Placement) -> str:
@@ -53,6 +55,21 @@ def layout_str(layout: Sequence[Placement]) -> tuple[str, ...]:
 
 def parse_layout(layout: Sequence[str | Placement]) -> tuple[Placement, ...]:
     return tuple(from_str(p) for p in layout)
+
+
+def parse_pin(entries: Sequence[str | Placement]) -> tuple[Placement | str, ...]:
+    """A pin: per mesh axis a placement ("S(1)") or a strategy label ("ring"); ValueError otherwise."""
+    out = []
+    for e in entries:
+        if isinstance(e, str) and _LABEL_RE.match(e.strip()):
+            out.append(e.strip())
+            continue
+        try:
+            out.append(from_str(e))
+        except ValueError:
+            raise ValueError(f"cannot parse placement {e!r}: give 'R', 'S(d)', 'P' or 'P(avg)', or a strategy "
+                             f"label ('ring', 'ulysses', 'allgather_kv', 'batch', 'heads', ...) per mesh axis") from None
+    return tuple(out)
 
 
 def local_shape(shape: Sequence[int], layout: Sequence[Placement], axis_sizes: Sequence[int]) -> tuple[int, ...]:

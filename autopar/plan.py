@@ -100,7 +100,7 @@ class NodePlan:
     inputs: tuple[tuple[str, ...], ...]
     output: tuple[str, ...]
     labels: tuple[str, ...]           # per mesh axis: "batch", "column", "row", "replicate", ...
-    executor: str                     # "dtensor" | "local" | "replicate" (fallback) | "input" | "param"
+    executor: str                     # "local" | "context" (context-parallel attention) | "replicate" (fallback) | "input" | "param"
     compute_s: float = 0.0
     collectives: tuple[Collective, ...] = ()
     fallback: bool = False

@@ -24,13 +24,13 @@ from torch.distributed.tensor import Partial, Shard
 
 from .errors import PlanFileError
 from .expr import ExprError, compile_expr
-from .placement import from_str
+from .placement import from_str, parse_pin
 from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
                    PIPELINE_KEYS, TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
 
 __all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
 
-EXECUTORS = ("param", "input", "local", "replicate", "output")
+EXECUTORS = ("param", "input", "local", "context", "replicate", "output")
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 _PHASES = ("forward", "backward")
 _FIXED = ("batch", "seq")
@@ -123,7 +123,7 @@ class _Reader:
                     self.choice(a, f"{field}[{i}]", self.axis_names)
             else:
                 for name, lay in self.mapping(v, field).items():
-                    self.layout(lay, f"{field}.{name}")
+                    self.pin(lay, f"{field}.{name}")
         return dict(o)
 
     def pipeline_option(self, v: Any, f: str) -> None:
@@ -246,6 +246,17 @@ class _Reader:
         return p
 
     # -- values -------------------------------------------------------------------------
+    def pin(self, v: Any, f: str) -> tuple[str, ...]:
+        """A pin: per mesh axis a placement or a strategy label."""
+        items = self.array(v, f)
+        if len(items) != self.naxes:
+            self.fail(f, f"pin {v!r:.80} has {len(items)} entries for a mesh of {self.naxes} axes")
+        try:
+            parse_pin([self.string(p, f"{f}[{i}]") for i, p in enumerate(items)])
+        except ValueError as e:
+            self.fail(f, str(e))
+        return tuple(items)
+
     def layout(self, v: Any, f: str) -> tuple[str, ...]:
         items = self.array(v, f)
         if len(items) != self.naxes:

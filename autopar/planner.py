@@ -14,7 +14,7 @@ from .errors import InfeasibleError, PlanMismatchError, PlanOptionError, Shardin
 from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
-from .placement import layout_str, parse_layout
+from .placement import layout_str, parse_pin
 from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
 from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .plan_cache import PlanCache
@@ -24,6 +24,7 @@ from .solver.evaluate import Evaluation, Staging, chosen_options, effective_opti
 from .solver.ilp import min_memory, solve
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
 from .strategies import op_name, rule_for
+from .strategies.attention import context_axis
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +48,10 @@ class PlanOptions:
     def __post_init__(self):
         for name, layout in (self.pins or {}).items():
             if isinstance(layout, str) or not isinstance(layout, Sequence):
-                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement per mesh axis, "
-                                    f"e.g. ('S(0)', 'R')")
+                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement (or strategy "
+                                    f"label) per mesh axis, e.g. ('S(0)', 'R') or ('batch', 'ring')")
             try:
-                parse_layout(layout)
+                parse_pin(layout)
             except (ValueError, TypeError) as e:
                 raise ShardingError(f"pin {name!r}: {e}") from None
 
@@ -210,7 +211,7 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
             executor, op = "input", f"input {d.fqn}"
         else:
             rule = rule_for(node.target)
-            executor = "replicate" if rule is None else "local"
+            executor = "replicate" if rule is None else "context" if context_axis(s.labels) is not None else "local"
             op = op_name(node.target)
         nodes.append(NodePlan(node.name, op, _module_path(node), tuple(layout_str(i) for i in s.inputs),
                               layout_str(s.output), tuple(s.labels) or tuple("-" for _ in mesh.shape), executor,

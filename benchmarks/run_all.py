@@ -33,6 +33,8 @@ RUNS = [
     ["bench_memory.py"],
     # issue 11: Llama-3-8B on one node of 8 H100 at 8 x 8192; one H100 with its host memory
     ["bench_memory_plans.py"],
+    # issue 13: Llama-3-8B at 131,072 tokens on (dp 8, cp 8): the planner's attention strategy and the others
+    ["bench_context_parallel.py"],
     # issue 14: planning time per phase, HF Llama-3-8B at 64 x 4096 on (8, 8)
     ["bench_plan_speed.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh

@@ -40,6 +40,9 @@ def build(name: str):
     if name == "gpt":
         model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
+    if name == "gpt-b2":   # a sample per data-parallel rank of a (2, 2) mesh: its loss view keeps the split
+        model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+        return model, gpt_inputs(batch=2, seq=16, vocab=64), lambda out: out
     if name == "llama":
         model = Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
@@ -85,7 +88,7 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
         # the saved-plan path: plan once (rank 0, as offline), ship the JSON, apply without solving
         import torch.distributed as dist
         saved = [autopar.plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
-                              **LAYOUTS_ONLY).to_json() if rank == 0 else None]
+                              symbolic=False, **LAYOUTS_ONLY).to_json() if rank == 0 else None]
         dist.broadcast_object_list(saved, src=0)
         saved = saved[0]
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs,

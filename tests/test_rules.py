@@ -6,6 +6,8 @@ as the option says (S(d): halves of dim d; R: whole; P: two random terms that su
 value), run the op on each device's pieces as the runtime would (view shapes made local; MoE
 told its experts), and put the outputs back together as the option claims (S(d): concatenate;
 R: both equal; P: sum; P(avg): mean). The result must be the op's output on whole tensors.
+Options a rule admits only in combination with other axes (`OpRule.admits`) are checked where
+they are used, and context-parallel attention, which has its own executor, in test_context_parallel.py.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from autopar.passes.shape_prop import tensor_inputs, tensor_meta  # noqa: E402
 from autopar.placement import local_shape  # noqa: E402
 from autopar.runtime.ops import _SHAPE_ARG  # noqa: E402
 from autopar.strategies import rule_for  # noqa: E402
-from autopar.strategies.strategy import axis_options  # noqa: E402
+from autopar.strategies.attention import CONTEXT_LABELS  # noqa: E402
+from autopar.strategies.strategy import axis_options, fits  # noqa: E402
 from zoo import MODELS  # noqa: E402
 
 N = 2   # devices on the simulated mesh axis
@@ -108,7 +111,8 @@ def check_node(node: fx.Node, env: dict[str, object], gen) -> list[str]:
         [env[a.name] if isinstance(a, fx.Node) else a for a in leaves], spec)[1])
     bad = []
     for opt in axis_options(rule, node, ins, outs):
-        if opt.label == "replicate":
+        if opt.label == "replicate" or opt.label in CONTEXT_LABELS or (rule.admits is not None and not rule.admits(
+                (opt.label,), tuple((p,) for p in opt.inputs), (opt.output,), ins, outs, (N,), fits)):
             continue
         pieces, k = [], 0
         for a in leaves:

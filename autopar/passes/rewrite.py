@@ -19,12 +19,13 @@ import torch.fx as fx
 from ..compat import pytree
 from ..placement import parse_layout
 from ..plan import Plan
+from ..runtime.attention import context_executor
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal
 from ..runtime.reshard import Reshard
 from .capture import Captured
 from .shape_prop import tensor_meta
 
-_EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp}
+_EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
 
 
 def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
@@ -89,8 +90,9 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             env[node] = g.call_function(node.target, args, kwargs)
         else:
             metas = tensor_meta(node.meta.get("val"))
+            extra = {"labels": tuple(np.labels)} if np.executor == "context" else {}
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
-                                          device_mesh, metas[0].shape if metas else None)
+                                          device_mesh, metas[0].shape if metas else None, **extra)
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")

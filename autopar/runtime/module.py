@@ -27,6 +27,7 @@ from . import rng
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
+from .reshard import to_layout
 from .respecialize import input_shapes, input_shapes_of, respecialize
 
 
@@ -92,6 +93,9 @@ class DistributedModule(torch.nn.Module):
         self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
+        # inputs the plan keeps in another layout than they arrive in (a pinned sequence split): each
+        # rank takes its part of the input it was given (no communication)
+        self._kept_as = {n.name: parse_layout(n.output) for n in plan.nodes if n.executor == "input"}
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
         self._autopar["programs"][_key(input_shapes_of(cap))] = (cap, self._graph)
 
@@ -133,7 +137,8 @@ class DistributedModule(torch.nn.Module):
         self._rng.next_call()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
-        values = [input_value(self, cap, slot, leaves, self._input_layout) for slot in cap.inputs.values()]
+        values = [input_value(self, cap, slot, leaves, self._input_layout, self._kept_as.get(name))
+                  for name, slot in cap.inputs.items()]
         mem = self._memory
         mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
@@ -158,9 +163,10 @@ class DistributedModule(torch.nn.Module):
         return PlannedOptimizer(self, cls, **kwargs)
 
 
-def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layout):
+def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layout, kept_as=None):
     """What feeds one placeholder of the rank graph: the module's parameter or buffer (whole), a
-    lifted constant (whole), or user input `leaves[i]` in `input_layout` (whole if 0-dim)."""
+    lifted constant (whole), or user input `leaves[i]` in `input_layout` (whole if 0-dim), moved to
+    the layout the plan keeps it in (`kept_as`, a pinned input: each rank takes its part)."""
     mesh = module._autopar["mesh"]
     whole = tuple(Replicate() for _ in mesh.shape)
     if slot.kind == "param":
@@ -172,7 +178,10 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
         return DTensor.from_local(const.to(_device(mesh)), mesh, whole, run_check=False)
     x = leaves[slot.target]
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-        x = DTensor.from_local(x.to(_device(mesh)), mesh, input_layout if x.ndim else whole, run_check=False)
+        layout = input_layout if x.ndim else whole
+        x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
+        if x.ndim and kept_as is not None and kept_as != layout:
+            x = to_layout(x, kept_as)
     return x
 
 

@@ -24,14 +24,16 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.compute import RANDOM_OPS, random_time
+from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
-from ..placement import parse_layout, to_str
+from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
+from ..strategies.attention import context_axis, sdpa_args
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -204,15 +206,28 @@ class OpCostArgs(NamedTuple):
     out_b: float             # bytes of its (first) output on one device (a partial output is whole)
     all_out_b: float         # all its outputs on one device (when its autograd work needs it)
     facts: OpFacts
+    context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts) -> OpCostArgs:
+def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None) -> OpCostArgs:
     """The `OpCostArgs` of a node under strategy s."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts)
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts, context)
+
+
+def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> ContextComm | None:
+    """The transfers of an attention strategy with a context-parallel axis (None for any other)."""
+    axis = context_axis(s.labels) if op_name(node.target) == "aten.scaled_dot_product_attention" else None
+    if axis is None:
+        return None
+    args = sdpa_args(*node.args, **node.kwargs)
+    q_b = ins[0].nbytes / shard_count(s.inputs[0], mesh.shape)
+    kv_b = (ins[1].nbytes + ins[2].nbytes) / shard_count(s.inputs[1], mesh.shape)
+    return ContextComm(s.labels[axis], mesh.shape[axis], mesh.links[axis], q_b, kv_b,
+                       balanced=bool(args["is_causal"]) or args["attn_mask"] is not None)
 
 
 def op_cost(a: OpCostArgs, profile) -> tuple:
@@ -220,6 +235,8 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
     f = a.facts
     fwd, bwd = (0.0, 0.0) if f.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=f.family,
                                                    op=f.op, in_bytes=a.in_b, out_bytes=a.out_b)
+    if a.context is not None:
+        fwd, bwd = context_times(fwd, bwd, a.context)
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -285,8 +302,18 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         for pat, layout in pins.items():
             if any(fnmatch.fnmatchcase(k, pat) for k in keys if k):
                 used_pins.add(pat)
-                return pat, parse_layout(layout)
+                want = parse_pin(layout)
+                if len(want) != mesh.ndim:
+                    raise ShardingError(f"pin {pat!r}: {tuple(layout)} has {len(want)} entries but the mesh has "
+                                        f"{mesh.ndim} axes {mesh.axis_names}: give one per axis")
+                return pat, want
         return None, None
+
+    def placements_only(pat, want, what):
+        if any(isinstance(p, str) for p in want):
+            raise ShardingError(f"pin {pat!r} gives strategy labels {want} for {what}, which has a layout, not a "
+                                f"strategy: pin it with placements ('R', 'S(d)'), or pin the op that uses it")
+        return want
 
     for node in nodes:    # first, so a node knows which of its users send it a gradient
         ng[node.name] = _needs_grad(node, kinds, ng)
@@ -301,6 +328,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 layouts = [only[node.name].output] if only is not None else layout_space(meta, shape)
                 pat, want = pinned([slot.target, node.name])
                 if want is not None:
+                    want = placements_only(pat, want, f"parameter {slot.target!r}")
                     _check_pin(want, meta, mesh, slot.target)
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
@@ -318,7 +346,12 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             else:
                 L = tuple(Shard(0) if (slot.kind == "input" and a in batch_idx and meta.ndim) else R
                           for a in range(mesh.ndim))
-                if slot.kind == "input" and batch_idx and only is None:
+                pat, want = pinned([str(slot.target), node.name]) if slot.kind == "input" else (None, None)
+                if only is not None and node.name in only:
+                    L = only[node.name].output
+                elif want is not None:   # the input arrives whole (or batch-split) and is kept in this layout
+                    L = placements_only(pat, want, f"input {slot.target} ({node.name})")
+                if slot.kind == "input" and (batch_idx or want is not None) and only is None:
                     _check_pin(L, meta, mesh, f"input {slot.target} ({node.name})")
                 decisions[node.name] = Decision(node.name, "input", node.name, [Strategy((), L)], [0.0], [0.0],
                                                 [0.0], fqn=str(slot.target), fwd_s=[0.0], opt_bytes=[0.0])
@@ -336,10 +369,10 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         if only is not None:
             own = [only[node.name]]
         else:
-            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape)
+            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape, rule)
         pat, want = pinned([node.name])
         if want is not None:
-            own = [s for s in own if s.output == want] or _bad_pin(node.name, want)
+            own = [s for s in own if _matches(s, want)] or _bad_pin(node.name, want)
         leader, strategies = node.name, own
         if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
             src = decisions[info.ins[0].name]
@@ -350,7 +383,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts)
+            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh))
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -471,6 +504,12 @@ def _check_pin(layout, meta: TensorMeta, mesh: Mesh, what: str) -> None:
                     f"another dim, or Replicate on that axis")
 
 
+def _matches(s: Strategy, want) -> bool:
+    """Does strategy s follow a pin: per axis its output placement, or its label where a label is given?"""
+    return all(s.labels[a] == w if isinstance(w, str) else s.output[a] == w for a, w in enumerate(want))
+
+
 def _bad_pin(name, want):
-    raise ShardingError(f"node {name!r} has no strategy with output placement "
-                        f"{tuple(to_str(p) for p in want)}: pin another layout or leave it to the solver")
+    shown = tuple(w if isinstance(w, str) else to_str(w) for w in want)
+    raise ShardingError(f"node {name!r} has no strategy with output placement or label {shown} per mesh axis: pin "
+                        f"another layout or label, or leave it to the solver")

@@ -1,4 +1,4 @@
-"""Neural-network ops: normalisation, softmax, embedding, attention, losses, reductions, factories."""
+"""Neural-network ops: normalisation, softmax, embedding, losses, reductions, factories (attention: attention.py)."""
 from __future__ import annotations
 
 import torch
@@ -34,20 +34,6 @@ def embedding_rule(node, ins, outs):
     out = outs[0]
     opts = [AxisOption((R, Shard(d)), Shard(d), "batch" if d == 0 else f"dim{d}") for d in range(idx.ndim)]
     opts.append(AxisOption((Shard(1), R), Shard(out.ndim - 1), "hidden"))
-    return opts
-
-
-@register(aten.scaled_dot_product_attention, family="attention")
-def sdpa_rule(node, ins, outs):
-    """Attention is independent per (batch, head): split dims 0 and 1 of q, k, v (and the mask)."""
-    q = ins[0]
-    opts = []
-    for d in range(q.ndim - 2):
-        placements = [Shard(d), Shard(d), Shard(d)]
-        for m in ins[3:]:   # attn_mask broadcasts against (B, H, Sq, Sk)
-            k = d - (q.ndim - m.ndim)
-            placements.append(Shard(k) if k >= 0 and m.shape[k] == q.shape[d] else R)
-        opts.append(AxisOption(tuple(placements), Shard(d), "batch" if d == 0 else "heads"))
     return opts
 
 

@@ -44,17 +44,20 @@ class OpRule:
     saves_inputs: bool = True    # are the inputs kept alive for the backward?
     is_view: bool = False        # output aliases the input (no new memory)
     follower: bool = False       # one tensor input, strategy implied by it: merged into its producer
+    # which N-D combinations of its options run (labels, input layouts, output layout, input metas,
+    # output metas, mesh shape, fits) -> bool; None: all that split evenly
+    admits: Callable | None = None
 
 
 RULES: dict[object, OpRule] = {}
 
 
 def register(*targets, family: str, saves_inputs: bool = True,
-             is_view: bool = False, follower: bool = False):
+             is_view: bool = False, follower: bool = False, admits: Callable | None = None):
     """Register `fn` as the rule of every op in `targets` (OpOverloadPackets or Python callables)."""
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
-            RULES[t] = OpRule(fn, family, saves_inputs, is_view, follower)
+            RULES[t] = OpRule(fn, family, saves_inputs, is_view, follower, admits)
         return fn
     return deco
 

@@ -71,16 +71,18 @@ def axis_options(rule: OpRule | None, node, ins: Sequence[TensorMeta], outs: Seq
 
 
 def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], outs: Sequence[TensorMeta],
-                    mesh_shape: Sequence[int]) -> list[Strategy]:
-    """All combinations of per-axis options that split every tensor evenly, in a fixed order.
-    An axis of one device splits nothing: it takes only the options that keep everything whole."""
+                    mesh_shape: Sequence[int], rule: OpRule | None = None) -> list[Strategy]:
+    """All combinations of per-axis options that split every tensor evenly (and that the op's rule
+    admits), in a fixed order. An axis of one device splits nothing: it takes only the options that
+    keep everything whole."""
     whole = [o for o in options if all(isinstance(p, Replicate) for p in (o.output, *o.inputs))] or list(options)
     out = []
     for combo in itertools.product(*[options if n > 1 else whole for n in mesh_shape]):
         s = Strategy(tuple(tuple(o.inputs[k] for o in combo) for k in range(len(ins))),
                      tuple(o.output for o in combo), tuple(o.label for o in combo))
         if all(fits(s.output, m, mesh_shape) for m in outs) and all(
-                fits(L, m, mesh_shape) for L, m in zip(s.inputs, ins)):
+                fits(L, m, mesh_shape) for L, m in zip(s.inputs, ins)) and (
+                rule is None or rule.admits is None or rule.admits(s.labels, s.inputs, s.output, ins, outs, mesh_shape, fits)):
             out.append(s)
     return out
 

@@ -5,7 +5,7 @@ layout implied by the producer's (see `strategy.py`).
 """
 from __future__ import annotations
 
-
+import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -20,7 +20,13 @@ R, P = Replicate(), Partial()
 def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
     """Which dst dim a Shard of each src dim becomes under a reshape (only the leading dim of a
     merged or split group can carry a shard; size-1 dims carry none)."""
-    mapping, i, j = {}, 0, 0
+    return {group[0]: lead for group, lead, _ in view_groups(src, dst)}
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], int]]:
+    """The reshape as groups: (src dims of size > 1, the dst dim leading the dims they become, and
+    whether they become that one dim: a merge)."""
+    groups, i, j = [], 0, 0
     while i < len(src) and j < len(dst):
         if src[i] == 1 and (dst[j] != 1):
             i += 1
@@ -40,9 +46,9 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
                 gj.append(j)
                 pd *= dst[j]
         if ps > 1:
-            mapping[gi[0]] = gj[0]
+            groups.append(([d for d in gi if src[d] > 1], gj[0], len([d for d in gj if dst[d] > 1]) == 1))
         i, j = i + 1, j + 1
-    return mapping
+    return groups
 
 
 def _mapped(ins, outs, dmap, label="view", partial=True):
@@ -52,12 +58,34 @@ def _mapped(ins, outs, dmap, label="view", partial=True):
     return opts
 
 
+def merge_admitted(labels, inputs, output, ins, outs, mesh_shape, fits) -> bool:
+    """A "merge" axis splits an inner dim k of merged dims (the sequence of (B, S) -> B*S): each
+    device's piece stays one contiguous block of the merged dim, as Shard of it says, when every
+    dim merged before k is split to size 1 by axes earlier in the mesh and none after k is split."""
+    for a, lab in enumerate(labels):
+        if lab != "merge":
+            continue
+        k = inputs[0][a].dim
+        group = next(g for g, _, _ in view_groups(ins[0].shape, outs[0].shape) if k in g)
+        for j in group:
+            axes = [b for b, p in enumerate(inputs[0]) if p == Shard(j)]
+            if j > k and axes:
+                return False
+            if j < k and (ins[0].shape[j] != math.prod(mesh_shape[b] for b in axes) or any(b > a for b in axes)):
+                return False
+    return True
+
+
 @register(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, family="view",
-          saves_inputs=False, is_view=True, follower=True)
+          saves_inputs=False, is_view=True, follower=True, admits=merge_admitted)
 def view_rule(node, ins, outs):
-    dmap = view_dim_map(ins[0].shape, outs[0].shape)
-    # a split dim can only carry a shard if the leading piece is what gets cut
-    return [o for o in _mapped(ins, outs, dmap)]
+    """A group's leading dim keeps its shard; so does an inner merged dim ("merge") if pieces stay contiguous.
+
+    (Groups: `view_groups`; when the pieces are contiguous: `merge_admitted`.)"""
+    groups = view_groups(ins[0].shape, outs[0].shape)
+    merges = [AxisOption((Shard(k),), Shard(lead), "merge") for group, lead, merged in groups if merged
+              for k in group[1:]]
+    return _mapped(ins, outs, {g[0]: lead for g, lead, _ in groups}) + merges
 
 
 @register(aten.transpose, aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.expand,
