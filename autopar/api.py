@@ -84,7 +84,8 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
         plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=source))
     else:
         check_plan(plan, cap, mesh)
-    return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
+    return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
+                             grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
 
 
 def planned_on_rank0(make) -> Plan:

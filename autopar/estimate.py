@@ -60,6 +60,7 @@ from .cost_model.comm import bucketed_time, collective_bytes_on_wire
 from .cost_model.compute import grad_accumulation_time, optimizer_seconds
 from .cost_model.memory import state_bytes_per_element
 from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
+from .cost_model.profiles import DDP_BUCKET_BYTES
 from .errors import PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
@@ -76,7 +77,6 @@ from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
 
-DDP_BUCKET_BYTES = 25 * 2**20      # torch DistributedDataParallel's default bucket_cap_mb=25
 PRE, POST = "pre", "post"
 
 
