@@ -574,7 +574,7 @@ def _estimate_plan(cap, infos, mesh: Mesh, plan: Plan, pipe: Pipeline, recompute
     fwd_bwd = ev.step_s - ev.grad_sync_s - ev.optimizer_s
     return StepEstimate(
         step_time_s=ev.step_s, pipeline_s=fwd_bwd, compute_s=ev.compute_s + ev.family_s.get("recompute", 0.0),
-        comm_s=ev.comm_s - ev.grad_sync_s, p2p_s=0.0, bubble_s=0.0, grad_sync_s=ev.grad_sync_s,
+        comm_s=ev.comm_s - (ev.grad_sync_s - ev.grad_buckets_s), p2p_s=0.0, bubble_s=0.0, grad_sync_s=ev.grad_sync_s,
         grad_sync_exposed_s=ev.grad_sync_s, optimizer_s=ev.optimizer_s, peak_memory_bytes=ev.peak_bytes,
         param_state_bytes=ev.state_bytes, activation_bytes=ev.peak_bytes - ev.state_bytes, model_flops=model_flops,
         hardware_flops=model_flops + again, devices=mesh.size, microbatches=1, stages=1, virtual_stages=1,
