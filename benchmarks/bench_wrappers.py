@@ -41,6 +41,7 @@ from bench_cpu_plans import wait_for_quiet  # noqa: E402
 
 MODEL = dict(vocab=512, seq=128, hidden=256, heads=8, layers=4)
 BATCH = 16
+WAIT_S = 30          # at most this long for a quiet machine before each case (then measured anyway, load recorded)
 
 
 class Attention(nn.Module):
@@ -189,7 +190,7 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
 def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
     world, axis, what = CASES[name]
     plan = plan_for(what, world, axis)
-    q = wait_for_quiet(0.5, 2.0, 120)
+    q = wait_for_quiet(0.5, 2.0, WAIT_S)
     per_rank = pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, timeout=900)
     med = {}
     for side in ("autopar", "torch"):

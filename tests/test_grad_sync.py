@@ -50,3 +50,20 @@ def test_bucketed_gradients_equal_one_process(rank_pool, residency, bucket_bytes
     assert len(buckets) == 1, results              # every rank issued the same collectives
     n = buckets.pop()
     assert n >= backwards if bucket_bytes > 2**20 else n > 2 * backwards, n
+
+
+def test_gradient_sync_is_priced_per_bucket():
+    """The plan's price has one launch per gradient bucket (profile.grad_bucket_bytes), as the runtime
+    runs it: smaller buckets, more launches, the same transfer."""
+    model, inputs, _ = build("gpt")
+    pins = {n: ("R",) for n, _ in model.named_parameters()}
+    launch = 1e-3
+    sync = {}
+    for cap in (2**30, 4096):
+        prof = replace(shard_happy_profile(), collective_overhead=launch, grad_bucket_bytes=cap)
+        mesh = autopar.Mesh((2,), ("dp",), device=prof)
+        plan = autopar.plan(model, inputs, mesh, pins=pins, batch_axes=("dp",), memory_budget=float("inf"))
+        assert plan.estimate.step_time_s == pytest.approx(autopar.estimate(model, inputs, mesh, plan).step_time_s)
+        sync[cap] = plan.estimate.grad_sync_s
+    extra = (sync[4096] - sync[2**30]) / launch          # buckets beyond the one
+    assert extra >= 2 and extra == pytest.approx(round(extra)), sync
