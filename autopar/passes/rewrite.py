@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..compat import pytree
 from ..placement import parse_layout
 from ..plan import Plan
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal
+from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts
 from ..runtime.reshard import Reshard
 from .capture import Captured
 from .shape_prop import tensor_meta
@@ -32,6 +32,30 @@ def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
     parameter (its stored shard becomes a DTensor there) and after anything the plan does not know;
     otherwise where the layouts differ. (`autopar.estimate` counts runtime modules with this.)"""
     return src_executor in (None, "param") or src_layout != want
+
+
+def passes_local(node: fx.Node, planned: dict, mesh_ndim: int) -> bool:
+    """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
+    it in a DTensor and unwrapping it again would do nothing, forward or backward: a single tensor
+    output with no Partial axis (so no gradient scaling, no reduction), every consumer a LocalOp
+    taking it in that very layout (no Reshard on the edge) and sending its gradient back in it too.
+    Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
+    almost every op)."""
+    np = planned.get(node.name)
+    val = node.meta.get("val")
+    if np is None or np.executor != "local" or not isinstance(val, torch.Tensor) or "P" in "".join(np.output):
+        return False
+    for user in node.users:
+        up = planned.get(user.name)
+        if up is None or up.executor != "local" or user.target is operator.getitem:
+            return False
+        slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
+                                         if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
+        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output))
+        if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != parse_layout(np.output)
+                            for k in slots):
+            return False
+    return True
 
 
 def output_modules(sharded_outputs: bool) -> int:
@@ -91,6 +115,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             metas = tensor_meta(node.meta.get("val"))
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None)
+            mod.local_out = passes_local(node, planned, len(whole))
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")
