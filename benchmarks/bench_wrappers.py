@@ -169,7 +169,12 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
         opt.step()
         opt.zero_grad()
         dist.barrier()
-        return time.perf_counter() - t0, float(loss)
+        t = time.perf_counter() - t0
+        if name == "torch" and what != "tp":     # a data-parallel wrapper's loss is its rank's: the global mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        return t, float(loss)
 
     for i in range(warmup + steps):
         for name in (("autopar", "torch") if i % 2 == 0 else ("torch", "autopar")):
@@ -184,7 +189,8 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step(name)
             counts[name] = sum(1 for e in prof.events() if e.name.startswith("aten::"))
-    return {"times": times, "losses": losses, "aten": counts}
+    local_ops = sum(bool(getattr(m, "local_out", False)) for m in dmodel.graph_module.modules())
+    return {"times": times, "losses": losses, "aten": counts, "local_ops": local_ops}
 
 
 def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
@@ -200,7 +206,7 @@ def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
     loss_gap = max(abs(a - b) for a, b in zip(r0["losses"]["autopar"], r0["losses"]["torch"]))
     return {"case": name, "world": world, "autopar_ms": round(med["autopar"] * 1e3, 1),
             "torch_ms": round(med["torch"] * 1e3, 1), "ratio": round(med["autopar"] / med["torch"], 3),
-            "max_loss_gap": loss_gap, "aten_per_step": r0["aten"], **q,
+            "max_loss_gap": loss_gap, "aten_per_step": r0["aten"], "ops_passing_local": r0["local_ops"], **q,
             "loadavg_after": round(os.getloadavg()[0], 2)}
 
 
