@@ -24,6 +24,8 @@ RUNS = [
     # issue 4: the cost model against Megatron-LM's Table 1, and against this machine (4 gloo ranks)
     ["bench_megatron.py"],
     ["bench_cpu_plans.py"],
+    # issue 15: autopar's executed plans against DDP / fully_shard / parallelize_module, side by side
+    ["bench_wrappers.py", "--aten"],
     ["bench_kernels.py"],
     # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)
     ["bench_memory.py"],
