@@ -14,7 +14,9 @@ A GPT of 4 layers, hidden 256, 8 heads, sequence 128, vocabulary 512, global bat
 
 Both sides live in the same ranks and run alternately, one step each (the order flips every
 step), each step timed barrier to barrier, the slowest rank's time; the ratio is autopar's median
-over the reference's, steps after the warm-up. Before each case the script records the busy cores
+over the reference's, steps after the warm-up. The CPU ratio is the same for the ranks' CPU time
+per step (time.process_time, every thread of the rank): on a machine shared with other jobs it
+moves less than the wall time. Before each case the script records the busy cores
 and the 1-minute load average (the machine is shared). `--aten` also counts the ATen ops one step
 calls on rank 0 (torch.profiler), each side.
 """
@@ -157,31 +159,34 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
     sides = {"autopar": (dmodel, ours_in, torch.optim.AdamW(dmodel.parameters(), lr=1e-3)),
              "torch": (ref, ref_in, torch.optim.AdamW(ref.parameters(), lr=1e-3))}
     times = {k: [] for k in sides}
+    cpu = {k: [] for k in sides}
     losses = {k: [] for k in sides}
 
     def step(name):
         m, x, opt = sides[name]
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = m(*x)
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        dist.barrier()
+        c = time.process_time() - c0          # this rank's CPU seconds (all its threads), the final barrier's spin
+        dist.barrier()                          # included: robust to other jobs' load, unlike the wall time
         t = time.perf_counter() - t0
         if name == "torch" and what != "tp":     # a data-parallel wrapper's loss is its rank's: the global mean
             loss = loss.detach().clone()
             dist.all_reduce(loss)
             loss /= world
-        return t, float(loss)
+        return t, c, float(loss)
 
     for i in range(warmup + steps):
         for name in (("autopar", "torch") if i % 2 == 0 else ("torch", "autopar")):
-            t, loss = step(name)
+            t, c, loss = step(name)
             losses[name].append(loss)
             if i >= warmup:
                 times[name].append(t)
+                cpu[name].append(c)
     counts = {}
     if aten:
         from torch.profiler import ProfilerActivity, profile
@@ -190,7 +195,7 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
                 step(name)
             counts[name] = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     local_ops = sum(bool(getattr(m, "local_out", False)) for m in dmodel.graph_module.modules())
-    return {"times": times, "losses": losses, "aten": counts, "local_ops": local_ops}
+    return {"times": times, "cpu": cpu, "losses": losses, "aten": counts, "local_ops": local_ops}
 
 
 def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
@@ -198,14 +203,17 @@ def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
     plan = plan_for(what, world, axis)
     q = wait_for_quiet(0.5, 2.0, WAIT_S)
     per_rank = pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, timeout=900)
-    med = {}
+    med, cpu = {}, {}
     for side in ("autopar", "torch"):
         slowest = [max(ts) for ts in zip(*(r["times"][side] for r in per_rank))]
         med[side] = statistics.median(slowest)
+        cpu[side] = statistics.median([max(ts) for ts in zip(*(r["cpu"][side] for r in per_rank))])
     r0 = per_rank[0]
     loss_gap = max(abs(a - b) for a, b in zip(r0["losses"]["autopar"], r0["losses"]["torch"]))
     return {"case": name, "world": world, "autopar_ms": round(med["autopar"] * 1e3, 1),
             "torch_ms": round(med["torch"] * 1e3, 1), "ratio": round(med["autopar"] / med["torch"], 3),
+            "autopar_cpu_ms": round(cpu["autopar"] * 1e3, 1), "torch_cpu_ms": round(cpu["torch"] * 1e3, 1),
+            "cpu_ratio": round(cpu["autopar"] / cpu["torch"], 3),
             "max_loss_gap": loss_gap, "aten_per_step": r0["aten"], "ops_passing_local": r0["local_ops"], **q,
             "loadavg_after": round(os.getloadavg()[0], 2)}
 
@@ -226,10 +234,11 @@ def main(argv=None) -> list[dict]:
             print(json.dumps(r), flush=True)
     finally:
         shutdown_all()
-    print("| case | ranks | autopar ms | torch ms | ratio | load avg before/after |")
-    print("|---|---|---|---|---|---|")
+    print("| case | ranks | autopar ms | torch ms | ratio | CPU ms autopar / torch | CPU ratio | load avg before/after |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['case']} | {r['world']} | {r['autopar_ms']:.0f} | {r['torch_ms']:.0f} | {r['ratio']:.3f} "
+              f"| {r['autopar_cpu_ms']:.0f} / {r['torch_cpu_ms']:.0f} | {r['cpu_ratio']:.3f} "
               f"| {r['loadavg_before']:.1f}/{r['loadavg_after']:.1f} |")
     return out
 
