@@ -167,9 +167,19 @@ class GradSync:
         axes = b.kind.axes
         if axes not in self._groups:
             self._groups[axes] = flat_group(self.mesh, axes)
-        b.launch(self._groups[axes], math.prod(self.mesh.size(a) for a in axes))
+        n = math.prod(self.mesh.size(a) for a in axes)
+        watch = watch_of(self.mesh)
+        if watch is None:
+            b.launch(self._groups[axes], n)
+        else:        # a peer gone at the launch is a CollectiveError too, not gloo's message
+            with watch.collective(self._what(b)):
+                b.launch(self._groups[axes], n)
         self._sent.append(b)
         self.buckets_launched += 1
+
+    def _what(self, b: _Bucket) -> str:
+        names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
+        return f"gradient bucket: {b.kind.describe(names)} of {len(b.names)} tensors"
 
     def finish(self) -> None:
         """End of the backward: launch what is left, wait for every bucket, write `.grad`."""
@@ -178,14 +188,13 @@ class GradSync:
         for kind in list(self._open):
             self._launch(self._open.pop(kind))
         watch = watch_of(self.mesh)
-        names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
         params = dict(self.module.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for b in self._sent:
                 if watch is None:
                     b.work.wait()
                 else:
-                    with watch.collective(f"gradient bucket: {b.kind.describe(names)} of {len(b.names)} tensors"):
+                    with watch.collective(self._what(b)):
                         b.work.wait()
                 n = math.prod(self.mesh.size(a) for a in b.kind.axes)
                 for name, reduced in b.results(n):
