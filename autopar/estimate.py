@@ -60,6 +60,7 @@ from .cost_model.comm import bucketed_time, collective_bytes_on_wire
 from .cost_model.compute import grad_accumulation_time, optimizer_seconds
 from .cost_model.memory import state_bytes_per_element
 from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
+from .cost_model.profiles import DDP_BUCKET_BYTES
 from .errors import PlanMismatchError
 from .mesh import Mesh
 from .passes.capture import capture
@@ -77,7 +78,6 @@ from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
 
-DDP_BUCKET_BYTES = 25 * 2**20      # torch DistributedDataParallel's default bucket_cap_mb=25
 PRE, POST = "pre", "post"
 
 
@@ -576,7 +576,7 @@ def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
     fwd_bwd = price.pipeline_s if price else ev.step_s - ev.grad_sync_s - ev.optimizer_s
     return StepEstimate(
         step_time_s=ev.step_s, pipeline_s=fwd_bwd, compute_s=ev.compute_s + ev.family_s.get("recompute", 0.0),
-        comm_s=ev.comm_s - ev.grad_sync_s, p2p_s=price.p2p_s if price else 0.0,
+        comm_s=ev.comm_s - (ev.grad_sync_s - ev.grad_buckets_s), p2p_s=price.p2p_s if price else 0.0,
         bubble_s=price.bubble_s if price else 0.0, grad_sync_s=ev.grad_sync_s,
         grad_sync_exposed_s=ev.grad_sync_s, optimizer_s=ev.optimizer_s, peak_memory_bytes=ev.peak_bytes,
         param_state_bytes=ev.state_bytes, activation_bytes=ev.peak_bytes - ev.state_bytes,

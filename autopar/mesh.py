@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cost_model.comm import reshard_cost
+from torch.distributed.tensor import Shard
+
+from .cost_model.comm import GradBucket, bucketed_reduction, reshard_cost, transfer_time
 from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, load_profile
 from .errors import MeshError
 
@@ -113,6 +115,26 @@ class Mesh:
         sub = Mesh(tuple(self.shape[i] for i in keep), tuple(self.axis_names[i] for i in keep), self.profile)
         sub.axes = tuple(self.axes[i] for i in keep)
         return sub
+
+    def grad_sync_leg(self, shape, itemsize: int, src, dst) -> tuple[float, GradBucket, float] | None:
+        """A parameter gradient's way from layout `src` to the stored `dst` when the runtime reduces it
+        in a bucket (cost_model.comm.bucketed_reduction; None otherwise): (its own seconds, the bucket
+        kind, its bytes). Its own seconds are its transfer less the share the backward hides
+        (`profile.grad_sync_overlap`); each bucket's latency and launch are per step
+        (`bucket_launch_time`, solver/evaluate.py)."""
+        red = bucketed_reduction(src, dst, shape, self.shape)
+        if red is None:
+            return None
+        axes, dim = red
+        nbytes = math.prod(shape) * itemsize
+        for p, n in zip(src, self.shape):
+            if isinstance(p, Shard):
+                nbytes /= n
+        link = min((self.axes[a].link for a in axes), key=lambda lk: lk.bandwidth)
+        bucket = GradBucket("all_reduce" if dim is None else "reduce_scatter", math.prod(self.shape[a] for a in axes),
+                            link)
+        own = (1.0 - self.profile.grad_sync_overlap) * transfer_time(bucket.collective, nbytes, bucket.n, link)
+        return own, bucket, nbytes
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

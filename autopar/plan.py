@@ -74,7 +74,8 @@ class Estimate:
     family_s: dict[str, float] = field(default_factory=dict)      # seconds added by recompute, residency, offload
     tier_bytes: dict[str, float] = field(default_factory=dict)    # bytes per device held in "host" and "disk"
     freed_bytes: dict[str, float] = field(default_factory=dict)   # bytes each family frees at the peak point
-    grad_sync_s: float = 0.0          # gradient synchronisation (part of comm_s)
+    grad_sync_s: float = 0.0          # gradient synchronisation (its transfers are part of comm_s, its buckets'
+                                      # launches are not)
     optimizer_s: float = 0.0          # the optimizer step on the device
     runtime_s: float = 0.0            # autopar runtime's per-node cost
     bubble_s: float = 0.0             # pipeline fill and drain (0 without a pipeline)

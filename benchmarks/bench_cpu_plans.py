@@ -1,19 +1,21 @@
-"""Predicted vs measured step time of the demo GPT on 4 gloo ranks (this machine), four plans.
+"""Predicted vs measured step time of the demo GPT on 4 gloo ranks (this machine), five plans.
 
     python benchmarks/bench_cpu_plans.py [--steps 10] [--rounds 3] [--profile calibrated.json] [--quick]
 
 1. `autopar calibrate --world-size 4 --mesh 2,2` measures this machine with 4 ranks at once
    (unless --profile gives a profile already measured).
-2. Four plans of the demo GPT (examples/demo_gpt.py: vocab 512, seq 128, hidden 256, 8 heads,
+2. Five plans of the demo GPT (examples/demo_gpt.py: vocab 512, seq 128, hidden 256, 8 heads,
    2 layers, batch 16) on a (2, 2) mesh ("dp", "tp") of the calibrated device:
      data parallel  every parameter replicated, the batch split 4 ways (both axes)
+     ZeRO-3         every parameter stored in quarters (S(0) over both axes), gathered for use and
+                    freed after the forward (residency "regather"), the batch split 4 ways
      tensor parallel  Megatron layouts split 4 ways (column qkv/fc, row proj/fc2), batch whole
      2-D            data parallel over "dp", Megatron tensor parallel over "tp"
      solver         autopar.plan's own choice
    Hand-written plans are pins; the ops between pinned parameters take the planner's fastest
    consistent layouts (autopar.plan with those pins).
-3. `autopar.estimate` prices each plan (one microbatch, gradient sync after the backward, one
-   collective per parameter as the runtime issues them; the profile's runtime_op_overhead per
+3. `autopar.estimate` prices each plan (one microbatch; gradient sync in buckets as the runtime
+   runs it, runtime/grad_sync.py; the profile's runtime_op_overhead per
    node of the rank's graph, collective_overhead per collective, optimizer_param_overhead per
    parameter); the plan then trains on 4 forked gloo ranks (AdamW); the median step (forward,
    backward, optimizer; barrier to barrier; the slowest rank's time) is the measurement, as
@@ -27,7 +29,8 @@ records both, and the load average after.
 Checks, stated up front: every prediction within 25% of its measurement; ranking: for every pair
 of plans whose measured medians differ by more than --tie (default 5%, about the spread of one
 plan's medians between rounds), the faster measured plan is also predicted faster (pairs within
-the tie are reported as ties, not ranked).
+the tie are reported as ties, not ranked); and the Spearman rank correlation of predicted and
+measured step times (>= 0.9 asked for).
 Prints one JSON line per plan and round, and a summary with the table and the checks.
 """
 from __future__ import annotations
@@ -64,14 +67,16 @@ def megatron_pins(axis_layout):
             "blocks.*.fc2.weight": row}
 
 
-def replicate_all():
-    """Every parameter whole on every rank (by name: a bare "*" would pin the ops too)."""
+def every_param(layout):
+    """Every parameter in `layout` (by name: a bare "*" would pin the ops too)."""
     model, _ = build()
-    return {name: ("R", "R") for name, _ in model.named_parameters()}
+    return {name: layout for name, _ in model.named_parameters()}
 
 
 PLANS = {
-    "data parallel": dict(pins="replicate_all", batch_axes=("dp", "tp")),
+    "data parallel": dict(pins=("R", "R"), batch_axes=("dp", "tp")),
+    # ZeRO-3 / FSDP: every parameter stored in quarters, gathered for use and freed after the forward
+    "ZeRO-3": dict(pins=("S(0)", "S(0)"), batch_axes=("dp", "tp"), residency="regather"),
     "tensor parallel": dict(pins=megatron_pins(lambda p: (p, p)), batch_axes=None),
     "2-D": dict(pins=megatron_pins(lambda p: ("R", p)), batch_axes=("dp",)),
     "solver": dict(pins=None, batch_axes=None),
@@ -154,10 +159,31 @@ def ranking_check(results: list[dict], tie: float) -> dict:
             "ranking_matches": not wrong}
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation of two lists (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 1.0
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="measured steps per plan and round (after 2 warm-up)")
-    ap.add_argument("--rounds", type=int, default=3, help="round-robin repetitions of the four measurements")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin repetitions of the measurements")
     ap.add_argument("--profile", default=None, help="a calibrated profile (default: calibrate now)")
     ap.add_argument("--quick", action="store_true", help="quick calibration, 3 steps, 1 round (smoke test)")
     ap.add_argument("--max-busy", type=float, default=0.5, help="wait while other jobs use this many cores")
@@ -189,9 +215,9 @@ def main(argv=None) -> list[dict]:
     mesh = autopar.Mesh((2, 2), AXES, device=profile)
     plans, ests = {}, {}
     for name, cfg in PLANS.items():
-        pins = replicate_all() if cfg["pins"] == "replicate_all" else cfg["pins"]
+        pins = every_param(cfg["pins"]) if isinstance(cfg["pins"], tuple) else cfg["pins"]
         plans[name] = autopar.plan(model, batch, mesh, pins=pins, batch_axes=cfg["batch_axes"],
-                                   memory_budget=float("inf"))
+                                   residency=cfg.get("residency", "auto"), memory_budget=float("inf"))
         ests[name] = estimate(model, batch, mesh, plans[name], bucket_bytes=0, grad_overlap=0.0)
     runs: dict[str, list] = {name: [] for name in PLANS}
     try:
@@ -236,7 +262,9 @@ def main(argv=None) -> list[dict]:
     print(json.dumps({"benchmark": "cpu_plans_4_ranks",
                       "ranking_predicted": [r["plan"] for r in sorted(results, key=lambda r: r["predicted_ms"])],
                       "ranking_measured": [r["plan"] for r in sorted(results, key=lambda r: r["measured_ms"])],
-                      **rank, "max_abs_error": round(max(errs), 4), "within_25pct": all(e <= 0.25 for e in errs)}))
+                      **rank, "spearman": round(spearman([r["predicted_ms"] for r in results],
+                                                         [r["measured_ms"] for r in results]), 3),
+                      "max_abs_error": round(max(errs), 4), "within_25pct": all(e <= 0.25 for e in errs)}))
     return results
 
 

@@ -28,6 +28,8 @@ RUNS = [
     ["bench_pipeline.py", "gpt3"],
     ["bench_pipeline.py", "table1", "--rows", "0,1,2,3,4,5,6,7,8,9"],
     ["bench_cpu_plans.py"],
+    # issue 15: autopar's executed plans against DDP / fully_shard / parallelize_module, side by side
+    ["bench_wrappers.py", "--aten"],
     ["bench_kernels.py"],
     # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)
     ["bench_memory.py"],

@@ -35,6 +35,10 @@ Point-to-point and broadcast (pipelined chain; a tree has the same bandwidth ter
 
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
+`bucketed_reduction` says which parameter gradients the runtime reduces in buckets
+(runtime/grad_sync.py): those go to a flat bucket of their kind (collective, group size, link); a
+gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term), and each
+bucket adds one latency and launch per step (`bucket_launch_time`).
 """
 from __future__ import annotations
 
@@ -52,7 +56,8 @@ from .symbolic import ceil_div, smin, to_float
 
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
-           "latency_steps", "bucketed_time", "ReshardCost", "reshard_cost"]
+           "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
+           "bucket_launch_time", "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Algorithm = Literal["ring", "tree", "auto"]
@@ -141,6 +146,60 @@ def bucketed_time(kind: Collective, nbytes: float, n: int, link: AnyLink, bucket
         return 0.0
     buckets = 1 if not bucket_bytes else max(1, math.ceil(nbytes / bucket_bytes))
     return buckets * (collective_time(kind, nbytes / buckets, n, link, algorithm) + launch_overhead)
+
+
+@dataclass(frozen=True, slots=True)
+class GradBucket:
+    """The kind of gradient bucket a parameter's gradient goes into: one collective over `n` devices
+    (mesh axes taken together) on `link` (the slowest of theirs)."""
+    collective: Collective
+    n: int
+    link: AnyLink
+
+
+def bucketed_reduction(grad: Sequence[Placement], stored: Sequence[Placement], shape: Sequence[int],
+                       sizes: Sequence[int]) -> tuple[tuple[int, ...], int | None] | None:
+    """How the runtime's gradient buckets reduce a parameter gradient in layout `grad` to the
+    parameter's `stored` layout: (axes, None) an all-reduce over those mesh axes together; ((a,), d)
+    a reduce-scatter over axis a onto dim d (which must split evenly and be split by no other axis).
+    None: nothing to reduce, or a move buckets do not make (the parameter's Reshard runs it)."""
+    reduce, scatter = [], None
+    for a, (g, t) in enumerate(zip(grad, stored)):
+        if g == t:
+            continue
+        if not (isinstance(g, Partial) and g.reduce_op == "sum"):
+            return None
+        if isinstance(t, Replicate):
+            reduce.append(a)
+        elif isinstance(t, Shard) and scatter is None:
+            scatter = (a, t.dim)
+        else:
+            return None
+    if scatter is None:
+        return (tuple(reduce), None) if reduce else None
+    a, d = scatter
+    if reduce or shape[d] % sizes[a] or any(isinstance(t, Shard) and t.dim == d for i, t in enumerate(stored) if i != a):
+        return None
+    return (a,), d
+
+
+def _no_latency(link: AnyLink) -> AnyLink:
+    if isinstance(link, HierarchicalLink):
+        return HierarchicalLink(_no_latency(link.intra), _no_latency(link.inter), link.local, link.size)
+    return Link(link.bandwidth, 0.0)
+
+
+def transfer_time(kind: Collective, nbytes: float, n: int, link: AnyLink) -> float:
+    """The bandwidth term of a collective (no latency): what one more gradient adds to a bucket."""
+    return collective_time(kind, nbytes, n, _no_latency(link))
+
+
+def bucket_launch_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, launch_overhead: float) -> float:
+    """Seconds `nbytes` of gradients in buckets of `bucket_bytes` add beyond their transfer: one
+    latency and one launch per bucket."""
+    b = bucket
+    return (bucketed_time(b.collective, nbytes, b.n, b.link, bucket_bytes, launch_overhead)
+            - transfer_time(b.collective, nbytes, b.n, b.link))
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

@@ -23,6 +23,8 @@ import torch
 __all__ = ["Link", "HierarchicalLink", "DeviceProfile", "load_profile", "save_profile", "known_profiles", "PROFILE_DIR"]
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
+# torch DistributedDataParallel's default bucket_cap_mb=25: the default gradient bucket
+DDP_BUCKET_BYTES = 25 * 2**20
 PEAK_KEYS = ("float32", "tf32", "bfloat16", "float16")
 # float32 maps to "float32", not "tf32": PyTorch leaves TF32 matmuls off by default
 # (torch.backends.cuda.matmul.allow_tf32 = False), so an fp32 matmul runs at the fp32 rate.
@@ -102,6 +104,9 @@ class DeviceProfile:
                                            # (0: the memory-bound fused-kernel figure of cost_model.compute)
     rng_element_time: float = 0.0          # seconds per random number an op draws (dropout's mask) beyond its
                                            # memory traffic (0: generated under the memory traffic)
+    grad_bucket_bytes: float = DDP_BUCKET_BYTES  # gradient bucket of the runtime's gradient sync (and its price)
+    grad_sync_overlap: float = 0.0         # fraction of the gradient sync's transfer time hidden behind the
+                                           # backward (measured by `autopar calibrate`; 0: none assumed)
     # Offload tiers, per device (0 capacity: the tier is not there; `Mesh(host_memory=, disk=)` overrides):
     host_memory_capacity: float = 0.0      # bytes of host memory this device may fill (its share of the node's)
     disk_capacity: float = 0.0             # bytes of local disk (NVMe) this device may fill
@@ -117,6 +122,8 @@ class DeviceProfile:
         for f in ("memory_bandwidth", "memory_capacity", "devices_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0")
+        if not self.grad_bucket_bytes > 0 or not 0 <= self.grad_sync_overlap <= 1:
+            raise ValueError(f"profile {self.name!r}: grad_bucket_bytes must be > 0, grad_sync_overlap in [0, 1]")
         for f in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")

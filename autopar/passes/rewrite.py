@@ -20,7 +20,7 @@ from ..compat import pytree
 from ..placement import parse_layout
 from ..plan import Plan
 from ..runtime.attention import context_executor
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal
+from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts
 from ..runtime.reshard import Reshard
 from .capture import Captured
 from .shape_prop import tensor_meta
@@ -35,13 +35,39 @@ def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
     return src_executor in (None, "param") or src_layout != want
 
 
+def passes_local(node: fx.Node, planned: dict, mesh_ndim: int) -> bool:
+    """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
+    it in a DTensor and unwrapping it again would do nothing, forward or backward: a single tensor
+    output with no Partial axis (so no gradient scaling, no reduction), every consumer a LocalOp
+    taking it in that very layout (no Reshard on the edge) and sending its gradient back in it too.
+    Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
+    almost every op)."""
+    np = planned.get(node.name)
+    val = node.meta.get("val")
+    if np is None or np.executor != "local" or not isinstance(val, torch.Tensor) or "P" in "".join(np.output):
+        return False
+    for user in node.users:
+        up = planned.get(user.name)
+        if up is None or up.executor != "local" or user.target is operator.getitem:
+            return False
+        slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
+                                         if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
+        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output))
+        if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != parse_layout(np.output)
+                            for k in slots):
+            return False
+    return True
+
+
 def output_modules(sharded_outputs: bool) -> int:
     """Runtime modules the rewrite adds per tensor output: a Reshard to whole and a ToLocal, or none
     when outputs stay sharded."""
     return 0 if sharded_outputs else 2
 
 
-def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
+def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> fx.GraphModule:
+    """The per-rank program of `plan` over `cap`. pass_local=False: every op hands on DTensors (a
+    pipeline cuts the program into chunks whose outputs must carry their layout)."""
     planned = {n.name: n for n in plan.nodes}
     root = torch.nn.Module()
     g = fx.Graph()
@@ -93,6 +119,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh) -> fx.GraphModule:
             extra = {"labels": tuple(np.labels)} if np.executor == "context" else {}
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None, **extra)
+            mod.local_out = pass_local and passes_local(node, planned, len(whole))
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")

@@ -127,7 +127,9 @@ def _gather_params(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt:
         mod = gm.get_submodule(node.target)
         stored = parse_layout(plan.placements.get(fqn, ("R",) * len(mod.layout)))
         if gathers(stored, mod.layout):
-            gm.add_submodule(node.target, GatherParam(mod.layout, fqn, plan.residency.get(fqn, "keep"), rt.copies))
+            gather = GatherParam(mod.layout, fqn, plan.residency.get(fqn, "keep"), rt.copies)
+            gather.sync = mod.sync
+            gm.add_submodule(node.target, gather)
 
 
 def _check(plan: Plan, gm: fx.GraphModule, param_of: dict[str, str], activations: dict[str, str]) -> None:

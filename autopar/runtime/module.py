@@ -18,12 +18,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..compat import pytree
+from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
 from . import rng
+from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
 from .optimizer import PlannedOptimizer
@@ -77,7 +79,8 @@ def shard_parameters(model: torch.nn.Module, cap: Captured, plan: Plan, device_m
 
 
 class DistributedModule(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
+    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None,
+                 grad_bucket_bytes: float = DDP_BUCKET_BYTES):
         super().__init__()
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
         # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
@@ -90,6 +93,7 @@ class DistributedModule(torch.nn.Module):
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
         self._rng = rng.RngState.agreed()
+        self._grad_sync = GradSync(self, device_mesh, grad_bucket_bytes)
         self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
@@ -110,10 +114,11 @@ class DistributedModule(torch.nn.Module):
 
     def _build(self, cap: Captured) -> torch.nn.Module:
         """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
-        its memory decisions applied."""
+        its gradient reductions bucketed (grad_sync.py), its memory decisions applied."""
         a = self._autopar
         graph = rewrite(cap, a["plan"], a["mesh"])
         rng.attach(graph, self._rng)
+        attach(graph, self._grad_sync, self._param_of)
         return apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
 
     def _program(self, args, kwargs, leaves):
@@ -135,6 +140,7 @@ class DistributedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         self._rng.next_call()
+        self._grad_sync.reset()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
         values = [input_value(self, cap, slot, leaves, self._input_layout, self._kept_as.get(name))

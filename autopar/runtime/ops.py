@@ -67,7 +67,8 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, grad_layout: tuple):  # type: ignore[override]
         ctx.meta = (x.device_mesh, grad_layout, x.shape, x.stride())
-        return x.to_local().view_as(x.to_local())
+        local = x.to_local()
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -108,13 +109,15 @@ class LocalOp(torch.nn.Module):
                                 if global_shape is not None and self.shape_arg is not None else None)
         self.rng: rng.RngState | None = None      # a dropout's (rng.attach), with its node's name
         self.node = ""
+        self.local_out = False      # hand the result on as a plain local tensor (passes/rewrite.passes_local)
 
     def _localize(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         k = 0
-        for i, a in enumerate(leaves):
-            if isinstance(a, DTensor):
-                leaves[i] = _ToLocal.apply(a, self.grad_layouts[k])
+        for i, a in enumerate(leaves):      # tensor inputs in slot order: DTensors, or locals already
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, DTensor):
+                    leaves[i] = _ToLocal.apply(a, self.grad_layouts[k])
                 k += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         if self.local_out_shape is not None:
@@ -127,6 +130,8 @@ class LocalOp(torch.nn.Module):
     def forward(self, *args, **kwargs):
         args, kwargs = self._localize(args, kwargs)
         out = rng.dropout(self, *args, **kwargs) if self.target in rng.DROPOUT_OPS else self.target(*args, **kwargs)
+        if self.local_out:
+            return out
         return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output)
                                if isinstance(t, torch.Tensor) else t, out)
 

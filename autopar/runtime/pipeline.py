@@ -138,7 +138,7 @@ class PipelinedModule(torch.nn.Module):
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
         self._planned_shapes = input_shapes_of(cap)
-        graph = rewrite(cap, plan, device_mesh)
+        graph = rewrite(cap, plan, device_mesh, pass_local=False)     # chunk outputs cross as DTensors
         chunks = cut(graph, chunk_of(graph.graph, pipe), pipe.chunks)
         mine = [c for c in chunks if c.index % pipe.stages == self._pp_rank]
         param_of = {name: cap.param_names.get(str(s.target), str(s.target)) for name, s in cap.inputs.items()

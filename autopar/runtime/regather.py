@@ -93,9 +93,10 @@ class GatherParam(torch.nn.Module):
         super().__init__()
         self.layout, self.fqn, self.residency = tuple(layout), fqn, residency
         self._copies = [copies]          # in a list: not a submodule, not a parameter
+        self.sync = None                 # the Reshard's link to the gradient buckets, if any
 
     def forward(self, x: DTensor) -> DTensor:
-        y = reshard(x, self.layout)
+        y = reshard(x, self.layout, self.sync)
         self._copies[0].add(y, x, self.layout, self.residency)
         return y
 

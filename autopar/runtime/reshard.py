@@ -66,28 +66,34 @@ def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, layout: tuple):  # type: ignore[override]
-        ctx.src = tuple(x.placements)
+    def forward(ctx, x: DTensor, layout: tuple, sync):  # type: ignore[override]
+        ctx.src, ctx.sync = tuple(x.placements), sync
         return to_layout(x, layout)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        return to_layout(grad, grad_layout(ctx.src)), None
+        if ctx.sync is not None and ctx.sync.take(grad, ctx.src):
+            return None, None, None          # a gradient bucket reduces it (grad_sync.py)
+        return to_layout(grad, grad_layout(ctx.src)), None, None
 
 
-def reshard(x: DTensor, layout: Sequence[Placement]) -> DTensor:
-    return _Reshard.apply(x, tuple(layout))
+def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
+    """x moved to `layout`, differentiably; `sync` (a `grad_sync.ParamGrad`, on a parameter's edge)
+    takes the gradient's reduction into the module's buckets."""
+    return _Reshard.apply(x, tuple(layout), sync)
 
 
 class Reshard(torch.nn.Module):
-    """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring)."""
+    """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring). On a parameter's
+    edge, `sync` links it to the module's gradient buckets (grad_sync.attach)."""
 
     def __init__(self, layout: Sequence[Placement]):
         super().__init__()
         self.layout = tuple(layout)
+        self.sync = None
 
     def forward(self, x):
-        return reshard(x, self.layout) if isinstance(x, DTensor) else x
+        return reshard(x, self.layout, self.sync) if isinstance(x, DTensor) else x
 
     def extra_repr(self) -> str:
         return ", ".join(layout_str(self.layout))

@@ -26,11 +26,11 @@ the same tables, per pipeline rank (`evaluate_pipeline`):
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..cost_model.comm import collective_time, p2p_time
+from ..cost_model.comm import bucket_launch_time, collective_time, p2p_time
 from ..cost_model.compute import optimizer_seconds
 from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
 from ..cost_model.symbolic import Poly2, smax, ssum
@@ -55,7 +55,8 @@ class Evaluation:
     points: tuple                     # bytes at each liveness point (forward and backward)
     tiers: dict[str, float] = field(default_factory=dict)         # bytes held in "host" and "disk"
     freed_bytes: dict[str, float] = field(default_factory=dict)   # family -> bytes it frees at the peak point
-    grad_sync_s: float = 0.0          # the part of comm_s that synchronises parameter gradients
+    grad_sync_s: float = 0.0          # gradient synchronisation: its part of comm_s plus grad_buckets_s
+    grad_buckets_s: float = 0.0       # the gradient buckets' latencies and launches (per step, not in comm_s)
     optimizer_s: float = 0.0          # the optimizer step on the device (offloaded parameters: family_s)
     runtime_s: float = 0.0            # autopar runtime's per-node cost (profile.runtime_op_overhead)
     graph_nodes: int = 0              # modules of the rank's graph (LocalOp, Reshard, ...)
@@ -64,14 +65,15 @@ class Evaluation:
     @property
     def objective_s(self) -> float:
         """What the ILP minimises: compute, communication and the families' seconds (the step less
-        the optimizer step and the runtime's per-node cost, which layouts barely move)."""
+        the optimizer step, the runtime's per-node cost and the gradient buckets' launches, which
+        layouts barely move: a gradient's own transfer is in its edge's cost)."""
         return self.compute_s + self.comm_s + sum(self.family_s.values())
 
     @property
     def step_s(self) -> float:
         if self.pipeline is not None:
             return self.pipeline.step_s
-        return self.objective_s + self.optimizer_s + self.runtime_s
+        return self.objective_s + self.grad_buckets_s + self.optimizer_s + self.runtime_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +151,9 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
             by_family[family_of[g]] = by_family.get(family_of[g], 0.0) + b
     offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
+    buckets = grad_buckets_total(problem, choice)
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
-                      tuple(points), tiers, by_family, grad_sync_total(problem, choice),
+                      tuple(points), tiers, by_family, grad_sync_total(problem, choice) + buckets, buckets,
                       optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
                       nodes)
 
@@ -164,10 +167,23 @@ def comm_total(p: Problem, choice: Mapping[str, int]):
 
 
 def grad_sync_total(p: Problem, choice: Mapping[str, int]):
-    """Seconds of the gradient legs of parameter edges (the data-parallel all-reduces and
-    reduce-scatters), one collective per parameter and use, as the runtime issues them."""
+    """Seconds of the gradient legs of parameter edges in the edge tables: a gradient reduced in a
+    bucket its transfer (less what the backward hides), any other its own collectives."""
     return ssum(e.cost[a][b] - e.fwd[a][b] for e, a, b in picked_edges(p, choice)
                 if p.decisions[e.src].kind == "param" and e.fwd is not None)
+
+
+def grad_buckets_total(p: Problem, choice: Mapping[str, int]) -> float:
+    """The gradient buckets' latencies and launches per step (runtime/grad_sync.py): the bucketed
+    gradients' bytes summed per bucket kind, `profile.grad_bucket_bytes` to a bucket."""
+    per_kind: dict = {}
+    for e, a, b in picked_edges(p, choice):
+        if e.sync is not None and e.sync[a][b] is not None:
+            kind, nbytes = e.sync[a][b]
+            per_kind[kind] = per_kind.get(kind, 0.0) + nbytes
+    prof = p.mesh.profile
+    launch = prof.kernel_overhead + prof.collective_overhead        # per collective, as Mesh.reshard_cost
+    return sum(bucket_launch_time(k, nb, prof.grad_bucket_bytes, launch) for k, nb in per_kind.items())
 
 
 def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset(), only=None) -> float:
@@ -329,8 +345,9 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
     sync = sums(ch.sync, slow)
     return Evaluation(m * sums(ch.comp, slow), m * (sums(ch.comm, slow) - sync) + sync, family, mem.peak[top],
                       mem.state[top], tuple(mem.points[top]), mem.tiers[top], {},
-                      max(s.grad_sync_s for s in stages), max(s.optimizer_s for s in stages),
-                      m * sums(ch.runtime, slow), sum(k for _, k in node_modules(problem, choice)), price)
+                      grad_sync_s=max(s.grad_sync_s for s in stages), optimizer_s=max(s.optimizer_s for s in stages),
+                      runtime_s=m * sums(ch.runtime, slow),
+                      graph_nodes=sum(k for _, k in node_modules(problem, choice)), pipeline=price)
 
 
 @dataclass(slots=True)

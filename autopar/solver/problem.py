@@ -73,6 +73,8 @@ class EdgeTable:
     dst_pos: int = -1                  # consumer's position in the forward (for liveness)
     temp: list[list[float]] | None = None   # [a][b] bytes of a resharded copy alive only while the consumer runs
     fwd: list[list[float]] | None = None    # [a][b] seconds of the forward reshard alone
+    sync: list[list[tuple | None]] | None = None   # [a][b] (GradBucket, bytes) of a parameter gradient the
+                                                   # runtime reduces in a bucket (Mesh.grad_sync_leg), else None
 
     @property
     def keeps_copy(self) -> bool:
@@ -430,13 +432,17 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
 
     tables: dict = {}   # identical edges (repeated layers) share one table
 
-    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool):
-        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps)
+    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
+        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param)
         if key not in tables:
             ga = [grad_layout_out(a) for a in a_keys]
             fwd = [[seconds(meta, a, b) for (b, _) in b_keys] for a in a_keys]
-            cost = [[f + (seconds(meta, gb, g) if grad else 0.0) for f, (b, gb) in zip(row, b_keys)]
-                    for row, g in zip(fwd, ga)]
+            # a parameter's gradient the runtime reduces in a bucket: its transfer here, the buckets'
+            # launches per step (solver/evaluate.py); any other gradient: its reshard
+            sync = [[mesh.grad_sync_leg(meta.shape, meta.dtype.itemsize, gb, g) if grad and param else None
+                     for (b, gb) in b_keys] for g in ga]
+            cost = [[f + (0.0 if not grad else seconds(meta, gb, g) if s is None else s[0])
+                     for f, (b, gb), s in zip(row, b_keys, srow)] for row, g, srow in zip(fwd, ga, sync)]
             # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
             # stored sharded and gathered whole for use): that copy lives until the backward
             saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
@@ -444,7 +450,8 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # otherwise the collective's output is a temporary: it lives while the consumer runs
             temp = [[meta.nbytes / shard_count(b, shape) if not keeps and a != b else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
-            tables[key] = (cost, saved, temp, fwd)
+            sync = [[None if s is None else s[1:] for s in row] for row in sync]
+            tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None)
         return tables[key]
 
     def classes(keys):
@@ -480,9 +487,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd = table_for(meta, a_keys, b_keys, grad, keeps)
+            table, saved, temp, fwd, sync = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd))
+                                   temp=temp, fwd=fwd, sync=sync))
     return edges
 
 

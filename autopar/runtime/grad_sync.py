@@ -1,0 +1,233 @@
+"""Gradient synchronisation as DDP and FSDP2 run it: flat buckets, each reduced asynchronously as
+soon as its gradients are ready in the backward, all waited once when the backward ends.
+
+A parameter's gradient leaves the ops that use it partial over the mesh axes their work splits
+(a weight under data parallelism is a partial sum over "dp"); the `Reshard` on the parameter's
+edge (the rewrite puts one after every parameter) is where it must become the parameter's stored
+layout again. Without this module each such Reshard all-reduces (or reduce-scatters) its own
+gradient inside the backward, one blocking collective per parameter and use. With it:
+
+* the Reshard's backward hands the local partial gradient to `GradSync.take`, which sums the
+  parameter's uses (a tied weight has two) and, once the last expected use has arrived, copies it
+  into the open bucket of its kind: the same reduction (all-reduce over a set of axes, or a
+  reduce-scatter over one axis on one dim) and dtype. A bucket of `bucket_bytes` or more is
+  launched at once (`async_op=True`): it travels while the backward goes on;
+* at the end of the backward (`compat.at_backward_end`, the callback DDP and FSDP2 use) the open
+  buckets and any parameter whose uses did not all arrive are launched, every bucket is waited in
+  launch order, and each parameter's `.grad` becomes a view of its bucket's reduced buffer (added
+  to a `.grad` already there: gradient accumulation works as in eager PyTorch).
+
+Buckets fill in the order gradients become ready, which is the same on every rank (the same graph
+runs on every rank, and autograd orders its work the same way), so every rank issues the same
+collectives in the same order. Gradients whose reduction is anything else (an all-gather, an uneven
+shard, a reduce-scatter together with an all-reduce) take the Reshard's own path, as do the uses of
+a parameter after its bucket has left (two forwards, one backward): their reduced gradient reaches
+`.grad` through autograd, and the bucket's part is added to it, so the sum is always complete.
+
+Why our own and not DDP's Reducer or FSDP2's: both take an `nn.Module`'s plain or FSDP-sharded
+parameters and reduce every gradient over one process group; here parameters are DTensor shards of
+one plan whose gradients need different reductions over different mesh axes, and the reduction
+must start from the local partial gradients the plan's ops produce. `torch.autograd.grad` on the
+parameters sees no gradient for bucketed parameters (as with DDP): use `.backward()`.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..compat import at_backward_end, flat_group
+from .faults import watch_of
+from .reshard import Reshard
+
+
+@dataclass(frozen=True, slots=True)
+class SyncKind:
+    """How a bucket reduces: over `axes`; a reduce-scatter on `dim` (one axis), else an all-reduce."""
+    axes: tuple[int, ...]
+    dim: int | None
+    dtype: torch.dtype
+
+    def describe(self, names) -> str:
+        what = "all_reduce" if self.dim is None else f"reduce_scatter(dim {self.dim})"
+        return f"{what} over {'+'.join(str(names[a]) for a in self.axes)}"
+
+
+def sync_kind(grad: DTensor, stored: tuple) -> SyncKind | None:
+    """The bucketed reduction taking `grad` to the stored layout, or None if it has none (nothing to
+    reduce, or a move a bucket does not do: see the module docstring)."""
+    reduce, scatter = [], None
+    for a, (g, t) in enumerate(zip(grad.placements, stored)):
+        if g == t:
+            continue
+        if not (isinstance(g, Partial) and g.reduce_op == "sum"):
+            return None
+        if isinstance(t, Replicate):
+            reduce.append(a)
+        elif isinstance(t, Shard) and scatter is None:
+            scatter = (a, t.dim)
+        else:
+            return None
+    if scatter is not None:
+        a, d = scatter
+        n = grad.device_mesh.size(a)
+        local = grad.to_local()
+        if reduce or local.shape[d] % n or any(isinstance(t, Shard) and t.dim == d for i, t in enumerate(stored)
+                                                 if i != a):
+            return None
+        return SyncKind((a,), d, local.dtype)
+    return SyncKind(tuple(reduce), None, grad.to_local().dtype) if reduce else None
+
+
+@dataclass(slots=True)
+class _Bucket:
+    kind: SyncKind
+    names: list[str] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    out: torch.Tensor | None = None
+    work: object = None
+
+    def launch(self, group, n: int) -> None:
+        if self.kind.dim is None:
+            self.out = torch.cat([g.reshape(-1) for g in self.grads])
+            self.work = dist.all_reduce(self.out, group=group, async_op=True)
+        else:            # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...]
+            chunks = [g.chunk(n, self.kind.dim) for g in self.grads]
+            flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
+            self.out = flat.new_empty(flat.numel() // n)
+            self.work = dist.reduce_scatter_tensor(self.out, flat, group=group, async_op=True)
+
+    def results(self, n: int):
+        """(parameter name, reduced local gradient) after the wait."""
+        off = 0
+        for name, g in zip(self.names, self.grads):
+            shape = list(g.shape)
+            if self.kind.dim is not None:
+                shape[self.kind.dim] //= n
+            k = math.prod(shape)
+            yield name, self.out[off:off + k].view(shape)
+            off += k
+
+
+class GradSync:
+    """Per distributed module: the parameters' gradient buckets (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, device_mesh, bucket_bytes: float):
+        self.module, self.mesh, self.bucket_bytes = module, device_mesh, bucket_bytes
+        self._groups: dict[tuple[int, ...], object] = {}
+        self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a backward's state (a new forward, or the end of a backward)."""
+        self._pending: dict[str, list] = {}          # name -> [kind, summed local gradient, uses arrived]
+        self._open: dict[SyncKind, _Bucket] = {}
+        self._sent: list[_Bucket] = []
+        self._done: set[str] = set()
+        self._armed = False
+
+    # -- in the backward ---------------------------------------------------------------------
+    def take(self, name: str, uses: int, grad: DTensor, stored: tuple) -> bool:
+        """Take one of `uses` partial gradients of parameter `name` into the buckets; False: the
+        caller reduces it itself."""
+        kind = sync_kind(grad, stored)
+        entry = self._pending.get(name)
+        if kind is None or name in self._done or (entry is not None and entry[0] != kind):
+            return False
+        if not self._armed:
+            at_backward_end(self.finish)
+            self._armed = True
+        local = grad.to_local()
+        if entry is None:
+            entry = self._pending[name] = [kind, local, 0]
+        else:
+            entry[1] = entry[1] + local
+        entry[2] += 1
+        if entry[2] >= uses:
+            self._ready(name)
+        return True
+
+    def _ready(self, name: str) -> None:
+        kind, local, _ = self._pending.pop(name)
+        self._done.add(name)
+        b = self._open.setdefault(kind, _Bucket(kind))
+        b.names.append(name)
+        b.grads.append(local)
+        b.nbytes += local.numel() * local.element_size()
+        if b.nbytes >= self.bucket_bytes:
+            self._launch(self._open.pop(kind))
+
+    def _launch(self, b: _Bucket) -> None:
+        axes = b.kind.axes
+        if axes not in self._groups:
+            self._groups[axes] = flat_group(self.mesh, axes)
+        n = math.prod(self.mesh.size(a) for a in axes)
+        watch = watch_of(self.mesh)
+        if watch is None:
+            b.launch(self._groups[axes], n)
+        else:        # a peer gone at the launch is a CollectiveError too, not gloo's message
+            with watch.collective(self._what(b)):
+                b.launch(self._groups[axes], n)
+        self._sent.append(b)
+        self.buckets_launched += 1
+
+    def _what(self, b: _Bucket) -> str:
+        names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
+        return f"gradient bucket: {b.kind.describe(names)} of {len(b.names)} tensors"
+
+    def finish(self) -> None:
+        """End of the backward: launch what is left, wait for every bucket, write `.grad`."""
+        for name in list(self._pending):            # uses that never arrived (an unused output)
+            self._ready(name)
+        for kind in list(self._open):
+            self._launch(self._open.pop(kind))
+        watch = watch_of(self.mesh)
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for b in self._sent:
+                if watch is None:
+                    b.work.wait()
+                else:
+                    with watch.collective(self._what(b)):
+                        b.work.wait()
+                n = math.prod(self.mesh.size(a) for a in b.kind.axes)
+                for name, reduced in b.results(n):
+                    _write_grad(params[name], reduced)
+        self.reset()
+
+
+def _write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = DTensor.from_local(reduced, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride())
+    else:
+        p.grad.to_local().add_(reduced.view_as(p.grad.to_local()))
+
+
+@dataclass(frozen=True, slots=True)
+class ParamGrad:
+    """A parameter edge's link to the module's `GradSync`: the parameter, and how many edges of the
+    program use it (the partial gradients to expect per backward)."""
+    sync: GradSync
+    name: str
+    uses: int
+
+    def take(self, grad: DTensor, stored: tuple) -> bool:
+        return self.sync.take(self.name, self.uses, grad, stored)
+
+
+def attach(gm: fx.GraphModule, sync: GradSync, param_of: dict[str, str]) -> None:
+    """Link every Reshard on a parameter's edge in `gm` (the rewrite's program, before the memory
+    executors regroup it) to `sync`. param_of: placeholder name -> parameter FQN."""
+    edges = [(gm.get_submodule(n.target), param_of[n.args[0].name]) for n in gm.graph.nodes
+             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Reshard)
+             and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.args[0].name in param_of]
+    uses = Counter(fqn for _, fqn in edges)
+    for mod, fqn in edges:
+        mod.sync = ParamGrad(sync, fqn, uses[fqn])
