@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from .errors import PlanFileError
 from .expr import ExprError, compile_expr
-from .placement import from_str
+from .placement import from_str, parse_pin
 from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
                    TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
 
@@ -121,7 +121,7 @@ class _Reader:
                     self.choice(a, f"{field}[{i}]", self.axis_names)
             else:
                 for name, lay in self.mapping(v, field).items():
-                    self.layout(lay, f"{field}.{name}")
+                    self.layout(lay, f"{field}.{name}", labels=True)
         return dict(o)
 
     def nodes(self, ns: Any) -> list[NodePlan]:
@@ -230,14 +230,16 @@ class _Reader:
         return p
 
     # -- values -------------------------------------------------------------------------
-    def layout(self, v: Any, f: str) -> tuple[str, ...]:
+    def layout(self, v: Any, f: str, labels: bool = False) -> tuple[str, ...]:
+        """One placement per mesh axis (`labels`: or a strategy label, as pins allow)."""
         items = self.array(v, f)
         if len(items) != self.naxes:
             self.fail(f, f"layout {v!r:.80} has {len(items)} placements for a mesh of {self.naxes} axes "
                          f"({', '.join(self.axis_names)})")
         for i, p in enumerate(items):
             try:
-                parsed = from_str(self.string(p, f"{f}[{i}]"))
+                text = self.string(p, f"{f}[{i}]")
+                parsed = parse_pin([text])[0] if labels else from_str(text)
             except ValueError as e:
                 self.fail(f"{f}[{i}]", str(e))
             if isinstance(parsed, Shard) and parsed.dim < 0:

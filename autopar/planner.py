@@ -14,7 +14,7 @@ from .errors import InfeasibleError, PlanMismatchError, PlanOptionError, Shardin
 from .mesh import Mesh
 from .passes.capture import Captured, capture
 from .passes.shape_prop import annotate, tensor_meta
-from .placement import layout_str, parse_layout
+from .placement import layout_str, parse_pin
 from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
 from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .plan_cache import PlanCache
@@ -22,7 +22,7 @@ from .scaling import build_scaling
 from .solver.decisions import add_families
 from .solver.evaluate import chosen_options, effective_options, evaluate, recorded_options
 from .solver.ilp import min_memory, solve
-from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
+from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 from .strategies import op_name, rule_for
 
 
@@ -46,10 +46,10 @@ class PlanOptions:
     def __post_init__(self):
         for name, layout in (self.pins or {}).items():
             if isinstance(layout, str) or not isinstance(layout, Sequence):
-                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement per mesh axis, "
-                                    f"e.g. ('S(0)', 'R')")
+                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement or strategy "
+                                    f"label per mesh axis, e.g. ('S(0)', 'R') or ('expert_parallel',)")
             try:
-                parse_layout(layout)
+                parse_pin(layout)
             except (ValueError, TypeError) as e:
                 raise ShardingError(f"pin {name!r}: {e}") from None
 
@@ -254,6 +254,12 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
             for kind in rc.collectives:
                 collectives.setdefault(e.dst, []).append(
                     Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
+    for node in cap.gm.graph.nodes:      # collectives an op runs inside itself (expert parallelism)
+        d = problem.decisions.get(node.name)
+        if d is not None and d.kind == "op":
+            for phase, kind, seconds, sent, ax in op_exchanges(problem, node, d.strategies[choice[d.leader]]):
+                collectives.setdefault(node.name, []).append(Collective(kind, phase, node.name, seconds))
+                per_axis[ax] += sent
     return collectives, per_axis
 
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
+from ..cost_model.comm import collective_bytes_on_wire, expert_exchange_times
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
@@ -30,8 +31,9 @@ from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
-from ..placement import parse_layout, to_str
+from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
+from ..strategies.moe import MOE_OP, exchange_axes, expert_axes
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -204,22 +206,60 @@ class OpCostArgs(NamedTuple):
     out_b: float             # bytes of its (first) output on one device (a partial output is whole)
     all_out_b: float         # all its outputs on one device (when its autograd work needs it)
     facts: OpFacts
+    routed: bool = False     # a MoE op whose experts are split: its load follows the routing
+    exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts) -> OpCostArgs:
-    """The `OpCostArgs` of a node under strategy s."""
+def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, links=None) -> OpCostArgs:
+    """The `OpCostArgs` of a node under strategy s (`links`, one per mesh axis: to price the
+    collectives an op runs inside itself; without them, its compute alone)."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts)
+    routed, exchange = False, ()
+    if facts.op == MOE_OP:
+        routed = bool(expert_axes(s.inputs))
+        exchange = moe_exchange(info.out[0], info.ins[1], s, shape, links) if links else ()
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts,
+                      routed, exchange)
+
+
+def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, links) -> tuple:
+    """(axis, its size, link, routed bytes on one device) per axis on which a MoE op under s dispatches
+    its token-slots by all-to-all (`strategies.moe.exchange_axes`)."""
+    routed_b = out.nbytes / shard_count(s.output, shape) * tensor_meta(top_k_index.meta["val"])[0].shape[1]
+    return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
+
+
+def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
+    """(phase, "all_to_all@<axis>", seconds, bytes one device sends, axis) of the all-to-alls an op
+    runs inside itself under s, as `op_cost` prices them (the plan lists them on the op)."""
+    if op_name(node.target) != MOE_OP:
+        return []
+    mesh, out = problem.mesh, []
+    metas = tensor_meta(node.meta.get("val"))
+    for a, n, link, routed_b in moe_exchange(metas[0], node.args[1], s, mesh.shape, mesh.links):
+        ax = mesh.axis_names[a]
+        xf, xb = expert_exchange_times(routed_b, n, link, mesh.profile.moe_load_imbalance,
+                                       mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
+        sent = 2 * collective_bytes_on_wire("all_to_all", n * routed_b, n)
+        out += [("forward", f"all_to_all@{ax}", xf, sent, ax), ("backward", f"all_to_all@{ax}", xb, sent, ax)]
+    return out
 
 
 def op_cost(a: OpCostArgs, profile) -> tuple:
-    """(forward, backward) seconds: the one compute price of the planner and estimate()."""
+    """(forward, backward) seconds: the one compute price of the planner and estimate(). An op that
+    moves data inside itself (an expert-parallel MoE layer's all-to-alls) has that in its price."""
     f = a.facts
     fwd, bwd = (0.0, 0.0) if f.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=f.family,
                                                    op=f.op, in_bytes=a.in_b, out_bytes=a.out_b)
+    if a.routed:       # experts split over devices: the busiest device sets the pace (profiles.py)
+        fwd, bwd = fwd * profile.moe_load_imbalance, bwd * profile.moe_load_imbalance
+    for _, n, link, routed_b in a.exchange:
+        xf, xb = expert_exchange_times(routed_b, n, link, profile.moe_load_imbalance,
+                                       profile.kernel_overhead + profile.collective_overhead)
+        fwd, bwd = fwd + xf, bwd + xb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -282,10 +322,10 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     priced: dict = {}
 
     def pinned(keys: Sequence[str]):
-        for pat, layout in pins.items():
+        for pat, spec in pins.items():
             if any(fnmatch.fnmatchcase(k, pat) for k in keys if k):
                 used_pins.add(pat)
-                return pat, parse_layout(layout)
+                return pat, _parse_pin(pat, spec, mesh)
         return None, None
 
     for node in nodes:    # first, so a node knows which of its users send it a gradient
@@ -301,6 +341,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 layouts = [only[node.name].output] if only is not None else layout_space(meta, shape)
                 pat, want = pinned([slot.target, node.name])
                 if want is not None:
+                    if any(isinstance(p, str) for p in want):
+                        raise ShardingError(f"pin {pat!r} gives parameter {slot.target} a strategy label "
+                                            f"{want}: pin a parameter by placements, e.g. ('S(0)', 'R')")
                     _check_pin(want, meta, mesh, slot.target)
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
@@ -339,7 +382,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape)
         pat, want = pinned([node.name])
         if want is not None:
-            own = [s for s in own if s.output == want] or _bad_pin(node.name, want)
+            own = [s for s in own if _pin_allows(s, want)] or _bad_pin(pat, node.name, want, own)
         leader, strategies = node.name, own
         if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
             src = decisions[info.ins[0].name]
@@ -350,7 +393,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts)
+            key = op_cost_args(info, s, shape, facts, mesh.links)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -471,6 +514,26 @@ def _check_pin(layout, meta: TensorMeta, mesh: Mesh, what: str) -> None:
                     f"another dim, or Replicate on that axis")
 
 
-def _bad_pin(name, want):
-    raise ShardingError(f"node {name!r} has no strategy with output placement "
-                        f"{tuple(to_str(p) for p in want)}: pin another layout or leave it to the solver")
+def _parse_pin(pattern: str, spec, mesh: Mesh) -> tuple:
+    """A pin's entries (`placement.parse_pin`: a placement or a strategy label per mesh axis)."""
+    try:
+        want = parse_pin(spec)
+    except (ValueError, TypeError) as e:
+        raise ShardingError(f"pin {pattern!r}: {e}") from None
+    if len(want) != mesh.ndim:
+        raise ShardingError(f"pin {pattern!r} has {len(want)} entries but the mesh has {mesh.ndim} axes "
+                            f"{mesh.axis_names}: give one placement or strategy label per axis")
+    return want
+
+
+def _pin_allows(s: Strategy, want) -> bool:
+    """Does strategy s meet the pin: per axis, its output placement or its label is the pin's entry."""
+    return all((s.labels[a] if s.labels else None) == p if isinstance(p, str) else s.output[a] == p
+               for a, p in enumerate(want))
+
+
+def _bad_pin(pattern, name, want, own):
+    shown = tuple(p if isinstance(p, str) else to_str(p) for p in want)
+    labels = sorted({lab for s in own for lab in s.labels})
+    raise ShardingError(f"pin {pattern!r}: node {name!r} has no strategy with {shown} (per mesh axis, an output "
+                        f"placement or one of its strategy labels {labels}): pin another or leave it to the solver")
