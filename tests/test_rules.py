@@ -26,6 +26,7 @@ from autopar.passes.shape_prop import tensor_inputs, tensor_meta  # noqa: E402
 from autopar.placement import local_shape  # noqa: E402
 from autopar.runtime.ops import _SHAPE_ARG  # noqa: E402
 from autopar.strategies import rule_for  # noqa: E402
+from autopar.strategies.moe import EXPERT_PARALLEL  # noqa: E402
 from autopar.strategies.strategy import axis_options  # noqa: E402
 from zoo import MODELS  # noqa: E402
 
@@ -108,8 +109,8 @@ def check_node(node: fx.Node, env: dict[str, object], gen) -> list[str]:
         [env[a.name] if isinstance(a, fx.Node) else a for a in leaves], spec)[1])
     bad = []
     for opt in axis_options(rule, node, ins, outs):
-        if opt.label == "replicate":
-            continue
+        if opt.label in ("replicate", EXPERT_PARALLEL):
+            continue      # expert_parallel moves tokens between devices inside the op: tests/test_expert_parallel.py
         pieces, k = [], 0
         for a in leaves:
             if isinstance(a, fx.Node) and a in ins_nodes:
