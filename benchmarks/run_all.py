@@ -31,6 +31,8 @@ RUNS = [
     ["bench_memory_plans.py"],
     # issue 14: planning time per phase, HF Llama-3-8B at 64 x 4096 on (8, 8)
     ["bench_plan_speed.py"],
+    # issue 18: Mixtral-8x7B at 64 x 4096 on (dp=8, ep=8): expert parallelism vs the experts' older strategies
+    ["bench_moe.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

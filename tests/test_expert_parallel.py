@@ -11,9 +11,18 @@ MOE_TOL = 1e-4
 EP_PINS = {"moe_experts*": ("expert_parallel",)}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_expert_parallel_trains_like_one_process(rank_pool, name):
-    results = rank_pool(4).run(train_and_compare, f"zoo:{name}", (4,), ("ep",), EP_PINS, ("ep",), timeout=300)
+# (model, mesh, strategy of the experts op per axis): expert parallelism alone; inside data parallelism
+# (Qwen2-MoE: shared expert and auxiliary loss too); beside an axis that splits experts only (its
+# outputs partial sums), so a device's experts are a block of both axes' coordinates
+CASES = [("mixtral", (4,), ("ep",), ("expert_parallel",)),
+         ("qwen2_moe", (2, 2), ("dp", "ep"), ("tokens", "expert_parallel")),
+         ("mixtral", (2, 2), ("dp", "ep"), ("experts", "expert_parallel"))]
+
+
+@pytest.mark.parametrize("name,shape,axes,pin", CASES, ids=[f"{c[0]}-{'-'.join(c[3])}" for c in CASES])
+def test_expert_parallel_trains_like_one_process(rank_pool, name, shape, axes, pin):
+    results = rank_pool(4).run(train_and_compare, f"zoo:{name}", shape, axes, {"moe_experts*": pin}, axes,
+                               timeout=300)
     r = results[0]
     for key in ("loss", "grad", "param"):
         assert max(x[key] for x in results) < MOE_TOL, (key, {k: r[k] for k in ("loss", "grad", "param")})
