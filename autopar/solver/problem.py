@@ -232,6 +232,16 @@ def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, link
     return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
 
 
+def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, profile) -> float:
+    """Bytes an op that exchanges data inside itself keeps for its backward besides its output: an
+    expert-parallel MoE layer keeps the token-slots it received (its experts' input) and their
+    outputs (for the router weights' gradient), each the busiest device's routed rows (runtime/experts.py)."""
+    if facts.op != MOE_OP or not exchange_axes(s.inputs):
+        return 0.0
+    routed_b = moe_exchange(info.out[0], info.ins[1], s, shape, [None] * len(shape))[0][3]
+    return 2 * routed_b * profile.moe_load_imbalance
+
+
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
     """(phase, "all_to_all@<axis>", seconds, bytes one device sends, axis) of the all-to-alls an op
     runs inside itself under s, as `op_cost` prices them (the plan lists them on the op)."""
@@ -402,7 +412,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute = compute or [0.0] * len(strategies)
         forward = forward or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
-               for s in strategies]
+               + exchange_saved_bytes(info, s, shape, facts, mesh.profile) for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
                                         opt_bytes=[0.0] * len(strategies))
