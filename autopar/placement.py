@@ -12,11 +12,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "to_str", "from_str", "layout_str", "parse_layout",
-           "local_shape", "parse_pin", "R", "P"]
+           "parse_pin", "local_shape", "R", "P"]
 
 R = Replicate()
 P = Partial()
 _SHARD_RE = re.compile(r"^S\((-?\d+)\)$")
+# a strategy label ("ring", "ulysses", "column", ...): lower case, so never a placement
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -57,20 +58,17 @@ def parse_layout(layout: Sequence[str | Placement]) -> tuple[Placement, ...]:
 
 
 def parse_pin(entries: Sequence[str | Placement]) -> tuple[Placement | str, ...]:
-    """A pin, one entry per mesh axis: a placement of the output ("S(0)", "R", "P"), or the label of
-    the strategy to use on that axis ("expert_parallel", "ring", "batch", ...: the `AxisOption`
-    labels of the node's rule, matched when the pin meets its node). ValueError if an entry is
-    neither a placement nor a label-shaped word."""
-    out: list[Placement | str] = []
+    """A pin: per mesh axis a placement ("S(1)") or a strategy label ("ring"); ValueError otherwise."""
+    out = []
     for e in entries:
         if isinstance(e, str) and _LABEL_RE.match(e.strip()):
             out.append(e.strip())
-        else:
-            try:
-                out.append(from_str(e))
-            except ValueError:
-                raise ValueError(f"cannot parse placement {e!r}: use a placement ('R', 'S(d)', 'P', 'P(avg)') or a "
-                                 f"strategy label such as 'expert_parallel'") from None
+            continue
+        try:
+            out.append(from_str(e))
+        except ValueError:
+            raise ValueError(f"cannot parse placement {e!r}: give a placement ('R', 'S(d)', 'P', 'P(avg)') or a "
+                             f"strategy label ('ring', 'ulysses', 'expert_parallel', 'batch', ...) per mesh axis") from None
     return tuple(out)
 
 

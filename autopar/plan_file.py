@@ -121,7 +121,7 @@ class _Reader:
                     self.choice(a, f"{field}[{i}]", self.axis_names)
             else:
                 for name, lay in self.mapping(v, field).items():
-                    self.layout(lay, f"{field}.{name}", labels=True)
+                    self.pin(lay, f"{field}.{name}")
         return dict(o)
 
     def nodes(self, ns: Any) -> list[NodePlan]:
@@ -230,16 +230,25 @@ class _Reader:
         return p
 
     # -- values -------------------------------------------------------------------------
-    def layout(self, v: Any, f: str, labels: bool = False) -> tuple[str, ...]:
-        """One placement per mesh axis (`labels`: or a strategy label, as pins allow)."""
+    def pin(self, v: Any, f: str) -> tuple[str, ...]:
+        """A pin: per mesh axis a placement or a strategy label."""
+        items = self.array(v, f)
+        if len(items) != self.naxes:
+            self.fail(f, f"pin {v!r:.80} has {len(items)} entries for a mesh of {self.naxes} axes")
+        try:
+            parse_pin([self.string(p, f"{f}[{i}]") for i, p in enumerate(items)])
+        except ValueError as e:
+            self.fail(f, str(e))
+        return tuple(items)
+
+    def layout(self, v: Any, f: str) -> tuple[str, ...]:
         items = self.array(v, f)
         if len(items) != self.naxes:
             self.fail(f, f"layout {v!r:.80} has {len(items)} placements for a mesh of {self.naxes} axes "
                          f"({', '.join(self.axis_names)})")
         for i, p in enumerate(items):
             try:
-                text = self.string(p, f"{f}[{i}]")
-                parsed = parse_pin([text])[0] if labels else from_str(text)
+                parsed = from_str(self.string(p, f"{f}[{i}]"))
             except ValueError as e:
                 self.fail(f"{f}[{i}]", str(e))
             if isinstance(parsed, Shard) and parsed.dim < 0:

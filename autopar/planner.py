@@ -46,8 +46,8 @@ class PlanOptions:
     def __post_init__(self):
         for name, layout in (self.pins or {}).items():
             if isinstance(layout, str) or not isinstance(layout, Sequence):
-                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement or strategy "
-                                    f"label per mesh axis, e.g. ('S(0)', 'R') or ('expert_parallel',)")
+                raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement (or strategy "
+                                    f"label) per mesh axis, e.g. ('S(0)', 'R') or ('batch', 'ring')")
             try:
                 parse_pin(layout)
             except (ValueError, TypeError) as e:

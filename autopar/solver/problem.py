@@ -332,11 +332,21 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     priced: dict = {}
 
     def pinned(keys: Sequence[str]):
-        for pat, spec in pins.items():
+        for pat, layout in pins.items():
             if any(fnmatch.fnmatchcase(k, pat) for k in keys if k):
                 used_pins.add(pat)
-                return pat, _parse_pin(pat, spec, mesh)
+                want = parse_pin(layout)
+                if len(want) != mesh.ndim:
+                    raise ShardingError(f"pin {pat!r}: {tuple(layout)} has {len(want)} entries but the mesh has "
+                                        f"{mesh.ndim} axes {mesh.axis_names}: give one per axis")
+                return pat, want
         return None, None
+
+    def placements_only(pat, want, what):
+        if any(isinstance(p, str) for p in want):
+            raise ShardingError(f"pin {pat!r} gives strategy labels {want} for {what}, which has a layout, not a "
+                                f"strategy: pin it with placements ('R', 'S(d)'), or pin the op that uses it")
+        return want
 
     for node in nodes:    # first, so a node knows which of its users send it a gradient
         ng[node.name] = _needs_grad(node, kinds, ng)
@@ -351,9 +361,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                 layouts = [only[node.name].output] if only is not None else layout_space(meta, shape)
                 pat, want = pinned([slot.target, node.name])
                 if want is not None:
-                    if any(isinstance(p, str) for p in want):
-                        raise ShardingError(f"pin {pat!r} gives parameter {slot.target} a strategy label "
-                                            f"{want}: pin a parameter by placements, e.g. ('S(0)', 'R')")
+                    want = placements_only(pat, want, f"parameter {slot.target!r}")
                     _check_pin(want, meta, mesh, slot.target)
                     layouts = [want]
                 strategies = [Strategy((), L) for L in layouts]
@@ -392,7 +400,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape)
         pat, want = pinned([node.name])
         if want is not None:
-            own = [s for s in own if _pin_allows(s, want)] or _bad_pin(pat, node.name, want, own)
+            own = [s for s in own if _matches(s, want)] or _bad_pin(node.name, want)
         leader, strategies = node.name, own
         if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
             src = decisions[info.ins[0].name]
@@ -524,26 +532,12 @@ def _check_pin(layout, meta: TensorMeta, mesh: Mesh, what: str) -> None:
                     f"another dim, or Replicate on that axis")
 
 
-def _parse_pin(pattern: str, spec, mesh: Mesh) -> tuple:
-    """A pin's entries (`placement.parse_pin`: a placement or a strategy label per mesh axis)."""
-    try:
-        want = parse_pin(spec)
-    except (ValueError, TypeError) as e:
-        raise ShardingError(f"pin {pattern!r}: {e}") from None
-    if len(want) != mesh.ndim:
-        raise ShardingError(f"pin {pattern!r} has {len(want)} entries but the mesh has {mesh.ndim} axes "
-                            f"{mesh.axis_names}: give one placement or strategy label per axis")
-    return want
+def _matches(s: Strategy, want) -> bool:
+    """Does strategy s follow a pin: per axis its output placement, or its label where a label is given?"""
+    return all(s.labels[a] == w if isinstance(w, str) else s.output[a] == w for a, w in enumerate(want))
 
 
-def _pin_allows(s: Strategy, want) -> bool:
-    """Does strategy s meet the pin: per axis, its output placement or its label is the pin's entry."""
-    return all((s.labels[a] if s.labels else None) == p if isinstance(p, str) else s.output[a] == p
-               for a, p in enumerate(want))
-
-
-def _bad_pin(pattern, name, want, own):
-    shown = tuple(p if isinstance(p, str) else to_str(p) for p in want)
-    labels = sorted({lab for s in own for lab in s.labels})
-    raise ShardingError(f"pin {pattern!r}: node {name!r} has no strategy with {shown} (per mesh axis, an output "
-                        f"placement or one of its strategy labels {labels}): pin another or leave it to the solver")
+def _bad_pin(name, want):
+    shown = tuple(w if isinstance(w, str) else to_str(w) for w in want)
+    raise ShardingError(f"node {name!r} has no strategy with output placement or label {shown} per mesh axis: pin "
+                        f"another layout or label, or leave it to the solver")
