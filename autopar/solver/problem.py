@@ -225,10 +225,15 @@ def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, links=None)
                       routed, exchange)
 
 
+def moe_routed_bytes(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape) -> float:
+    """Bytes of the token-slots (its tokens x top-k, hidden wide) a MoE op under s routes on one device."""
+    return out.nbytes / shard_count(s.output, shape) * tensor_meta(top_k_index.meta["val"])[0].shape[1]
+
+
 def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, links) -> tuple:
     """(axis, its size, link, routed bytes on one device) per axis on which a MoE op under s dispatches
     its token-slots by all-to-all (`strategies.moe.exchange_axes`)."""
-    routed_b = out.nbytes / shard_count(s.output, shape) * tensor_meta(top_k_index.meta["val"])[0].shape[1]
+    routed_b = moe_routed_bytes(out, top_k_index, s, shape)
     return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
 
 
@@ -238,8 +243,7 @@ def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, pro
     outputs (for the router weights' gradient), each the busiest device's routed rows (runtime/experts.py)."""
     if facts.op != MOE_OP or not exchange_axes(s.inputs):
         return 0.0
-    routed_b = moe_exchange(info.out[0], info.ins[1], s, shape, [None] * len(shape))[0][3]
-    return 2 * routed_b * profile.moe_load_imbalance
+    return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * profile.moe_load_imbalance
 
 
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
