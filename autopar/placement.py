@@ -67,8 +67,9 @@ def parse_pin(entries: Sequence[str | Placement]) -> tuple[Placement | str, ...]
         try:
             out.append(from_str(e))
         except ValueError:
-            raise ValueError(f"cannot parse placement {e!r}: give 'R', 'S(d)', 'P' or 'P(avg)', or a strategy "
-                             f"label ('ring', 'ulysses', 'allgather_kv', 'batch', 'heads', ...) per mesh axis") from None
+            raise ValueError(f"cannot parse placement {e!r}: give a placement ('R', 'S(d)', 'P', 'P(avg)') or a "
+                             f"strategy label ('ring', 'ulysses', 'allgather_kv', 'expert_parallel', 'batch', "
+                             f"'heads', ...) per mesh axis") from None
     return tuple(out)
 
 

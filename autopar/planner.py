@@ -22,7 +22,7 @@ from .scaling import build_scaling
 from .solver.decisions import add_families
 from .solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
 from .solver.ilp import min_memory, solve
-from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
+from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 from .strategies import op_name, rule_for
 from .strategies.attention import context_axis
 
@@ -266,6 +266,12 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
             for kind in rc.collectives:
                 collectives.setdefault(e.dst, []).append(
                     Collective(kind, phase, e.src, rc.seconds / max(1, len(rc.collectives))))
+    for node in cap.gm.graph.nodes:      # collectives an op runs inside itself (expert parallelism)
+        d = problem.decisions.get(node.name)
+        if d is not None and d.kind == "op":
+            for phase, kind, seconds, sent, ax in op_exchanges(problem, node, d.strategies[choice[d.leader]]):
+                collectives.setdefault(node.name, []).append(Collective(kind, phase, node.name, seconds))
+                per_axis[ax] += sent
     return collectives, per_axis
 
 

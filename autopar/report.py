@@ -90,6 +90,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
         lines.append("")
     lines += _memory_lines(plan)
     lines += _batch_norm_lines(plan)
+    lines += _expert_lines(plan)
     if symbolic:
         lines += _scaling_lines(plan)
     if plan.indivisible:
@@ -190,6 +191,41 @@ def batch_norm_decisions(plan: Plan) -> dict[str, tuple[str, ...]]:
             "synchronized" if lab == "sync-stats" else "channels split" if lab == "split" else "whole"
             for lab in n.labels)
     return out
+
+
+MOE_OP = "autopar.moe_experts"     # a MoE layer's experts (passes/lowering.py, strategies/moe.py)
+
+
+def expert_placement(plan: Plan) -> dict[str, dict[str, object]]:
+    """Per MoE layer (the experts' module path): its strategy per mesh axis, the axes that split its
+    experts, those it dispatches tokens over by all-to-all, and how its expert weights are stored."""
+    out: dict[str, dict[str, object]] = {}
+    axes = plan.mesh["axis_names"]
+    for n in plan.nodes:
+        if n.op != MOE_OP or (n.module or n.name) in out:
+            continue
+        split = tuple(ax for ax, p in zip(axes, n.inputs[3]) if p == "S(0)")
+        out[n.module or n.name] = {
+            "strategy": n.labels, "experts_split_over": split,
+            "all_to_all_over": tuple(ax for ax, lab in zip(axes, n.labels) if lab == "expert_parallel"),
+            "stored": plan.placements.get(f"{n.module}.gate_up_proj")}
+    return out
+
+
+def _expert_lines(plan: Plan) -> list[str]:
+    layers = expert_placement(plan)
+    if not layers:
+        return []
+    axes = plan.mesh["axis_names"]
+    lines = [f"Experts ({len(layers)} MoE layers; strategy per mesh axis {_lay(axes)}: expert_parallel = tokens and "
+             f"experts split, token-slots dispatched and combined by all-to-all; experts = experts split, every "
+             f"token on every device, outputs summed; tokens = tokens split, every expert on every device):"]
+    for module, e in layers.items():
+        stored = _lay(e["stored"]) if e["stored"] else "-"
+        lines.append(f"  {module:<40} {_lay(e['strategy']):<28} experts split over "
+                     f"{', '.join(e['experts_split_over']) or 'none'}; all-to-all over "
+                     f"{', '.join(e['all_to_all_over']) or 'none'}; gate_up stored {stored}")
+    return lines + [""]
 
 
 def _memory_lines(plan: Plan) -> list[str]:

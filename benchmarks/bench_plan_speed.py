@@ -1,16 +1,24 @@
 """Planning time per phase on the models users plan (issue 14), built on the meta device.
 
-    python benchmarks/bench_plan_speed.py --model llama3-8b|gpt3-175b [--time-limit S] [--no-symbolic]
+    python benchmarks/bench_plan_speed.py --model llama3-8b|llama3-70b|gpt3-175b|gpt3-175b-stage
+                                          [--time-limit S] [--no-symbolic]
 
 * llama3-8b: Hugging Face LlamaForCausalLM from the Llama-3-8B config (32 layers, hidden 4096,
   ffn 14336, 32 heads, 8 KV heads, vocabulary 128,256), bf16, batch 64 x 4096,
   `Mesh((8, 8), ("dp", "tp"), "h100")`; target: 5 s end to end, symbolic scaling included.
+* llama3-70b: the Llama-3-70B config (80 layers, hidden 8192, ffn 28672, 64 heads, 8 KV heads),
+  bf16, as torchtitan trains it on 256 H100: FSDP 32 x TP 8, local batch 8 x 8192 (global 256).
 * gpt3-175b: GPT-3 175B (96 layers, hidden 12288, 96 heads; examples/models.py), bf16, global
   batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")`, without pipeline
   decisions (issue 12); target (with them): 30 s and 4 GiB RSS.
-Memory families are on ("auto"). Prints one JSON line: wall seconds per phase (capture,
-strategies, solve, scaling: the planner's `on_phase` marks), end to end, peak RSS, ILP size,
-solver status and the plan's step time.
+* gpt3-175b-stage: what the pipeline search (issue 12) solves per candidate: GPT-3 175B's 96
+  linked layers on the (16, 8) data x tensor sub-mesh of one pipeline stage, at one microbatch
+  (Megatron's micro-batch size 1 per data-parallel rank: 16 x 2048); target: a few seconds.
+Memory families are on ("auto"). Prints one JSON line: wall and CPU seconds per phase (capture,
+strategies, build: the solve phase less the time inside the MIP solver, solve: that time,
+scaling), end to end, peak RSS, ILP size, solver status and the plan's step time. The machine
+is shared: CPU seconds are the steadier measure when others load it (both are printed).
+`--all` runs every model, each in its own process (so that peak RSS is that run's own).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 import warnings
@@ -27,41 +36,73 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from autopar.planner import PlanOptions, make_plan  # noqa: E402
+from autopar.solver.mip import solver_seconds  # noqa: E402
 from models import GPT  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 
 
-def llama3_8b():
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+
+
+def _llama(config: dict, batch: int, seq: int, mesh):
     import transformers
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3_8B)).to(torch.bfloat16)
-        ids = torch.zeros(64, 4096, dtype=torch.long)
-    return model, (ids,), {"labels": ids}, autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids,), {"labels": ids}, mesh
+
+
+def llama3_8b():
+    return _llama(LLAMA3_8B, 64, 4096, autopar.Mesh((8, 8), ("dp", "tp"), device="h100"))
+
+
+def llama3_70b():
+    return _llama(LLAMA3_70B, 256, 8192, autopar.Mesh((32, 8), ("dp", "tp"), device="h100"))
+
+
+def _gpt3(batch: int, mesh):
+    with torch.device("meta"):
+        model = GPT(vocab=51200, seq=2048, hidden=12288, heads=96, layers=96).to(torch.bfloat16)
+        idx = torch.zeros(batch, 2048, dtype=torch.long)
+    return model, (idx, idx), {}, mesh
 
 
 def gpt3_175b():
-    with torch.device("meta"):
-        model = GPT(vocab=51200, seq=2048, hidden=12288, heads=96, layers=96).to(torch.bfloat16)
-        idx = torch.zeros(1536, 2048, dtype=torch.long)
-    return model, (idx, idx), {}, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")
+    return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100"))
 
 
-MODELS = {"llama3-8b": llama3_8b, "gpt3-175b": gpt3_175b}
+def gpt3_175b_stage():
+    return _gpt3(16, autopar.Mesh((16, 8), ("dp", "tp"), device="h100"))
+
+
+MODELS = {"llama3-8b": llama3_8b, "llama3-70b": llama3_70b, "gpt3-175b": gpt3_175b,
+          "gpt3-175b-stage": gpt3_175b_stage}
 
 
 class Phases:
-    """The planner's `on_phase` callback: wall seconds of each phase."""
+    """The planner's `on_phase` callback: wall and CPU seconds of each phase, the solve phase split
+    into building models and solving them (`solver_seconds`)."""
 
     def __init__(self):
-        self.t, self.name, self.seconds = time.perf_counter(), None, {}
+        self.name, self.seconds, self.cpu = None, {}, {}
+        self._mark()
+
+    def _mark(self):
+        self.t, self.c, self.s = time.perf_counter(), time.process_time(), solver_seconds()
 
     def __call__(self, name: str, note: str = "") -> None:
-        now = time.perf_counter()
         if self.name is not None:
-            self.seconds[self.name] = round(now - self.t, 2)
-        self.t, self.name = now, name
+            wall, cpu = time.perf_counter() - self.t, time.process_time() - self.c
+            if self.name == "solve":
+                inside = solver_seconds() - self.s
+                self.seconds["build"], self.seconds["solve"] = round(wall - inside, 2), round(inside, 2)
+                self.cpu["build+solve"] = round(cpu, 2)
+            else:
+                self.seconds[self.name], self.cpu[self.name] = round(wall, 2), round(cpu, 2)
+        self.name = name
+        self._mark()
 
 
 def main(argv=None) -> dict:
@@ -69,16 +110,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--no-symbolic", action="store_true")
+    ap.add_argument("--all", action="store_true", help="every model, each in its own process")
     a = ap.parse_args(argv)
+    if a.all:
+        for name in MODELS:
+            subprocess.run([sys.executable, __file__, "--model", name, "--time-limit", str(a.time_limit)]
+                           + ["--no-symbolic"] * a.no_symbolic, check=False)
+        return {}
     model, args, kwargs, mesh = MODELS[a.model]()
     phases = Phases()
     opts = PlanOptions(time_limit=a.time_limit, progress=False, symbolic=not a.no_symbolic, on_phase=phases)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = make_plan(model, args, kwargs, mesh, opts)
-    wall = time.perf_counter() - t0
-    out = {"bench": f"plan speed {a.model}", "mesh": mesh.shape, "wall_s": round(wall, 2), "phases_s": phases.seconds,
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    out = {"bench": f"plan speed {a.model}", "mesh": mesh.shape, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+           "phases_s": phases.seconds, "phases_cpu_s": phases.cpu,
            "solve_s": round(plan.timings.solve_s, 2), "scaling": plan.scaling.unavailable or "available",
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,

@@ -22,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HF_MODELS = ("gpt2", "llama", "bert", "t5", "mixtral", "vit")
 HAND_MODELS = ("nanogpt", "resnet", "mixer", "tied", "shared_param")
 MODELS = HF_MODELS + HAND_MODELS
+# small configs built like HF_MODELS but kept out of the per-model suites (tests/test_expert_parallel.py)
+EXTRA_HF_MODELS = ("qwen2_moe",)
 # full-size configs planned on the meta device (the issue's sizes)
 FULL = {"gpt2": "GPT-2 XL 1.5B", "llama": "Llama-2 7B", "mixtral": "Mixtral 8x7B", "t5": "T5 3B",
         "bert": "BERT-large 340M", "vit": "ViT-Large/16 304M"}
@@ -221,6 +223,12 @@ def hf_config(name: str, full: bool = False):
                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
                                pad_token_id=0)
+    if name == "qwen2_moe":     # shared expert with its gate, router logits -> auxiliary balancing loss
+        return T.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=16, output_router_logits=True, router_aux_loss_coef=0.01,
+                                bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "vit":
         if full:    # ViT-Large/16
             return T.ViTConfig(image_size=224, patch_size=16, hidden_size=1024, num_hidden_layers=24,
@@ -233,7 +241,7 @@ def hf_config(name: str, full: bool = False):
 
 _HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
                "t5": "T5ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "vit": "ViTForImageClassification"}
+               "vit": "ViTForImageClassification", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def with_layers(config, layers: int):
@@ -254,7 +262,7 @@ def build(name: str, *, full: bool = False, layers: int | None = None, batch: in
     inputs (batch and seq default to 64 and 1024/2048/512); `layers` overrides the depth."""
     g = torch.Generator().manual_seed(seed + 1)
     torch.manual_seed(seed)
-    if name in HF_MODELS:
+    if name in HF_MODELS + EXTRA_HF_MODELS:
         import transformers as T
         config = hf_config(name, full)
         if layers is not None:

@@ -143,6 +143,7 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     worst["placements"] = dict(dmodel.plan.placements)
     worst["fallbacks"] = list(dmodel.plan.fallbacks)
     worst["labels"] = sorted({lab for n in dmodel.plan.nodes for lab in n.labels})
+    worst["collectives"] = sorted({f"{n.op} {c.kind}" for n in dmodel.plan.nodes for c in n.collectives})
     worst["sharded_nodes"] = sum(1 for n in dmodel.plan.nodes if n.executor not in ("param", "input", "output")
                                  and any(p != "R" for p in n.output))
     return worst

@@ -25,9 +25,10 @@ from zoo import HF_MODELS, MODELS, ResNet  # noqa: E402
 
 TOL = 1e-5
 MOE_TOL = 1e-4
-# Mixtral with its experts split over "tp" (expert parallelism); the solver places the rest (its
-# router and attention split tokens over both axes)
-EXPERT_PINS = {"model.layers.*.mlp.experts.*": ("R", "S(0)")}
+# Mixtral with its experts split over "tp" (every token on every device of the axis, outputs summed)
+# and tokens over "dp"; the solver places the rest (its router and attention split tokens over both
+# axes). The all-to-all option, expert_parallel, has its own test (tests/test_expert_parallel.py).
+EXPERT_PINS = {"model.layers.*.mlp.experts.*": ("R", "S(0)"), "moe_experts*": ("tokens", "experts")}
 # the ResNet's batch statistics synchronized over both axes (a batch split, the local means
 # averaged: the SyncBatchNorm path under test); under the test's shard-happy device the solver's
 # own choice between that, whole statistics and a channel split is a near tie

@@ -53,3 +53,16 @@ def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
     plan = _plan(None, 1.6 * 2**30, shape=(4,))
     assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status == "Optimal"
     assert plan.solver.objective_s == pytest.approx(best.solver.objective_s, rel=1e-6)
+
+
+def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(tight, monkeypatch):
+    """Where the joint model is not built (large models), layouts and memory options are alternated:
+    the plan fits, is priced as estimate() prices it, and is near the joint model's optimum."""
+    from autopar.solver import ilp
+    joint = _plan(None, tight)
+    monkeypatch.setattr(ilp, "JOINT_MAX_COLUMNS", 0)
+    alone = _plan(None, tight)
+    assert alone.solver.status.startswith("Feasible (layouts and memory options alternated")
+    assert alone.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
+    assert alone.solver.objective_s <= 1.05 * joint.solver.objective_s
+    assert alone.solver.objective_s >= joint.solver.objective_s * (1 - 1e-3)      # the joint model's gap

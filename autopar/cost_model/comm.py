@@ -33,6 +33,13 @@ Point-to-point and broadcast (pipelined chain; a tree has the same bandwidth ter
     p2p              nbytes / B + alpha
     broadcast        nbytes / B + (n-1) alpha   (ring)   or   nbytes / B + ceil(log2 n) alpha   (tree)
 
+Expert parallelism (`expert_exchange_times`): a MoE layer whose tokens and experts are split over
+an axis sends each token-slot to its expert's device and back, two all-to-alls of the device's
+routed rows R = tokens x top_k x hidden x itemsize (pairwise exchange: n-1 steps, each device sends
+(n-1)/n of R), after one all-to-all of the n split counts (latency only). The splits follow the
+routing, so the exchange ends when the busiest device does: its bandwidth term is `imbalance`
+(`DeviceProfile.moe_load_imbalance`) times the mean. The backward runs the two all-to-alls reversed.
+
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
 `bucketed_reduction` says which parameter gradients the runtime reduces in buckets
@@ -57,7 +64,7 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
-           "bucket_launch_time", "ReshardCost", "reshard_cost"]
+           "bucket_launch_time", "expert_exchange_times", "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Algorithm = Literal["ring", "tree", "auto"]
@@ -200,6 +207,21 @@ def bucket_launch_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, l
     b = bucket
     return (bucketed_time(b.collective, nbytes, b.n, b.link, bucket_bytes, launch_overhead)
             - transfer_time(b.collective, nbytes, b.n, b.link))
+
+
+# bytes of one routed-row count (int64) in the counts exchange before an expert-parallel dispatch
+_COUNT_BYTES = 8
+
+
+def expert_exchange_times(row_bytes: float, n: int, link: AnyLink, imbalance: float = 1.0,
+                          launch_overhead: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of an expert-parallel layer's dispatch and combine over one mesh
+    axis of n devices; `row_bytes`: the token-slots one device routes, in bytes (module docstring)."""
+    if n <= 1:
+        return 0.0, 0.0
+    rows = collective_time("all_to_all", n * row_bytes * imbalance, n, link) + launch_overhead
+    counts = collective_time("all_to_all", n * n * _COUNT_BYTES, n, link) + launch_overhead
+    return counts + 2 * rows, 2 * rows
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

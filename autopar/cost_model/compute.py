@@ -50,7 +50,10 @@ POINTWISE_EFFICIENCY = 0.5
 
 
 # Families whose FLOPs run on the matrix units (tensor cores) at the matmul rate and curve.
-TENSOR_CORE_FAMILIES = ("matmul", "attention")
+# A MoE experts op (`autopar::moe_experts`) is grouped matmuls: every routed token-slot through its
+# expert's gate/up and down projections, run as one grouped GEMM over the local experts (as
+# torch._grouped_mm, Megablocks and Megatron's GroupedMLP do), priced as one matmul of its FLOPs.
+TENSOR_CORE_FAMILIES = ("matmul", "attention", "moe")
 
 # Backward time / forward time, per op (aten name) or family, from the work each backward does.
 # Memory-bound kernels in units of tensors of the forward output's size moved (forward: read x,
@@ -58,6 +61,8 @@ TENSOR_CORE_FAMILIES = ("matmul", "attention")
 BACKWARD_FACTORS: dict[str, float] = {
     # matmul: dX = dY W^T and dW = X^T dY, two products of the forward's size
     "matmul": 2.0,
+    # MoE experts (grouped matmuls): dX and dW per expert, twice the forward's products
+    "moe": 2.0,
     # SDPA / flash attention: the backward recomputes the scores and runs 5 products to the
     # forward's 2 (Dao 2023, FlashAttention-2, section 3.2: backward = 2.5x forward FLOPs)
     "attention": 2.5,

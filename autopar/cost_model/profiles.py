@@ -113,6 +113,12 @@ class DeviceProfile:
     disk_link: Link = Link(1e9, 100e-6)    # device <-> disk, bytes/s one direction and seconds per request
     host_optimizer_element_time: float = 0.0   # seconds per parameter element of an optimizer step run on the
                                                # host (ZeRO-Offload's CPU Adam), this device's share of its cores
+    # Mixture of experts: the busiest device's routed token-slots over the mean when experts are split
+    # over devices (top-k routing is data-dependent; the busiest device sets the pace of the layer and
+    # of its all-to-alls). 1.2 is an assumption, not a measurement: routers trained with an auxiliary
+    # load-balancing loss (Switch Transformer, Mixtral, Qwen-MoE) keep experts near, not at, uniform
+    # load. Set it from the model's routing statistics where they are known.
+    moe_load_imbalance: float = 1.2
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -124,6 +130,8 @@ class DeviceProfile:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0")
         if not self.grad_bucket_bytes > 0 or not 0 <= self.grad_sync_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: grad_bucket_bytes must be > 0, grad_sync_overlap in [0, 1]")
+        if not self.moe_load_imbalance >= 1:
+            raise ValueError(f"profile {self.name!r}: moe_load_imbalance must be >= 1 (busiest over mean)")
         for f in ("matmul_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")

@@ -25,6 +25,7 @@ from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import layout_str, local_shape
 from . import rng
+from .experts import expert_parallel
 from .reshard import grad_layout, reshard, to_layout
 
 aten = torch.ops.aten
@@ -49,6 +50,8 @@ def _moe_first_expert(op: "LocalOp", args, kwargs):
 
 # Ops whose non-tensor arguments depend on which shard this device holds: target -> fn(op, args, kwargs)
 LOCALIZE = {torch.ops.autopar.moe_experts.default: _moe_first_expert}
+# Ops that move data between devices inside themselves under some strategies: target -> fn(op, args, kwargs)
+EXCHANGE = {torch.ops.autopar.moe_experts.default: expert_parallel}
 
 
 def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:
@@ -129,7 +132,12 @@ class LocalOp(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._localize(args, kwargs)
-        out = rng.dropout(self, *args, **kwargs) if self.target in rng.DROPOUT_OPS else self.target(*args, **kwargs)
+        if self.target in rng.DROPOUT_OPS:
+            out = rng.dropout(self, *args, **kwargs)
+        elif self.target in EXCHANGE:
+            out = EXCHANGE[self.target](self, args, kwargs)
+        else:
+            out = self.target(*args, **kwargs)
         if self.local_out:
             return out
         return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output)

@@ -34,15 +34,20 @@ run over the whole step (`cost_model.memory`): the backward's points also hold t
 flight and the parameter gradients made so far, and keep a copy k[e] until its consumer's backward.
 
 The model is written as arrays (`mip.py`) and solved by HiGHS through highspy (CBC through pulp
-where highspy is missing), starting from the best heuristic plan (`heuristic.py`): that plan is
-the floor, so a longer time limit never gives a slower plan. Memory rows (D) are added lazily
-when the budget is far from binding: the model is solved without the rows that the start's
-slack shows to be loose, and any row the solution violates is added and the model re-solved.
+where highspy is missing). `solve` first runs the alternation of `heuristic.py`: layouts with the
+family options fixed (no products of layout and option columns: the layout model's size) and
+options with the layouts fixed (a few dozen binaries), each optimal for the other. That plan is
+the floor, so a longer time limit never gives a slower plan. The joint model above starts from it
+where the layout model is small (JOINT_MAX_COLUMNS); on larger ones the alternation's plan is the
+answer, and its status says so. Memory rows (D) are added lazily when the budget is far from
+binding: the model is solved without the rows that the start's slack shows to be loose, and any
+row the solution violates is added and the model re-solved.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
@@ -59,6 +64,11 @@ FEASIBILITY_SLACK_BYTES = 2e-6 * GIB
 ROW_TOLERANCE = 1e-9  # GiB: a row is violated beyond the solver's own feasibility tolerance
 LAZY_ROWS = 10      # memory rows added per round (the most violated first): a few rounds on real models
 LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small model's rounds cost more)
+# The joint model multiplies each gated term's layout columns by the option columns (McCormick products):
+# from a layout model of this many columns on it is not built and the alternation's plan is the answer
+# (Llama-3-8B on (8, 8): 66k layout columns, a joint model of 176k columns that HiGHS did not solve in
+# a minute; the 4-block test models: a few hundred columns, joint optimum in well under a second).
+JOINT_MAX_COLUMNS = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,25 +90,32 @@ class StrategyILP:
     one set (see `layers.py`), so their costs add up on one variable and edges with the same ends
     and tables share one y."""
 
-    def __init__(self, problem: Problem, memory_budget: float):
+    def __init__(self, problem: Problem, memory_budget: float, *, choice: Mapping[str, int] | None = None,
+                 options: Mapping[str, int] | None = None):
+        """`choice` (leader -> strategy): the layouts are fixed, only family options are decided (a
+        small model); `options` (group -> option): the family options are fixed, only layouts are
+        decided (no products of layout and option variables). Neither: the joint model."""
         p = self.p = problem
         self.budget = memory_budget
         self.m = Mip()
         self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
         self.rep = {l: p.rep.get(l, l) for l in p.leaders}
         reps = list(dict.fromkeys(self.rep.values()))
-        self.x = {r: [self.m.add_col(0, 1, integral=True) for _ in range(p.n_choices(r))] for r in reps}
+        # x: per representative, strategy index -> column (only the chosen one when `choice` is given)
+        self.x = {r: {i: self.m.add_col(0, 1, integral=True)
+                      for i in ((choice[r],) if choice is not None else range(p.n_choices(r)))} for r in reps}
         self.group_of: list[tuple] = []          # per edge: its group key
-        self.y: dict[tuple, list[list[int]]] = {}
+        self.y: dict[tuple, dict[tuple[int, int], int]] = {}   # group -> (a, b) -> column
+        self.linear: dict[tuple, tuple[str, int]] = {}   # group without y -> ("src", b) | ("dst", a) | ("same", 0)
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
         self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
         self.add_one_choice()
         self.add_edges()
-        self.terms = FamilyTerms(self)
+        self.terms = FamilyTerms(self, options)
         self.memory: dict[int, dict[int, float]] = {}   # (D) rows by point, in GiB (added lazily)
         self.memory_added: dict[int, int] = {}          # point -> its row in the model
 
-    def var(self, leader: str) -> list[int]:
+    def var(self, leader: str) -> dict[int, int]:
         return self.x[self.rep[leader]]
 
     def add_aux(self, d: Defined, hi: float = INF) -> int:
@@ -109,7 +126,7 @@ class StrategyILP:
     # (A)
     def add_one_choice(self) -> None:
         for v in self.x.values():
-            self.m.add_row(dict.fromkeys(v, 1.0), 1.0, 1.0)
+            self.m.add_row(dict.fromkeys(v.values(), 1.0), 1.0, 1.0)
 
     def _ends(self, e) -> tuple[str, str | None]:
         src = self.rep[self.p.decisions[e.src].leader]
@@ -123,23 +140,31 @@ class StrategyILP:
             src, dst = self._ends(e)
             key = (src, dst, tuple(e.a_of), tuple(e.b_of))
             self.group_of.append(key)
-            n_a, n_b = len(e.cost), len(e.cost[0])
-            if key in self.y or dst is None or dst == src or n_a == 1 or n_b == 1:
+            if key in self.y or key in self.linear:
                 continue
-            y = [[m.add_col(0, 1) for _ in range(n_b)] for _ in range(n_a)]
-            for a in range(n_a):
-                row = dict.fromkeys(y[a], 1.0)
-                row.update((x, -1.0) for x, c in zip(self.x[src], e.a_of) if c == a)
+            a_used = sorted({e.a_of[i] for i in self.x[src]})
+            b_used = [0] if dst is None else sorted({e.b_of[j] for j in self.x[dst]})
+            if dst == src:
+                self.linear[key] = ("same", 0)
+            elif len(b_used) == 1:       # linear in the source's x
+                self.linear[key] = ("src", b_used[0])
+            elif len(a_used) == 1:       # linear in the consumer's x
+                self.linear[key] = ("dst", a_used[0])
+            if key in self.linear:
+                continue
+            y = self.y[key] = {(a, b): m.add_col(0, 1) for a in a_used for b in b_used}
+            for a in a_used:
+                row = {y[a, b]: 1.0 for b in b_used}
+                row.update((x, -1.0) for i, x in self.x[src].items() if e.a_of[i] == a)
                 m.add_row(row, 0.0, 0.0)
-            for b in range(n_b):
-                row = {y[a][b]: 1.0 for a in range(n_a)}
-                row.update((x, -1.0) for x, c in zip(self.x[dst], e.b_of) if c == b)
+            for b in b_used:
+                row = {y[a, b]: 1.0 for a in a_used}
+                row.update((x, -1.0) for j, x in self.x[dst].items() if e.b_of[j] == b)
                 m.add_row(row, 0.0, 0.0)
-            self.y[key] = y
             # (E), (F): memory rows then name one variable instead of every y (in GiB, like the rows)
             for table, out in ((e.saved, self.copy_bytes), (e.temp, self.temp_bytes)):
                 if table and any(any(r) for r in table):
-                    coef = {y[a][b]: table[a][b] / GIB for a in range(n_a) for b in range(n_b) if table[a][b]}
+                    coef = {v: table[a][b] / GIB for (a, b), v in y.items() if table[a][b]}
                     kv = self.add_aux(Defined(coef))
                     m.add_row({kv: 1.0, **{j: -c for j, c in coef.items()}}, 0.0, 0.0)
                     out[key] = kv
@@ -147,32 +172,27 @@ class StrategyILP:
     def add_edge_terms(self, coef: dict, k: int, table: list[list[float]], scale: float = 1.0) -> None:
         """coef += scale * sum_{a,b} table[a][b] [edge k's source picks a and its consumer b]."""
         e, key = self.p.edges[k], self.group_of[k]
-        src, dst = key[0], key[1]
         if key in self.y:
-            for a, row in enumerate(self.y[key]):
-                for b, v in enumerate(row):
-                    if table[a][b]:
-                        coef[v] = coef.get(v, 0.0) + scale * table[a][b]
-        elif dst == src:        # both ends on one variable set: linear in it
-            for i, v in enumerate(self.x[src]):
-                if table[e.a_of[i]][e.b_of[i]]:
-                    coef[v] = coef.get(v, 0.0) + scale * table[e.a_of[i]][e.b_of[i]]
-        elif dst is None or len(table[0]) == 1:
-            for i, v in enumerate(self.x[src]):
-                if table[e.a_of[i]][0]:
-                    coef[v] = coef.get(v, 0.0) + scale * table[e.a_of[i]][0]
+            terms = ((v, table[a][b]) for (a, b), v in self.y[key].items())
         else:
-            for j, v in enumerate(self.x[dst]):
-                if table[0][e.b_of[j]]:
-                    coef[v] = coef.get(v, 0.0) + scale * table[0][e.b_of[j]]
+            how, fixed = self.linear[key]
+            if how == "same":       # both ends on one variable set: linear in it
+                terms = ((v, table[e.a_of[i]][e.b_of[i]]) for i, v in self.x[key[0]].items())
+            elif how == "src":
+                terms = ((v, table[e.a_of[i]][fixed]) for i, v in self.x[key[0]].items())
+            else:
+                terms = ((v, table[fixed][e.b_of[j]]) for j, v in self.x[key[1]].items())
+        for v, c in terms:
+            if c:
+                coef[v] = coef.get(v, 0.0) + scale * c
 
     def _node_terms(self, coef: dict, field: str, names, scale: float = 1.0) -> None:
         for name in names:
             d = self.p.decisions[name]
-            for i, c in enumerate(getattr(d, field)):
-                if c:
-                    v = self.var(d.leader)[i]
-                    coef[v] = coef.get(v, 0.0) + scale * c
+            vals = getattr(d, field)
+            for i, v in self.var(d.leader).items():
+                if vals[i]:
+                    coef[v] = coef.get(v, 0.0) + scale * vals[i]
 
     def set_objective(self) -> None:
         coef: dict = {}
@@ -193,7 +213,7 @@ class StrategyILP:
         params = [n for n, d in p.decisions.items() if d.kind == "param"]
         whole: dict = {}                 # after the backward: every gradient exists, no activation
         self._node_terms(whole, "state_bytes", params)
-        for z, n in self.terms.freed_at(-1, throughout=True).items():     # optimizer state offloaded
+        for z, n in self.terms.freed_throughout().items():     # optimizer state offloaded
             whole[z] = whole.get(z, 0.0) - n * GIB
         state: dict = {}                 # in the forward: no gradient yet (zero_grad sets them to None)
         self._node_terms(state, "state_bytes", params)
@@ -213,7 +233,9 @@ class StrategyILP:
                 temps_at.setdefault(e.dst_pos, []).append(k)
         nk = nm = 0
         rows = []
-        for members, inflight, where in zip(live.points, live.grads or [()] * len(live.points), live.positions):
+        freed = self.terms.freed_at(live.positions)
+        grads_at = live.grads or [()] * len(live.points)
+        for members, inflight, where, frees in zip(live.points, grads_at, live.positions, freed):
             for before, now in ((owners, set(members)), (flight, set(inflight))):
                 self._add_nodes(acts, before - now, -1.0)
                 self._add_nodes(acts, now - before, 1.0)
@@ -239,7 +261,7 @@ class StrategyILP:
             for part in (acts, copies, temps, grads):
                 for v, c in part.items():
                     total[v] = total.get(v, 0.0) + c
-            for z, n in self.terms.freed_at(where).items():
+            for z, n in frees.items():
                 total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
             rows.append(total)
         rows.append(whole)
@@ -255,10 +277,9 @@ class StrategyILP:
     def _add_nodes(self, coef: dict, names, sign: float) -> None:
         for name in sorted(names):
             d = self.p.decisions[name]
-            for i, c in enumerate(d.act_bytes):
-                if c:
-                    v = self.var(d.leader)[i]
-                    coef[v] = coef.get(v, 0.0) + sign * c
+            for i, v in self.var(d.leader).items():
+                if d.act_bytes[i]:
+                    coef[v] = coef.get(v, 0.0) + sign * d.act_bytes[i]
 
     # (D) and (L)
     def add_memory(self) -> None:
@@ -268,36 +289,43 @@ class StrategyILP:
             return
         self.memory = dict(enumerate(self.memory_rows()))
         if len(self.memory) < LAZY_FROM:
-            cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
-            self.memory_added = {t: self.m.add_row(row, -INF, cap) for t, row in self.memory.items()}
+            self.add_memory_rows(self.memory)
+
+    def add_memory_rows(self, points) -> None:
+        """Add the memory rows (D) of these points (all of a small model's; those another model of
+        the same problem found binding) unless added already."""
+        cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
+        for t in points:
+            if t in self.memory and t not in self.memory_added:
+                self.memory_added[t] = self.m.add_row(self.memory[t], -INF, cap)
 
     def build(self) -> None:
         self.add_memory()
         self.set_objective()
 
-    def solve_lazy(self, deadline: float | None, fix: dict[int, float] | None = None,
-                   start: list[float] | None = None, progress: bool = False) -> MipResult:
+    def solve_lazy(self, deadline: float | None, start: list[float] | None = None, progress: bool = False,
+                   relax: bool = False) -> MipResult:
         """Solve with the memory rows (D) added as they are violated: solve with the rows found
         binding so far, add the most violated of the others, re-solve, until none is violated. Each
         round solved to optimality makes the last one optimal for the whole model (it satisfies
-        every row and is optimal for a subset). Rows once added stay for later calls. `fix`:
-        column -> value for this call; `start` must satisfy every row."""
-        m, cap = self.m, (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
+        every row and is optimal for a subset). Rows once added stay for later calls. `start` must
+        satisfy every row. `relax`: solve the LP relaxation (its rows added lazily alike)."""
+        m = self.m
         while True:
             limit = None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
             what = f"{m.n_cols} variables, {m.n_rows} constraints" if progress else None
-            r = m.solve(limit, start, what, fix)
+            r = m.solve(limit, start, what, relax)
             if r.values is None:
                 return r
+            cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
             over = sorted(((sum(c * r.values[j] for j, c in row.items()) - cap, t) for t, row in self.memory.items()
                            if t not in self.memory_added), reverse=True)
             over = [t for v, t in over if v > ROW_TOLERANCE]
             if not over:
                 return r
+            self.add_memory_rows(over[:LAZY_ROWS])
             if deadline is not None and time.perf_counter() >= deadline:
                 return MipResult(None, INF, "Not solved (memory rows left violated at the time limit)", r.solver)
-            for t in over[:LAZY_ROWS]:
-                self.memory_added[t] = m.add_row(self.memory[t], -INF, cap)
 
     # -- complete assignments <-> column values --------------------------------------------------
 
@@ -310,7 +338,7 @@ class StrategyILP:
         for k, e in enumerate(self.p.edges):
             key = self.group_of[k]
             if key in self.y:
-                val[self.y[key][e.a_of[picked[key[0]]]][e.b_of[picked[key[1]]]]] = 1.0
+                val[self.y[key][e.a_of[picked[key[0]]], e.b_of[picked[key[1]]]]] = 1.0
         for key, cols in self.terms.g.items():
             val[cols[options[key]]] = 1.0
         for j, d in sorted(self.defs.items()):
@@ -327,34 +355,26 @@ class StrategyILP:
 
     def assignment(self, values: list[float]) -> tuple[dict[str, int], dict[str, int]]:
         """(choice per leader, option per group) of a solution."""
-        picked = {r: max(range(len(v)), key=lambda i: values[v[i]]) for r, v in self.x.items()}
+        picked = {r: max(v, key=lambda i: values[v[i]]) for r, v in self.x.items()}
         choice = {l: picked[self.rep[l]] for l in self.p.leaders}
         return choice, self.terms.options(values)
 
-    def solve(self, time_limit: float | None = None, progress: bool = False) -> SolveResult:
-        """The best plan found within `time_limit` seconds (None: the optimum), never worse than the
-        heuristic plan (`heuristic.py`), which also starts the solver."""
-        from .heuristic import start_plan
-        t0 = time.perf_counter()
-        deadline = None if time_limit is None else t0 + time_limit
+    def solve_from(self, start, deadline: float | None, t0: float, progress: bool = False) -> SolveResult:
+        """The joint model's best plan by `deadline`, never worse than the heuristic `start`
+        (`heuristic.Heuristic` or None), which also starts the solver."""
         self.build()
-        start = start_plan(self, deadline)
-        r = self.solve_lazy(deadline, None, None if start is None else self.values_of(*start), progress)
+        plan = None if start is None else start.plan
+        r = self.solve_lazy(deadline, None if plan is None else self.values_of(*plan), progress)
         secs = time.perf_counter() - t0
-        if r.values is None and start is None:
+        if r.values is None and plan is None:
             if r.status == "Infeasible":
-                need = min_memory(self.p)
-                raise InfeasibleError(
-                    f"no plan fits {self.budget / 2**30:.3f} GiB per device on mesh {self.p.mesh.shape}: "
-                    f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
-                    f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
+                raise infeasible(self.p, self.budget, min_memory(self.p))
             return self.fallback(r.status, r.solver, secs)
-        if start is not None and (r.values is None or evaluate(self.p, *start).objective_s
-                                  < evaluate(self.p, *self.assignment(r.values)).objective_s * (1 - 1e-9)):
-            choice, options = start
+        if plan is not None and (r.values is None or start.objective_s
+                                 < evaluate(self.p, *self.assignment(r.values)).objective_s * (1 - 1e-9)):
             note = "the heuristic plan" if r.values is None else "the heuristic plan, better than the solver's"
-            return SolveResult(choice, evaluate(self.p, choice, options).objective_s, f"Feasible ({note}; solver: "
-                               f"{r.status})", r.solver, secs, self.m.n_cols, self.m.n_rows, known_gap(r.gap), options)
+            return SolveResult(plan[0], start.objective_s, f"Feasible ({note}; solver: {r.status})", r.solver,
+                               secs, self.m.n_cols, self.m.n_rows, known_gap(r.gap), plan[1])
         choice, options = self.assignment(r.values)
         return SolveResult(choice, r.objective, r.status, r.solver, secs, self.m.n_cols, self.m.n_rows,
                            known_gap(r.gap), options)
@@ -374,6 +394,14 @@ class StrategyILP:
                                   f"memory_budget")
         return SolveResult(choice, ev.step_s, f"Heuristic (solver: {status})", name, secs,
                            self.m.n_cols, self.m.n_rows, known_gap(float("nan")), options)
+
+
+def infeasible(problem: Problem, budget: float, need: float) -> InfeasibleError:
+    """The error for a budget below `need`, the smallest that fits a plan (`min_memory`)."""
+    return InfeasibleError(
+        f"no plan fits {budget / 2**30:.3f} GiB per device on mesh {problem.mesh.shape}: "
+        f"this model needs at least {need / 2**30:.3f} GiB per device ({need:.0f} bytes). "
+        f"Raise memory_budget, use a larger mesh, or a smaller batch.", need)
 
 
 def known_gap(gap: float) -> float:
@@ -414,4 +442,21 @@ def least_memory(problem: Problem) -> tuple[tuple[dict[str, int], dict[str, int]
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
           progress: bool = False) -> SolveResult:
-    return StrategyILP(problem, memory_budget).solve(time_limit, progress)
+    """The best plan found within `time_limit` seconds (None: the optimum of the alternation, and of
+    the joint model where that is built), never worse than the alternating heuristic's plan
+    (`heuristic.py`). The joint model (layouts and family options together) is built only where
+    the layout model has at most JOINT_MAX_COLUMNS columns; without free family options the
+    layout model is the joint model and its solve is the answer."""
+    from .heuristic import start_plan
+    t0 = time.perf_counter()
+    deadline = None if time_limit is None else t0 + time_limit
+    start = start_plan(problem, memory_budget, deadline, progress)
+    free = any(len(g.allowed) > 1 for g in problem.families.groups)
+    if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
+        status = start.status if not free else (
+            f"Feasible (layouts and memory options alternated, each optimal for the other; the joint model of "
+            f"{start.n_variables} layout columns times the options was not built; the plan's layout solve: {start.status})")
+        return SolveResult(start.plan[0], start.objective_s, status, start.solver, time.perf_counter() - t0,
+                           start.n_variables, start.n_constraints, known_gap(start.gap if not free else float("nan")),
+                           start.plan[1])
+    return StrategyILP(problem, memory_budget).solve_from(start, deadline, t0, progress)

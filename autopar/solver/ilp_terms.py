@@ -19,6 +19,9 @@ defaults (a parameter is not re-gathered where re-gathering would be free but us
 """
 from __future__ import annotations
 
+import bisect
+from collections.abc import Mapping
+
 from .families import Expr, Gate
 from .mip import INF, Defined
 
@@ -27,15 +30,16 @@ TIE_S = 1e-12     # seconds: far below any cost the model prices (a kernel launc
 
 
 class FamilyTerms:
-    def __init__(self, ilp):
+    def __init__(self, ilp, options: Mapping[str, int] | None = None):
+        """`options` (group -> option): every group fixed at that option (no g, no products)."""
         self.ilp = ilp
         fam = ilp.p.families
         self.fam = fam
         self.g: dict[str, dict[int, int]] = {}          # group -> option -> column
         self.products: dict[tuple[int, int], int] = {}
-        self.allowed = {grp.key: grp.allowed for grp in fam.groups}
+        self.allowed = {grp.key: grp.allowed if options is None else (options[grp.key],) for grp in fam.groups}
         for grp in fam.groups:
-            if len(grp.allowed) > 1:
+            if len(self.allowed[grp.key]) > 1:
                 self.g[grp.key] = {o: ilp.m.add_col(0, 1, integral=True) for o in grp.allowed}
                 ilp.m.add_row(dict.fromkeys(self.g[grp.key].values(), 1.0), 1.0, 1.0)     # (G)
         self.z: list[tuple] = []       # (Freed, z variable) for items some allowed gate can free
@@ -60,11 +64,9 @@ class FamilyTerms:
         """Coefficients of expr's variable part (x and y), times scale."""
         coef: dict = {}
         for name, vals in expr.nodes:
-            d = self.ilp.p.decisions[name]
-            for i, c in enumerate(vals):
-                if c:
-                    v = self.ilp.var(d.leader)[i]
-                    coef[v] = coef.get(v, 0.0) + scale * c
+            for i, v in self.ilp.var(self.ilp.p.decisions[name].leader).items():
+                if vals[i]:
+                    coef[v] = coef.get(v, 0.0) + scale * vals[i]
         for k, table in expr.edges:
             self.ilp.add_edge_terms(coef, k, table, scale)
         return coef
@@ -164,13 +166,32 @@ class FamilyTerms:
                 for v, x in terms[0].items():
                     coef[v] = coef.get(v, 0.0) + count * x
 
-    def freed_at(self, t: int, throughout: bool = False) -> dict:
-        """z variable -> how many items it stands for that are freed at point t (or, with
-        `throughout`, for the whole step: optimizer state kept off the device)."""
+    def freed_throughout(self) -> dict:
+        """z variable -> how many items it stands for that are freed for the whole step (optimizer
+        state kept off the device)."""
         out: dict = {}
         for f, z in self.z:
-            if (f.after < 0 if throughout else f.after < t <= f.until):
+            if f.after < 0:
                 out[z] = out.get(z, 0) + 1
+        return out
+
+    def freed_at(self, positions) -> list[dict]:
+        """Per point (at increasing `positions`, forward and backward): z variable -> how many items
+        it stands for that are freed there (after < position <= until), in one sweep over the items'
+        intervals."""
+        change: list[dict] = [{} for _ in range(len(positions) + 1)]
+        for f, z in self.z:
+            lo, hi = bisect.bisect_right(positions, f.after), bisect.bisect_right(positions, f.until)
+            if lo < hi:
+                change[lo][z] = change[lo].get(z, 0) + 1
+                change[hi][z] = change[hi].get(z, 0) - 1
+        out, now = [], {}
+        for step in change[:-1]:
+            for z, n in step.items():
+                now[z] = now.get(z, 0) + n
+                if not now[z]:
+                    del now[z]
+            out.append(dict(now))
         return out
 
     def add_tiers(self, capacity: dict[str, float]) -> None:
@@ -194,5 +215,5 @@ class FamilyTerms:
             if grp.key in self.g:
                 out[grp.key] = max(self.g[grp.key], key=lambda o: values[self.g[grp.key][o]])
             else:
-                out[grp.key] = grp.allowed[0]
+                out[grp.key] = self.allowed[grp.key][0]
         return out

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
+from ..cost_model.comm import collective_bytes_on_wire, expert_exchange_times
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
@@ -34,6 +35,7 @@ from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
 from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
+from ..strategies.moe import MOE_OP, exchange_axes, expert_axes
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -209,15 +211,24 @@ class OpCostArgs(NamedTuple):
     all_out_b: float         # all its outputs on one device (when its autograd work needs it)
     facts: OpFacts
     context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
+    routed: bool = False     # a MoE op whose experts are split: its load follows the routing
+    exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
 
 
-def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None) -> OpCostArgs:
-    """The `OpCostArgs` of a node under strategy s."""
+def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None,
+                 links=None) -> OpCostArgs:
+    """The `OpCostArgs` of a node under strategy s (`links`, one per mesh axis: to price the
+    collectives an op runs inside itself; without them, its compute alone)."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts, context)
+    routed, exchange = False, ()
+    if facts.op == MOE_OP:
+        routed = bool(expert_axes(s.inputs))
+        exchange = moe_exchange(info.out[0], info.ins[1], s, shape, links) if links else ()
+    return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts,
+                      context, routed, exchange)
 
 
 def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> ContextComm | None:
@@ -232,13 +243,57 @@ def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Me
                        balanced=bool(args["is_causal"]) or args["attn_mask"] is not None)
 
 
+def moe_routed_bytes(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape) -> float:
+    """Bytes of the token-slots (its tokens x top-k, hidden wide) a MoE op under s routes on one device."""
+    return out.nbytes / shard_count(s.output, shape) * tensor_meta(top_k_index.meta["val"])[0].shape[1]
+
+
+def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, links) -> tuple:
+    """(axis, its size, link, routed bytes on one device) per axis on which a MoE op under s dispatches
+    its token-slots by all-to-all (`strategies.moe.exchange_axes`)."""
+    routed_b = moe_routed_bytes(out, top_k_index, s, shape)
+    return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
+
+
+def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, profile) -> float:
+    """Bytes an op that exchanges data inside itself keeps for its backward besides its output: an
+    expert-parallel MoE layer keeps the token-slots it received (its experts' input) and their
+    outputs (for the router weights' gradient), each the busiest device's routed rows (runtime/experts.py)."""
+    if facts.op != MOE_OP or not exchange_axes(s.inputs):
+        return 0.0
+    return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * profile.moe_load_imbalance
+
+
+def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
+    """(phase, "all_to_all@<axis>", seconds, bytes one device sends, axis) of the all-to-alls an op
+    runs inside itself under s, as `op_cost` prices them (the plan lists them on the op)."""
+    if op_name(node.target) != MOE_OP:
+        return []
+    mesh, out = problem.mesh, []
+    metas = tensor_meta(node.meta.get("val"))
+    for a, n, link, routed_b in moe_exchange(metas[0], node.args[1], s, mesh.shape, mesh.links):
+        ax = mesh.axis_names[a]
+        xf, xb = expert_exchange_times(routed_b, n, link, mesh.profile.moe_load_imbalance,
+                                       mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
+        sent = 2 * collective_bytes_on_wire("all_to_all", n * routed_b, n)
+        out += [("forward", f"all_to_all@{ax}", xf, sent, ax), ("backward", f"all_to_all@{ax}", xb, sent, ax)]
+    return out
+
+
 def op_cost(a: OpCostArgs, profile) -> tuple:
-    """(forward, backward) seconds: the one compute price of the planner and estimate()."""
+    """(forward, backward) seconds: the one compute price of the planner and estimate(). An op that
+    moves data inside itself (an expert-parallel MoE layer's all-to-alls) has that in its price."""
     f = a.facts
     fwd, bwd = (0.0, 0.0) if f.view else op_times(a.flops, a.bytes_moved, a.dtype, profile, family=f.family,
                                                    op=f.op, in_bytes=a.in_b, out_bytes=a.out_b)
     if a.context is not None:
         fwd, bwd = context_times(fwd, bwd, a.context)
+    if a.routed:       # experts split over devices: the busiest device sets the pace (profiles.py)
+        fwd, bwd = fwd * profile.moe_load_imbalance, bwd * profile.moe_load_imbalance
+    for _, n, link, routed_b in a.exchange:
+        xf, xb = expert_exchange_times(routed_b, n, link, profile.moe_load_imbalance,
+                                       profile.kernel_overhead + profile.collective_overhead)
+        fwd, bwd = fwd + xf, bwd + xb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -385,7 +440,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh))
+            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -394,7 +449,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute = compute or [0.0] * len(strategies)
         forward = forward or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
-               for s in strategies]
+               + exchange_saved_bytes(info, s, shape, facts, mesh.profile) for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
                                         opt_bytes=[0.0] * len(strategies))

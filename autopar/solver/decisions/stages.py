@@ -153,9 +153,10 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
     out = []
     for sched in ([fixed["schedule"]] if "schedule" in fixed else CHOSEN_SCHEDULES):
         vs = [1] if sched != "interleaved" else [v for v in VIRTUAL_STAGES if stages * v <= n_layers]
-        if "virtual_stages" in fixed:       # interleaving needs several chunks per rank, the others one
+        if "virtual_stages" in fixed:       # interleaving needs several chunks per rank, zero bubble takes any
             v = fixed["virtual_stages"]
-            vs = [v] if (v > 1) == (sched == "interleaved") and stages * v <= n_layers else []
+            fits = (v > 1 or sched != "interleaved") and (v == 1 or sched in ("interleaved", "zb"))
+            vs = [v] if fits and stages * v <= n_layers else []
         out += [(sched, v) for v in vs]
     return out
 
