@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..compat import at_backward_end, flat_group
+from ..compat import at_backward_end, flat_group, set_group_timeout
 from .faults import watch_of
 from .reshard import Reshard
 
@@ -165,10 +165,12 @@ class GradSync:
 
     def _launch(self, b: _Bucket) -> None:
         axes = b.kind.axes
+        watch = watch_of(self.mesh)
         if axes not in self._groups:
             self._groups[axes] = flat_group(self.mesh, axes)
+            if watch is not None:       # a flattened group is new: it waits as long as the mesh's own
+                set_group_timeout(self._groups[axes], watch.timeout_s)
         n = math.prod(self.mesh.size(a) for a in axes)
-        watch = watch_of(self.mesh)
         if watch is None:
             b.launch(self._groups[axes], n)
         else:        # a peer gone at the launch is a CollectiveError too, not gloo's message
