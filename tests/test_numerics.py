@@ -16,7 +16,9 @@ TOL = 1e-5
 
 # Megatron tensor parallelism over axis "tp" (column then row), data parallel elsewhere.
 TP_PINS_MLP = {"layers.0.*": ("R", "S(0)"), "layers.1.weight": ("R", "S(1)"), "layers.1.bias": ("R", "R"),
-               "linear_1": ("S(0)", "P")}     # the op itself: batch over dp, row-parallel over tp
+               # the ops themselves: batch over dp, column- then row-parallel over tp (with the test profile's
+               # free links, weight pins alone leave the ops free to gather the weights)
+               "linear": ("S(0)", "S(1)"), "linear_1": ("S(0)", "P")}
 TP_PINS_GPT = {"blocks.*.attn.qkv.*": ("R", "S(0)"), "blocks.*.fc.*": ("R", "S(0)"),
                "blocks.*.attn.proj.weight": ("R", "S(1)"), "blocks.*.fc2.weight": ("R", "S(1)"),
                # the proj and fc2 ops themselves: batch over dp, row-parallel (partial sums) over tp (with

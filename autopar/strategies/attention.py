@@ -88,8 +88,11 @@ def sdpa_rule(node, ins, outs):
     if _sequence_splittable(node, ins):
         seq = (Shard(SEQ),) * 3
         rows = tuple(_mask_placement(q, m, SEQ) for m in ins[3:])
-        opts.append(AxisOption(seq + rows, Shard(SEQ), "ring"))
-        opts.append(AxisOption(seq + rows, Shard(SEQ), "allgather_kv"))
+        # the blockwise executor (runtime/attention.py) sends no gradient to the mask: a float mask can
+        # be a learned bias (T5's relative positions), so only a boolean mask, or none, goes blockwise
+        if all(m.dtype == torch.bool for m in ins[3:]):
+            opts.append(AxisOption(seq + rows, Shard(SEQ), "ring"))
+            opts.append(AxisOption(seq + rows, Shard(SEQ), "allgather_kv"))
         # Ulysses runs on whole sequences of some heads: a mask without a full heads dim goes whole
         heads = tuple(_mask_placement(q, m, HEADS) for m in ins[3:])
         opts.append(AxisOption(seq + heads, Shard(SEQ), "ulysses"))
