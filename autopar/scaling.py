@@ -60,7 +60,7 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
     fam.freed = [replace(f, expr=_poly_expr(f.expr, poly)) for f in fam.freed]
     fam.held = [replace(h, expr=_poly_expr(h.expr, poly)) for h in fam.held]
     ev = evaluate(sp, one, recorded_options(sp.families, decided))
-    other = ssum([*ev.family_s.values(), ev.optimizer_s, ev.runtime_s])
+    other = ssum([*ev.family_s.values(), ev.grad_buckets_s, ev.optimizer_s, ev.runtime_s])
     points = [*ev.points, ev.state_bytes]
     per_axis = {ax: [] for ax in problem.mesh.axis_names}
     metas = {name: info.out[0] for name, info in sym.infos.items() if info.out}
