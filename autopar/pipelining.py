@@ -28,23 +28,6 @@ from .planner import PlanOptions
 STAGE_LABEL = "stage"     # a node's label on the pipeline axis: stages own disjoint nodes
 
 
-def pipeline_of(opts: PlanOptions, mesh: Mesh) -> PipelinePlan | None:
-    """The pipeline the options ask for: None to plan without one (`pipeline=None` or False, or one
-    stage), else the checked `fixed_pipeline`."""
-    if opts.pipeline is None or opts.pipeline is False:
-        return None
-    if not isinstance(opts.pipeline, Mapping):
-        raise PlanOptionError(f"pipeline={opts.pipeline!r}: give None, False or a dict such as "
-                              f"dict(axis='pp', stages=2, microbatches=4, schedule='1f1b')")
-    pipe = fixed_pipeline(opts.pipeline, mesh)
-    if pipe.stages == 1:
-        if pipe.microbatches != 1:
-            raise PlanOptionError(f"pipeline.microbatches = {pipe.microbatches} with one stage (gradient "
-                                  f"accumulation) is not supported: give microbatches=1 or more stages")
-        return None
-    return pipe
-
-
 def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     """The pipeline `spec` (the `pipeline=` option, a dict) gives, checked against `mesh`; its
     boundaries are left empty (the search fills them). A PlanOptionError names the key."""
@@ -122,4 +105,4 @@ def lifted(stage: Plan, mesh: Mesh, k: int, opts: PlanOptions, pipe: PipelinePla
                    indivisible=list(stage.indivisible))
 
 
-__all__ = ["pipeline_of", "fixed_pipeline", "stage_options", "lifted"]
+__all__ = ["fixed_pipeline", "stage_options", "lifted"]

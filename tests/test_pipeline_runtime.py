@@ -12,9 +12,7 @@ import autopar
 from autopar.errors import PlanOptionError
 from autopar.passes.capture import capture
 from autopar.passes.stages import chunk_of, cut, even_boundaries, layer_sequence, microbatch
-from autopar.pipelining import pipeline_of
 from autopar.plan import PipelinePlan
-from autopar.planner import PlanOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from models import GPT, gpt_inputs  # noqa: E402
@@ -86,8 +84,8 @@ def test_plan_fixed_pipeline_layouts_replicate_the_pipeline_axis():
     interleaved = autopar.plan(model, inputs, mesh, symbolic=False, **LAYOUTS_ONLY, pipeline=dict(
         axis="pp", stages=2, microbatches=4, schedule="interleaved", virtual_stages=2))
     assert interleaved.pipeline.boundaries == ("", "blocks.1", "blocks.2", "blocks.3")
-    for off in (None, False):
-        assert pipeline_of(PlanOptions(pipeline=off), mesh) is None       # planned as without the option
+    for off in (None, False):        # planned as without the option
+        assert autopar.plan(model, inputs, mesh, pipeline=off, symbolic=False, **LAYOUTS_ONLY).pipeline.stages == 1
 
 
 @pytest.mark.parametrize("spec,key", [
