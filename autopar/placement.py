@@ -80,3 +80,14 @@ def local_shape(shape: Sequence[int], layout: Sequence[Placement], axis_sizes: S
         if isinstance(p, Shard):
             out[p.dim] //= n
     return tuple(out)
+
+
+def block_index(layout: Sequence[Placement], dim: int, coord: Sequence[int], axis_sizes: Sequence[int]) -> int:
+    """Which block of tensor dim `dim` the device at mesh coordinate `coord` holds under `layout`:
+    mixed radix of its coordinates on the axes that split that dim, in mesh order (as DTensor
+    chunks a dim over several axes)."""
+    block = 0
+    for p, c, n in zip(layout, coord, axis_sizes):
+        if isinstance(p, Shard) and p.dim == dim:
+            block = block * n + c
+    return block

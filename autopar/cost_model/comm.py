@@ -40,6 +40,10 @@ routed rows R = tokens x top_k x hidden x itemsize (pairwise exchange: n-1 steps
 routing, so the exchange ends when the busiest device does: its bandwidth term is `imbalance`
 (`DeviceProfile.moe_load_imbalance`) times the mean. The backward runs the two all-to-alls reversed.
 
+Vocab-parallel cross-entropy (`vocab_loss_reduce_times`): logits split on the vocabulary over an axis
+all-reduce, per row on the device, the maximum (4 bytes) and then the sum-exp and the target logit
+together (8 bytes): two all-reduces of rows x 4 and rows x 8 bytes forward, nothing backward.
+
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
 `bucketed_reduction` says which parameter gradients the runtime reduces in buckets
@@ -64,7 +68,8 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
-           "bucket_launch_time", "expert_exchange_times", "ReshardCost", "reshard_cost"]
+           "bucket_launch_time", "expert_exchange_times", "vocab_loss_reduce_times", "vocab_loss_bytes_on_wire",
+           "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Algorithm = Literal["ring", "tree", "auto"]
@@ -222,6 +227,25 @@ def expert_exchange_times(row_bytes: float, n: int, link: AnyLink, imbalance: fl
     rows = collective_time("all_to_all", n * row_bytes * imbalance, n, link) + launch_overhead
     counts = collective_time("all_to_all", n * n * _COUNT_BYTES, n, link) + launch_overhead
     return counts + 2 * rows, 2 * rows
+
+
+# bytes of one row's statistic in the vocab-parallel loss (fp32: runtime/vocab.py keeps max and sums in fp32)
+_STAT_BYTES = 4
+
+
+def vocab_loss_reduce_times(rows: float, n: int, link: AnyLink, launch_overhead: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of the vocab-parallel cross-entropy's all-reduces over one mesh axis
+    of n devices for `rows` rows on one device: the rows' maxima, then their sum-exp and target logit in
+    one buffer (Megatron-LM's vocab-parallel loss); its backward communicates nothing."""
+    if n <= 1:
+        return 0.0, 0.0
+    return (collective_time("all_reduce", rows * _STAT_BYTES, n, link)
+            + collective_time("all_reduce", 2 * rows * _STAT_BYTES, n, link) + 2 * launch_overhead, 0.0)
+
+
+def vocab_loss_bytes_on_wire(rows: float, n: int) -> float:
+    """Bytes one device sends in the vocab-parallel loss's two all-reduces (`vocab_loss_reduce_times`)."""
+    return collective_bytes_on_wire("all_reduce", 3 * rows * _STAT_BYTES, n)
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

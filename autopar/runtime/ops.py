@@ -18,15 +18,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
-from ..placement import layout_str, local_shape
+from ..placement import block_index, layout_str, local_shape
 from . import rng
 from .experts import expert_parallel
 from .reshard import grad_layout, reshard, to_layout
+from .vocab import vocab_cross_entropy, vocab_embedding
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1}
@@ -38,20 +39,17 @@ _RESHAPE_FOR = {aten.view.default: aten.reshape.default, aten._unsafe_view.defau
 def _moe_first_expert(op: "LocalOp", args, kwargs):
     """`autopar::moe_experts` on a device holding a slice of the experts: say which ones (mixed
     radix over the axes that split them, in mesh order, as DTensor chunks a dim)."""
-    coord = op.mesh.get_coordinate()
-    block = 0
-    for a, p in enumerate(op.inputs[3]):
-        if isinstance(p, Shard) and p.dim == 0:
-            block = block * op.mesh.shape[a] + coord[a]
     args = list(args)
-    args[6] = block * args[3].shape[0]
+    args[6] = block_index(op.inputs[3], 0, op.mesh.get_coordinate(), op.mesh.shape) * args[3].shape[0]
     return args, kwargs
 
 
 # Ops whose non-tensor arguments depend on which shard this device holds: target -> fn(op, args, kwargs)
 LOCALIZE = {torch.ops.autopar.moe_experts.default: _moe_first_expert}
-# Ops that move data between devices inside themselves under some strategies: target -> fn(op, args, kwargs)
-EXCHANGE = {torch.ops.autopar.moe_experts.default: expert_parallel}
+# Ops that run otherwise than the plain op on local shards under some strategies (moving data between
+# devices inside themselves, or masking a lookup to their slice): target -> fn(op, args, kwargs)
+EXCHANGE = {torch.ops.autopar.moe_experts.default: expert_parallel,
+            aten.embedding.default: vocab_embedding, aten.cross_entropy_loss.default: vocab_cross_entropy}
 
 
 def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:

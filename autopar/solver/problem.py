@@ -23,7 +23,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
-from ..cost_model.comm import collective_bytes_on_wire, expert_exchange_times
+from ..cost_model.comm import (collective_bytes_on_wire, expert_exchange_times, vocab_loss_bytes_on_wire,
+                               vocab_loss_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
@@ -31,11 +32,12 @@ from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
-from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_meta
+from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_inputs, tensor_meta
 from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes
+from ..strategies.vocab import CLASS_DIM, VOCAB_LOSS_OP, vocab_axes
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -213,10 +215,11 @@ class OpCostArgs(NamedTuple):
     context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
     routed: bool = False     # a MoE op whose experts are split: its load follows the routing
     exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
+    vocab: tuple = ()        # (axis, its size, link, rows on one device) per vocab axis of a split cross-entropy
 
 
 def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None,
-                 links=None) -> OpCostArgs:
+                 links=None, vocab: tuple = ()) -> OpCostArgs:
     """The `OpCostArgs` of a node under strategy s (`links`, one per mesh axis: to price the
     collectives an op runs inside itself; without them, its compute alone)."""
     pf = parallel_count(s, shape)
@@ -228,7 +231,17 @@ def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: Co
         routed = bool(expert_axes(s.inputs))
         exchange = moe_exchange(info.out[0], info.ins[1], s, shape, links) if links else ()
     return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts,
-                      context, routed, exchange)
+                      context, routed, exchange, vocab)
+
+
+def vocab_reductions(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> tuple:
+    """(axis, its size, link, rows on one device) per axis over which a cross-entropy under s splits
+    the classes (`strategies/vocab.py`; none for any other op): the rows are its target's on one device."""
+    if op_name(node.target) != VOCAB_LOSS_OP:
+        return ()
+    target = ins[1]
+    rows = target.nbytes / target.dtype.itemsize / shard_count(s.inputs[1], mesh.shape)
+    return tuple((a, mesh.shape[a], mesh.links[a], rows) for a in vocab_axes(s.inputs[0], CLASS_DIM))
 
 
 def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> ContextComm | None:
@@ -265,11 +278,19 @@ def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, pro
 
 
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
-    """(phase, "all_to_all@<axis>", seconds, bytes one device sends, axis) of the all-to-alls an op
-    runs inside itself under s, as `op_cost` prices them (the plan lists them on the op)."""
+    """(phase, "<collective>@<axis>", seconds, bytes one device sends, axis) of the collectives an op
+    runs inside itself under s, as `op_cost` prices them (the plan lists them on the op): an
+    expert-parallel MoE layer's all-to-alls, a vocab-parallel loss's all-reduces."""
+    mesh, out = problem.mesh, []
+    if op_name(node.target) == VOCAB_LOSS_OP:
+        ins = [tensor_meta(a.meta.get("val"))[0] for a in tensor_inputs(node)]
+        for a, n, link, rows in vocab_reductions(node, s, ins, mesh):
+            vf, _ = vocab_loss_reduce_times(rows, n, link, mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
+            ax = mesh.axis_names[a]
+            out.append(("forward", f"all_reduce@{ax}", vf, vocab_loss_bytes_on_wire(rows, n), ax))
+        return out
     if op_name(node.target) != MOE_OP:
         return []
-    mesh, out = problem.mesh, []
     metas = tensor_meta(node.meta.get("val"))
     for a, n, link, routed_b in moe_exchange(metas[0], node.args[1], s, mesh.shape, mesh.links):
         ax = mesh.axis_names[a]
@@ -294,6 +315,9 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
         xf, xb = expert_exchange_times(routed_b, n, link, profile.moe_load_imbalance,
                                        profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + xf, bwd + xb
+    for _, n, link, rows in a.vocab:
+        vf, vb = vocab_loss_reduce_times(rows, n, link, profile.kernel_overhead + profile.collective_overhead)
+        fwd, bwd = fwd + vf, bwd + vb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -440,7 +464,8 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute, forward = [], []
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links)
+            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links,
+                               vocab_reductions(node, s, ins_meta, mesh))
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]

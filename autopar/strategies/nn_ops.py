@@ -6,6 +6,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .pointwise import broadcast_options
 from .registry import AxisOption, register
+from .vocab import cross_entropy_option, embedding_option
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -29,12 +30,13 @@ def softmax_rule(node, ins, outs):
 
 @register(aten.embedding, family="embedding")
 def embedding_rule(node, ins, outs):
-    """weight[V, H] gathered at indices[...]: split the indices (batch) or the hidden dim."""
+    """weight[V, H] gathered at indices[...]: split the indices (batch), the hidden dim, or the
+    vocabulary (`vocab.py`)."""
     w, idx = ins
     out = outs[0]
     opts = [AxisOption((R, Shard(d)), Shard(d), "batch" if d == 0 else f"dim{d}") for d in range(idx.ndim)]
     opts.append(AxisOption((Shard(1), R), Shard(out.ndim - 1), "hidden"))
-    return opts
+    return opts + embedding_option(node)
 
 
 def _reduction_kind(node) -> str:
@@ -44,14 +46,16 @@ def _reduction_kind(node) -> str:
 
 @register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, family="loss")
 def cross_entropy_rule(node, ins, outs):
-    """Split the batch: each device's loss is a partial sum (or partial mean) of the whole."""
+    """Split the batch: each device's loss is a partial sum (or partial mean) of the whole; or split
+    cross-entropy's classes (`vocab.py`)."""
     logits = ins[0]
     kind = _reduction_kind(node)
     out = {"none": Shard(0), "mean": Partial("avg"), "sum": P}[kind]
     if logits.ndim == 1:
         return []
     rest = tuple(Shard(0) if t.ndim >= 1 and t.shape[0] == logits.shape[0] else R for t in ins[1:])
-    return [AxisOption((Shard(0),) + rest, out, "batch")]
+    vocab = cross_entropy_option(node, ins) if node.target.overloadpacket is aten.cross_entropy_loss else []
+    return [AxisOption((Shard(0),) + rest, out, "batch")] + vocab
 
 
 @register(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, family="loss")

@@ -1,0 +1,106 @@
+"""Vocab parallelism at run time: the embedding lookup and the cross-entropy loss on a slice of
+the vocabulary (`strategies/vocab.py` states the layouts).
+
+* Embedding: this device holds rows [start, start + rows) of the table. Ids outside them look up
+  row 0 and their output rows are zeroed, so the outputs of the devices sum to the whole lookup
+  (the `P` the strategy states); autograd sends the masked rows no gradient, so each device's
+  table gradient is exactly its rows' slice.
+* Cross-entropy (Megatron-LM's vocab-parallel loss): per row, the logits' maximum is all-reduced
+  (max), then the sum of exp(x - max) over the local classes and the target's logit (taken by the
+  device whose slice holds the target, zero elsewhere) are all-reduced together (sum), in fp32. The
+  loss of a row is log(sum) - (target logit - max); the backward needs no communication:
+  d logits = (softmax - one_hot(target)) * d loss on the local classes, softmax recomputed from the
+  saved max and log-sum. Rows whose target is `ignore_index` get loss 0 and no gradient.
+
+Why our own code: DTensor has both. Its embedding's `MaskPartial` keeps the mask for the reduction
+instead of zeroing the rows, so the local result is not the plain partial sum our reshards (all-reduce,
+reduce-scatter to a sequence split) take. `torch.distributed.tensor.parallel.loss_parallel` needs the
+backward to run inside its context manager, which installs process-wide op handlers: the backward of a
+planned module runs when the user calls `loss.backward()`, outside any context we could hold. Its
+building blocks on local tensors are private functions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..placement import block_index
+from ..strategies.vocab import CLASS_DIM, vocab_axes
+
+aten = torch.ops.aten
+_STATS_DTYPE = torch.float32      # the max and sums are kept in fp32 whatever the logits' dtype
+
+
+def _start(op, dim: int, rows: int) -> int:
+    """The first index of this device's slice of tensor dim `dim` (`rows` long) under input 0's layout."""
+    return block_index(op.inputs[0], dim, op.mesh.get_coordinate(), op.mesh.shape) * rows
+
+
+def _masked_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids shifted into the local slice with outsiders on 0, the mask of the outsiders)."""
+    outside = (ids < start) | (ids >= start + rows)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
+def vocab_embedding(op, args, kwargs):
+    """`aten.embedding(weight, ids, padding_idx, ...)` for the LocalOp `op` (arguments already local)."""
+    if not vocab_axes(op.inputs[0], 0):
+        return op.target(*args, **kwargs)
+    weight, ids, *rest = args
+    rows = weight.shape[0]
+    start = _start(op, 0, rows)
+    local, outside = _masked_ids(ids, start, rows)
+    if rest and rest[0] >= 0:     # padding_idx: a row that gets no gradient, where it lives
+        rest[0] = rest[0] - start if start <= rest[0] < start + rows else -1
+    out = op.target(weight, local, *rest, **kwargs)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """Per-row cross-entropy of logits split on the class dim (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, target, start: int, groups: tuple, ignore_index: int):  # type: ignore[override]
+        xf = x.to(_STATS_DTYPE)
+        top = xf.amax(CLASS_DIM, keepdim=True)
+        for g in groups:
+            dist.all_reduce(top, dist.ReduceOp.MAX, group=g)
+        local, outside = _masked_ids(target, start, x.shape[CLASS_DIM])
+        shifted = xf - top
+        picked = shifted.gather(CLASS_DIM, local.unsqueeze(CLASS_DIM)).squeeze(CLASS_DIM).masked_fill(outside, 0)
+        sums = torch.stack([shifted.exp().sum(CLASS_DIM), picked])
+        for g in groups:
+            dist.all_reduce(sums, dist.ReduceOp.SUM, group=g)
+        logsum = sums[0].log()
+        keep = target != ignore_index
+        ctx.save_for_backward(x, top + logsum.unsqueeze(CLASS_DIM), local, outside, keep)
+        return (logsum - sums[1]).masked_fill(~keep, 0)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, lse, local, outside, keep = ctx.saved_tensors
+        dx = (x.to(_STATS_DTYPE) - lse).exp()
+        dx.scatter_add_(CLASS_DIM, local.unsqueeze(CLASS_DIM), -(~outside).to(dx.dtype).unsqueeze(CLASS_DIM))
+        dx.mul_((grad * keep).unsqueeze(CLASS_DIM))
+        return dx.to(x.dtype), None, None, None, None
+
+
+def vocab_cross_entropy(op, args, kwargs):
+    """`aten.cross_entropy_loss(logits, target, weight, reduction, ignore_index, label_smoothing)` for
+    the LocalOp `op` (arguments already local; the strategy admits no weight and no smoothing)."""
+    axes = vocab_axes(op.inputs[0], CLASS_DIM)
+    if not axes:
+        return op.target(*args, **kwargs)
+    names = ("weight", "reduction", "ignore_index")
+    given = dict(zip(names, args[2:]), **kwargs)
+    logits, target = args[0], args[1]
+    start = _start(op, CLASS_DIM, logits.shape[CLASS_DIM])
+    ignore = given.get("ignore_index", -100)
+    loss = _VocabParallelLoss.apply(logits, target, start, tuple(op.mesh.get_group(a) for a in axes), ignore)
+    reduction = given.get("reduction", 1)        # at::Reduction: 0 none, 1 mean, 2 sum
+    if reduction == 0:
+        return loss.to(logits.dtype)
+    total = loss.sum()
+    if reduction == 1:
+        total = total / (target != ignore).sum()
+    return total.to(logits.dtype)
