@@ -7,7 +7,8 @@ value), run the op on each device's pieces as the runtime would (view shapes mad
 told its experts), and put the outputs back together as the option claims (S(d): concatenate;
 R: both equal; P: sum; P(avg): mean). The result must be the op's output on whole tensors.
 Options a rule admits only in combination with other axes (`OpRule.admits`) are checked where
-they are used, and context-parallel attention, which has its own executor, in test_context_parallel.py.
+they are used, context-parallel attention, which has its own executor, in test_context_parallel.py,
+and the vocab-parallel embedding and loss in test_vocab_parallel.py.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from autopar.strategies import rule_for  # noqa: E402
 from autopar.strategies.attention import CONTEXT_LABELS  # noqa: E402
 from autopar.strategies.moe import EXPERT_PARALLEL  # noqa: E402
 from autopar.strategies.strategy import axis_options, fits  # noqa: E402
+from autopar.strategies.vocab import VOCAB_PARALLEL  # noqa: E402
 from zoo import MODELS  # noqa: E402
 
 N = 2   # devices on the simulated mesh axis
@@ -112,10 +114,10 @@ def check_node(node: fx.Node, env: dict[str, object], gen) -> list[str]:
         [env[a.name] if isinstance(a, fx.Node) else a for a in leaves], spec)[1])
     bad = []
     for opt in axis_options(rule, node, ins, outs):
-        if opt.label in ("replicate", EXPERT_PARALLEL) or opt.label in CONTEXT_LABELS or (
+        if opt.label in ("replicate", EXPERT_PARALLEL, VOCAB_PARALLEL) or opt.label in CONTEXT_LABELS or (
                 rule.admits is not None and not rule.admits((opt.label,), tuple((p,) for p in opt.inputs),
                                                             (opt.output,), ins, outs, (N,), fits)):
-            continue      # expert_parallel and context labels move data inside the op: their own test files
+            continue      # these move data inside the op or mask it to a slice: their own test files
         pieces, k = [], 0
         for a in leaves:
             if isinstance(a, fx.Node) and a in ins_nodes:

@@ -17,45 +17,64 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from dist_checks import build, train_and_compare  # noqa: E402
+from dist_checks import LAYOUTS_ONLY, build_any, shard_happy_profile, train_and_compare  # noqa: E402
+from models import GPT, gpt_inputs  # noqa: E402
 
 TOL = 1e-4
 VOCAB = "vocab_parallel"
-# the GPT's token lookup, its head (linear_4 -> logits, view_4 flattens them) and its loss
-LOGITS = ("linear_4", "view_4")
+# per model: its head's linear (-> logits) and the view that flattens the logits for the loss
+LOGITS = {"gpt": ("linear_4", "view_4"), "zoo:llama": ("linear_14", "view_10")}
 
 
-def vocab_pins(mesh_ndim: int, tp: int) -> dict:
+def vocab_pins(name: str, mesh_ndim: int, tp: int) -> dict:
     """Vocab-parallel pins on axis `tp` of a mesh; "batch" (or the batch split) on the others."""
     def per_axis(on_tp: str, other: str) -> tuple:
         return tuple(on_tp if a == tp else other for a in range(mesh_ndim))
-    return {"embedding": per_axis(VOCAB, "batch"), "linear_4": per_axis("column", "batch"),
-            "view_4": per_axis("S(1)", "S(0)"), "cross_entropy_loss*": per_axis(VOCAB, "batch")}
+    head, flat = LOGITS[name]
+    return {"embedding": per_axis(VOCAB, "batch"), head: per_axis("column", "batch"),
+            flat: per_axis("S(1)", "S(0)"), "cross_entropy_loss*": per_axis(VOCAB, "batch")}
 
 
-def _plan(mesh_shape, axis_names, pins, name="gpt"):
-    from dist_checks import LAYOUTS_ONLY, shard_happy_profile
-    model, inputs, _ = build(name)
+def _plan(mesh_shape, axis_names, pins, name):
+    model, args, kwargs, _ = build_any(name)
     mesh = autopar.Mesh(mesh_shape, axis_names, device=shard_happy_profile())
-    return autopar.plan(model, inputs, mesh, pins=pins, symbolic=False, **LAYOUTS_ONLY)
+    return autopar.plan(model, args, mesh, example_kwargs=kwargs, pins=pins, symbolic=False, **LAYOUTS_ONLY)
 
 
-def _gathers_logits(plan) -> list[str]:
+def _gathers_logits(plan, logits) -> list[str]:
+    """Gathers of the logits on their way to the loss (a model that returns its logits gets them
+    whole at the output: that is asked for)."""
     return [f"{n.name}: {c.kind} of {c.tensor}" for n in plan.nodes for c in n.collectives
-            if c.tensor in LOGITS and c.kind.startswith("all_gather") and c.phase == "forward"]
+            if c.tensor in logits and n.name != "output" and c.kind.startswith("all_gather") and c.phase == "forward"]
 
 
-@pytest.mark.parametrize("mesh_shape,axis_names,name", [((4,), ("tp",), "gpt"), ((2, 2), ("dp", "tp"), "gpt")],
-                         ids=["tp4", "dp2xtp2"])
-def test_vocab_parallel_trains_like_one_process(rank_pool, mesh_shape, axis_names, name):
-    pins = vocab_pins(len(mesh_shape), axis_names.index("tp"))
+CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4,), ("tp",))]
+
+
+@pytest.mark.parametrize("name,mesh_shape,axis_names", CASES, ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4"])
+def test_vocab_parallel_trains_like_one_process(rank_pool, name, mesh_shape, axis_names):
+    pins = vocab_pins(name, len(mesh_shape), axis_names.index("tp"))
     plan = _plan(mesh_shape, axis_names, pins, name)
     by_name = {n.name: n for n in plan.nodes}
     assert by_name["embedding"].inputs[0][axis_names.index("tp")] == "S(0)"
     assert VOCAB in by_name["embedding"].labels and VOCAB in by_name["cross_entropy_loss_default"].labels
-    assert _gathers_logits(plan) == []
+    assert _gathers_logits(plan, LOGITS[name]) == []
     results = rank_pool(4).run(train_and_compare, name, mesh_shape, axis_names, pins, timeout=300)
     r = results[0]
     for key in ("loss", "grad", "param"):
         assert max(x[key] for x in results) < TOL, (key, {k: r[k] for k in ("loss", "grad", "param")})
     assert VOCAB in r["labels"] and r["fallbacks"] == []
+
+
+def test_planner_chooses_the_vocab_parallel_loss_after_a_column_parallel_head():
+    """With the head column-parallel on "tp" (its logits split on the vocabulary), the planner takes
+    the loss on the split logits rather than moving them (gathering, or an all-to-all to rows)."""
+    model = GPT(vocab=8192, seq=64, hidden=64, heads=4, layers=1)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    plan = autopar.plan(model, gpt_inputs(batch=8, seq=64, vocab=8192), mesh, batch_axes=("dp",),
+                        pins={"linear_4": ("batch", "column")}, symbolic=False, recompute="none",
+                        offload="none", residency="keep")
+    loss = next(n for n in plan.nodes if n.op == "aten.cross_entropy_loss")
+    assert loss.labels == ("batch", VOCAB), loss
+    logits = LOGITS["gpt"]
+    assert _gathers_logits(plan, logits) == [] and not any(c.tensor in logits for c in loss.collectives), loss.collectives
