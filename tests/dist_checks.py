@@ -43,10 +43,26 @@ def build(name: str):
     if name == "gpt-b2":   # a sample per data-parallel rank of a (2, 2) mesh: its loss view keeps the split
         model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
         return model, gpt_inputs(batch=2, seq=16, vocab=64), lambda out: out
+    if name == "gpt-nll":   # its loss as log_softmax + nll_loss; the last position ignored (-100)
+        model = GPTNll(vocab=64, seq=16, hidden=32, heads=4, layers=1)
+        idx, tgt = gpt_inputs(batch=4, seq=16, vocab=64)
+        return model, (idx, tgt.index_fill(1, torch.tensor([15]), -100)), lambda out: out
     if name == "llama":
         model = Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
     raise ValueError(name)
+
+
+class GPTNll(GPT):
+    """The GPT with its loss written as log_softmax and nll_loss (as many classifiers write it)."""
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        logp = torch.nn.functional.log_softmax(logits.view(-1, logits.size(-1)), dim=-1)
+        return torch.nn.functional.nll_loss(logp, targets.view(-1))
 
 
 def shard_happy_profile():

@@ -3,7 +3,9 @@
 * On 4 CPU ranks, a GPT (tied embedding and head) with its embedding, head and loss pinned to the
   vocab-parallel layouts (the table split on rows, the head column-parallel, the loss on logits split
   on the classes) trains 3 AdamW steps like one process (loss, gradients, parameters within 1e-4);
-  the plan never gathers the logits and labels those nodes "vocab_parallel". Also on a (dp, tp) mesh.
+  the plan never gathers the logits and labels those nodes "vocab_parallel". Also on a (dp, tp) mesh,
+  for a Hugging Face Llama (its loss ignores the last position), and for a GPT whose loss is
+  log_softmax + nll_loss.
 * The planner chooses them by itself where the logits are large: a wide-vocabulary model on a tp axis.
 """
 from __future__ import annotations
@@ -23,16 +25,19 @@ from models import GPT, gpt_inputs  # noqa: E402
 TOL = 1e-4
 VOCAB = "vocab_parallel"
 # per model: its head's linear (-> logits) and the view that flattens the logits for the loss
-LOGITS = {"gpt": ("linear_4", "view_4"), "zoo:llama": ("linear_14", "view_10")}
+LOGITS = {"gpt": ("linear_4", "view_4"), "gpt-nll": ("linear_4", "view_4", "log_softmax"),
+          "zoo:llama": ("linear_14", "view_10")}
+# per model: its loss's nodes and the label of their batch split (others: cross_entropy_loss, "batch")
+LOSS = {"gpt-nll": {"log_softmax": "split", "nll_loss*": "batch"}}
 
 
 def vocab_pins(name: str, mesh_ndim: int, tp: int) -> dict:
     """Vocab-parallel pins on axis `tp` of a mesh; "batch" (or the batch split) on the others."""
     def per_axis(on_tp: str, other: str) -> tuple:
         return tuple(on_tp if a == tp else other for a in range(mesh_ndim))
-    head, flat = LOGITS[name]
-    return {"embedding": per_axis(VOCAB, "batch"), head: per_axis("column", "batch"),
-            flat: per_axis("S(1)", "S(0)"), "cross_entropy_loss*": per_axis(VOCAB, "batch")}
+    head, flat = LOGITS[name][:2]
+    return {"embedding": per_axis(VOCAB, "batch"), head: per_axis("column", "batch"), flat: per_axis("S(1)", "S(0)"),
+            **{op: per_axis(VOCAB, batch) for op, batch in LOSS.get(name, {"cross_entropy_loss*": "batch"}).items()}}
 
 
 def _plan(mesh_shape, axis_names, pins, name):
@@ -48,16 +53,18 @@ def _gathers_logits(plan, logits) -> list[str]:
             if c.tensor in logits and n.name != "output" and c.kind.startswith("all_gather") and c.phase == "forward"]
 
 
-CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4,), ("tp",))]
+CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4,), ("tp",)),
+         ("gpt-nll", (2, 2), ("dp", "tp"))]
 
 
-@pytest.mark.parametrize("name,mesh_shape,axis_names", CASES, ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4"])
+@pytest.mark.parametrize("name,mesh_shape,axis_names", CASES, ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2"])
 def test_vocab_parallel_trains_like_one_process(rank_pool, name, mesh_shape, axis_names):
     pins = vocab_pins(name, len(mesh_shape), axis_names.index("tp"))
     plan = _plan(mesh_shape, axis_names, pins, name)
     by_name = {n.name: n for n in plan.nodes}
     assert by_name["embedding"].inputs[0][axis_names.index("tp")] == "S(0)"
-    assert VOCAB in by_name["embedding"].labels and VOCAB in by_name["cross_entropy_loss_default"].labels
+    losses = [n for n in plan.nodes if n.op in ("aten.cross_entropy_loss", "aten.log_softmax", "aten.nll_loss_nd")]
+    assert VOCAB in by_name["embedding"].labels and all(VOCAB in n.labels for n in losses), losses
     assert _gathers_logits(plan, LOGITS[name]) == []
     results = rank_pool(4).run(train_and_compare, name, mesh_shape, axis_names, pins, timeout=300)
     r = results[0]

@@ -40,9 +40,9 @@ routed rows R = tokens x top_k x hidden x itemsize (pairwise exchange: n-1 steps
 routing, so the exchange ends when the busiest device does: its bandwidth term is `imbalance`
 (`DeviceProfile.moe_load_imbalance`) times the mean. The backward runs the two all-to-alls reversed.
 
-Vocab-parallel cross-entropy (`vocab_loss_reduce_times`): logits split on the vocabulary over an axis
-all-reduce, per row on the device, the maximum (4 bytes) and then the sum-exp and the target logit
-together (8 bytes): two all-reduces of rows x 4 and rows x 8 bytes forward, nothing backward.
+Vocab-split cross-entropy and log_softmax (`vocab_reduce_times`): logits split on the vocabulary over an
+axis all-reduce a few fp32 statistics per row (the maximum, the sum-exp, ...; `VOCAB_REDUCES`), each
+all-reduce one launch.
 
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
@@ -68,7 +68,7 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
-           "bucket_launch_time", "expert_exchange_times", "vocab_loss_reduce_times", "vocab_loss_bytes_on_wire",
+           "bucket_launch_time", "expert_exchange_times", "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire",
            "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
@@ -229,23 +229,28 @@ def expert_exchange_times(row_bytes: float, n: int, link: AnyLink, imbalance: fl
     return counts + 2 * rows, 2 * rows
 
 
-# bytes of one row's statistic in the vocab-parallel loss (fp32: runtime/vocab.py keeps max and sums in fp32)
-_STAT_BYTES = 4
+# Per row on the device, the bytes of each all-reduce a vocab-split op runs inside itself (fp32
+# statistics: runtime/vocab.py), forward and backward: cross-entropy all-reduces the maximum, then the
+# sum-exp and the target logit in one buffer, and nothing in its backward; log_softmax the maximum,
+# then the sum-exp, and in its backward sum(dy).
+VOCAB_REDUCES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "aten.cross_entropy_loss": ((4, 8), ()),
+    "aten.log_softmax": ((4, 4), (4,)), "aten._log_softmax": ((4, 4), (4,))}
 
 
-def vocab_loss_reduce_times(rows: float, n: int, link: AnyLink, launch_overhead: float = 0.0) -> tuple[float, float]:
-    """(forward, backward) seconds of the vocab-parallel cross-entropy's all-reduces over one mesh axis
-    of n devices for `rows` rows on one device: the rows' maxima, then their sum-exp and target logit in
-    one buffer (Megatron-LM's vocab-parallel loss); its backward communicates nothing."""
+def vocab_reduce_times(op: str, rows: float, n: int, link: AnyLink, launch_overhead: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of the all-reduces of vocab-split op `op` (`VOCAB_REDUCES`) over one
+    mesh axis of n devices, for `rows` rows on one device."""
     if n <= 1:
         return 0.0, 0.0
-    return (collective_time("all_reduce", rows * _STAT_BYTES, n, link)
-            + collective_time("all_reduce", 2 * rows * _STAT_BYTES, n, link) + 2 * launch_overhead, 0.0)
+    fwd, bwd = VOCAB_REDUCES[op]
+    return tuple(sum(collective_time("all_reduce", rows * b, n, link) + launch_overhead for b in phase)
+                 for phase in (fwd, bwd))
 
 
-def vocab_loss_bytes_on_wire(rows: float, n: int) -> float:
-    """Bytes one device sends in the vocab-parallel loss's two all-reduces (`vocab_loss_reduce_times`)."""
-    return collective_bytes_on_wire("all_reduce", 3 * rows * _STAT_BYTES, n)
+def vocab_reduce_bytes_on_wire(op: str, rows: float, n: int) -> tuple[float, float]:
+    """(forward, backward) bytes one device sends in those all-reduces (`vocab_reduce_times`)."""
+    return tuple(collective_bytes_on_wire("all_reduce", rows * sum(phase), n) for phase in VOCAB_REDUCES[op])
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

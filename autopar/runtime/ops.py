@@ -27,7 +27,7 @@ from ..placement import block_index, layout_str, local_shape
 from . import rng
 from .experts import expert_parallel
 from .reshard import grad_layout, reshard, to_layout
-from .vocab import vocab_cross_entropy, vocab_embedding
+from .vocab import vocab_cross_entropy, vocab_embedding, vocab_log_softmax, vocab_nll_loss
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1}
@@ -49,7 +49,9 @@ LOCALIZE = {torch.ops.autopar.moe_experts.default: _moe_first_expert}
 # Ops that run otherwise than the plain op on local shards under some strategies (moving data between
 # devices inside themselves, or masking a lookup to their slice): target -> fn(op, args, kwargs)
 EXCHANGE = {torch.ops.autopar.moe_experts.default: expert_parallel,
-            aten.embedding.default: vocab_embedding, aten.cross_entropy_loss.default: vocab_cross_entropy}
+            aten.embedding.default: vocab_embedding, aten.cross_entropy_loss.default: vocab_cross_entropy,
+            aten.log_softmax.int: vocab_log_softmax, aten._log_softmax.default: vocab_log_softmax,
+            aten.nll_loss.default: vocab_nll_loss, aten.nll_loss_nd.default: vocab_nll_loss}
 
 
 def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:

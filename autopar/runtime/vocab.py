@@ -11,6 +11,11 @@ the vocabulary (`strategies/vocab.py` states the layouts).
   loss of a row is log(sum) - (target logit - max); the backward needs no communication:
   d logits = (softmax - one_hot(target)) * d loss on the local classes, softmax recomputed from the
   saved max and log-sum. Rows whose target is `ignore_index` get loss 0 and no gradient.
+* log_softmax over a split dim: the maximum and the sum of exp(x - max) all-reduced as above, in
+  fp32; its backward d x = dy - exp(y) sum(dy) all-reduces sum(dy) (a float per row).
+* nll_loss on log-probabilities split on the classes: each device picks the targets in its slice
+  (the others, and `ignore_index` rows, are ignored: target -1 with ignore_index -1), so the
+  devices' sums are a partial sum of the loss; its gradient stays on the owner's slice.
 
 Why our own code: DTensor has both. Its embedding's `MaskPartial` keeps the mask for the reduction
 instead of zeroing the rows, so the local result is not the plain partial sum our reshards (all-reduce,
@@ -29,6 +34,17 @@ from ..strategies.vocab import CLASS_DIM, vocab_axes
 
 aten = torch.ops.aten
 _STATS_DTYPE = torch.float32      # the max and sums are kept in fp32 whatever the logits' dtype
+
+
+def _groups(op, dim: int) -> tuple:
+    """The process groups of the mesh axes that split input 0's dim `dim`."""
+    return tuple(op.mesh.get_group(a) for a in vocab_axes(op.inputs[0], dim))
+
+
+def _all_reduce(t: torch.Tensor, op, groups: tuple) -> torch.Tensor:
+    for g in groups:
+        dist.all_reduce(t, op, group=g)
+    return t
 
 
 def _start(op, dim: int, rows: int) -> int:
@@ -62,15 +78,11 @@ class _VocabParallelLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, start: int, groups: tuple, ignore_index: int):  # type: ignore[override]
         xf = x.to(_STATS_DTYPE)
-        top = xf.amax(CLASS_DIM, keepdim=True)
-        for g in groups:
-            dist.all_reduce(top, dist.ReduceOp.MAX, group=g)
+        top = _all_reduce(xf.amax(CLASS_DIM, keepdim=True), dist.ReduceOp.MAX, groups)
         local, outside = _masked_ids(target, start, x.shape[CLASS_DIM])
         shifted = xf - top
         picked = shifted.gather(CLASS_DIM, local.unsqueeze(CLASS_DIM)).squeeze(CLASS_DIM).masked_fill(outside, 0)
-        sums = torch.stack([shifted.exp().sum(CLASS_DIM), picked])
-        for g in groups:
-            dist.all_reduce(sums, dist.ReduceOp.SUM, group=g)
+        sums = _all_reduce(torch.stack([shifted.exp().sum(CLASS_DIM), picked]), dist.ReduceOp.SUM, groups)
         logsum = sums[0].log()
         keep = target != ignore_index
         ctx.save_for_backward(x, top + logsum.unsqueeze(CLASS_DIM), local, outside, keep)
@@ -88,15 +100,13 @@ class _VocabParallelLoss(torch.autograd.Function):
 def vocab_cross_entropy(op, args, kwargs):
     """`aten.cross_entropy_loss(logits, target, weight, reduction, ignore_index, label_smoothing)` for
     the LocalOp `op` (arguments already local; the strategy admits no weight and no smoothing)."""
-    axes = vocab_axes(op.inputs[0], CLASS_DIM)
-    if not axes:
+    if not vocab_axes(op.inputs[0], CLASS_DIM):
         return op.target(*args, **kwargs)
-    names = ("weight", "reduction", "ignore_index")
-    given = dict(zip(names, args[2:]), **kwargs)
+    given = dict(zip(("weight", "reduction", "ignore_index"), args[2:]), **kwargs)
     logits, target = args[0], args[1]
     start = _start(op, CLASS_DIM, logits.shape[CLASS_DIM])
     ignore = given.get("ignore_index", -100)
-    loss = _VocabParallelLoss.apply(logits, target, start, tuple(op.mesh.get_group(a) for a in axes), ignore)
+    loss = _VocabParallelLoss.apply(logits, target, start, _groups(op, CLASS_DIM), ignore)
     reduction = given.get("reduction", 1)        # at::Reduction: 0 none, 1 mean, 2 sum
     if reduction == 0:
         return loss.to(logits.dtype)
@@ -104,3 +114,48 @@ def vocab_cross_entropy(op, args, kwargs):
     if reduction == 1:
         total = total / (target != ignore).sum()
     return total.to(logits.dtype)
+
+
+class _VocabParallelLogSoftmax(torch.autograd.Function):
+    """log_softmax over a dim split over the devices of `groups` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, groups: tuple, dtype):  # type: ignore[override]
+        xf = x.to(_STATS_DTYPE)
+        shifted = xf - _all_reduce(xf.amax(dim, keepdim=True), dist.ReduceOp.MAX, groups)
+        y = shifted - _all_reduce(shifted.exp().sum(dim, keepdim=True), dist.ReduceOp.SUM, groups).log()
+        y = y.to(dtype)
+        ctx.dim, ctx.groups, ctx.in_dtype = dim, groups, x.dtype
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        g = dy.to(_STATS_DTYPE)
+        total = _all_reduce(g.sum(ctx.dim, keepdim=True), dist.ReduceOp.SUM, ctx.groups)
+        return (g - y.to(_STATS_DTYPE).exp() * total).to(ctx.in_dtype), None, None, None
+
+
+def vocab_log_softmax(op, args, kwargs):
+    """`aten.log_softmax(x, dim, dtype)` / `aten._log_softmax(x, dim, half_to_float)` for the LocalOp
+    `op` (arguments already local)."""
+    x, dim = args[0], args[1] % args[0].ndim
+    if not vocab_axes(op.inputs[0], dim):
+        return op.target(*args, **kwargs)
+    third = args[2] if len(args) > 2 else kwargs.get("dtype", kwargs.get("half_to_float"))
+    dtype = (torch.float32 if third else x.dtype) if isinstance(third, bool) else (third or x.dtype)
+    return _VocabParallelLogSoftmax.apply(x, dim, _groups(op, dim), dtype)
+
+
+def vocab_nll_loss(op, args, kwargs):
+    """`aten.nll_loss(log_probs, target, weight, reduction, ignore_index)` for the LocalOp `op`
+    (arguments already local; the strategy admits no weight and no mean reduction)."""
+    if not vocab_axes(op.inputs[0], CLASS_DIM):
+        return op.target(*args, **kwargs)
+    given = dict(zip(("weight", "reduction", "ignore_index"), args[2:]), **kwargs)
+    logp, target = args[0], args[1]
+    start = _start(op, CLASS_DIM, logp.shape[CLASS_DIM])
+    local, outside = _masked_ids(target, start, logp.shape[CLASS_DIM])
+    local = local.masked_fill(outside | (target == given.get("ignore_index", -100)), -1)
+    return op.target(logp, local, None, given.get("reduction", 1), -1)

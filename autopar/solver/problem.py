@@ -23,8 +23,8 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
-from ..cost_model.comm import (collective_bytes_on_wire, expert_exchange_times, vocab_loss_bytes_on_wire,
-                               vocab_loss_reduce_times)
+from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_exchange_times,
+                               vocab_reduce_bytes_on_wire, vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
@@ -37,7 +37,7 @@ from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes
-from ..strategies.vocab import CLASS_DIM, VOCAB_LOSS_OP, vocab_axes
+from ..strategies.vocab import class_dim, vocab_axes
 from ..passes.layers import layer_key, module_path
 from .families import Families
 from .layers import repeated_layers
@@ -215,7 +215,7 @@ class OpCostArgs(NamedTuple):
     context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
     routed: bool = False     # a MoE op whose experts are split: its load follows the routing
     exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
-    vocab: tuple = ()        # (axis, its size, link, rows on one device) per vocab axis of a split cross-entropy
+    vocab: tuple = ()        # (op, axis size, link, rows on one device, axis) per vocab axis of a vocab-split op
 
 
 def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None,
@@ -235,13 +235,19 @@ def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: Co
 
 
 def vocab_reductions(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> tuple:
-    """(axis, its size, link, rows on one device) per axis over which a cross-entropy under s splits
-    the classes (`strategies/vocab.py`; none for any other op): the rows are its target's on one device."""
-    if op_name(node.target) != VOCAB_LOSS_OP:
+    """(op, axis size, link, rows on one device, axis) per axis over which an op that all-reduces inside
+    itself when vocab-split (`cost_model.comm.VOCAB_REDUCES`) splits its vocabulary under s (none for
+    any other op or strategy). Rows: the elements of its input on one device per vocabulary entry."""
+    op = op_name(node.target)
+    if op not in VOCAB_REDUCES:
         return ()
-    target = ins[1]
-    rows = target.nbytes / target.dtype.itemsize / shard_count(s.inputs[1], mesh.shape)
-    return tuple((a, mesh.shape[a], mesh.links[a], rows) for a in vocab_axes(s.inputs[0], CLASS_DIM))
+    x, dim = ins[0], class_dim(node, ins[0].ndim)
+    axes = vocab_axes(s.inputs[0], dim)
+    split = 1
+    for a in axes:
+        split *= mesh.shape[a]
+    rows = x.nbytes / x.dtype.itemsize / shard_count(s.inputs[0], mesh.shape) / (x.shape[dim] / split)
+    return tuple((op, mesh.shape[a], mesh.links[a], rows, a) for a in axes)
 
 
 def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> ContextComm | None:
@@ -280,14 +286,15 @@ def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, pro
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
     """(phase, "<collective>@<axis>", seconds, bytes one device sends, axis) of the collectives an op
     runs inside itself under s, as `op_cost` prices them (the plan lists them on the op): an
-    expert-parallel MoE layer's all-to-alls, a vocab-parallel loss's all-reduces."""
+    expert-parallel MoE layer's all-to-alls, a vocab-split op's all-reduces."""
     mesh, out = problem.mesh, []
-    if op_name(node.target) == VOCAB_LOSS_OP:
+    if op_name(node.target) in VOCAB_REDUCES:
         ins = [tensor_meta(a.meta.get("val"))[0] for a in tensor_inputs(node)]
-        for a, n, link, rows in vocab_reductions(node, s, ins, mesh):
-            vf, _ = vocab_loss_reduce_times(rows, n, link, mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
+        for op, n, link, rows, a in vocab_reductions(node, s, ins, mesh):
+            times = vocab_reduce_times(op, rows, n, link, mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
             ax = mesh.axis_names[a]
-            out.append(("forward", f"all_reduce@{ax}", vf, vocab_loss_bytes_on_wire(rows, n), ax))
+            out += [(phase, f"all_reduce@{ax}", t, sent, ax) for phase, t, sent in
+                    zip(("forward", "backward"), times, vocab_reduce_bytes_on_wire(op, rows, n)) if sent]
         return out
     if op_name(node.target) != MOE_OP:
         return []
@@ -315,8 +322,8 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
         xf, xb = expert_exchange_times(routed_b, n, link, profile.moe_load_imbalance,
                                        profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + xf, bwd + xb
-    for _, n, link, rows in a.vocab:
-        vf, vb = vocab_loss_reduce_times(rows, n, link, profile.kernel_overhead + profile.collective_overhead)
+    for op, n, link, rows, _ in a.vocab:
+        vf, vb = vocab_reduce_times(op, rows, n, link, profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + vf, bwd + vb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)

@@ -6,7 +6,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .pointwise import broadcast_options
 from .registry import AxisOption, register
-from .vocab import cross_entropy_option, embedding_option
+from .vocab import cross_entropy_option, embedding_option, log_softmax_option, nll_loss_option
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -23,9 +23,11 @@ def norm_rule(node, ins, outs):
 
 @register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, family="softmax")
 def softmax_rule(node, ins, outs):
+    """Normalised over `dim`: split any other dim, or (log_softmax) that one (`vocab.py`)."""
     x = ins[0]
     dim = node.args[1] % x.ndim
-    return [AxisOption((Shard(d),), Shard(d), "split") for d in range(x.ndim) if d != dim]
+    vocab = log_softmax_option(node, ins) if node.target.overloadpacket in (aten.log_softmax, aten._log_softmax) else []
+    return [AxisOption((Shard(d),), Shard(d), "split") for d in range(x.ndim) if d != dim] + vocab
 
 
 @register(aten.embedding, family="embedding")
@@ -54,7 +56,7 @@ def cross_entropy_rule(node, ins, outs):
     if logits.ndim == 1:
         return []
     rest = tuple(Shard(0) if t.ndim >= 1 and t.shape[0] == logits.shape[0] else R for t in ins[1:])
-    vocab = cross_entropy_option(node, ins) if node.target.overloadpacket is aten.cross_entropy_loss else []
+    vocab = (cross_entropy_option if node.target.overloadpacket is aten.cross_entropy_loss else nll_loss_option)(node, ins)
     return [AxisOption((Shard(0),) + rest, out, "batch")] + vocab
 
 

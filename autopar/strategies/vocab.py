@@ -12,13 +12,17 @@ mesh axis of n devices, none of them is ever whole on a device:
                                                                  logit (from the device that holds it)
                                                                  all-reduced over the axis; each device
                                                                  has every row's loss
+    log_softmax     x S(d)                            -> S(d)   (over dim d) max and sum-exp all-reduced;
+                                                                 its backward all-reduces sum(dy)
+    nll_loss        log-probs S(1), target R          -> P      each device picks the targets in its
+                                                                 slice (sum or none reductions)
 
 The head between them is a column-parallel linear (output S(-1)), which the matmul rule already
-offers: with both options the logits stay split from the head to the loss. Both run in
-`runtime/vocab.py`. The loss's two all-reduces (a float per row, then two) are priced with the op
-(`solver.problem.op_cost`, `cost_model.comm.vocab_loss_reduce_times`); the embedding moves nothing
-the edges do not show (its partial sum is all-reduced, or reduce-scattered, on the way out).
-Several axes may split the vocabulary; a device's rows are then block `mixed radix of its
+offers: with these options the logits stay split from the head to the loss, whether the model calls
+cross_entropy or log_softmax and nll_loss. All run in `runtime/vocab.py`. The all-reduces (a few
+floats per row) are priced with the op (`solver.problem.op_cost`, `cost_model.comm.vocab_reduce_times`);
+the embedding and nll_loss move nothing the edges do not show (their partial sums are reduced on the
+way out). Several axes may split the vocabulary; a device's slice is then block `mixed radix of its
 coordinates on those axes, in mesh order` (as DTensor chunks a dim).
 """
 from __future__ import annotations
@@ -27,11 +31,11 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .registry import AxisOption
+from .registry import AxisOption, op_name
 
 VOCAB_PARALLEL = "vocab_parallel"
-VOCAB_LOSS_OP = "aten.cross_entropy_loss"     # the loss with a vocab-split option (its collectives are priced)
 CLASS_DIM = 1          # of cross-entropy's input (N, C, d1, ...)
+LOG_SOFTMAX_OPS = ("aten.log_softmax", "aten._log_softmax")
 R = Replicate()
 
 
@@ -55,6 +59,27 @@ def cross_entropy_option(node, ins) -> list[AxisOption]:
             or _arg(node, 5, "label_smoothing", 0.0)):
         return []
     return [AxisOption((Shard(CLASS_DIM),) + (R,) * (len(ins) - 1), R, VOCAB_PARALLEL)]
+
+
+def log_softmax_option(node, ins) -> list[AxisOption]:
+    """The vocab-split log_softmax over its `dim`."""
+    x = ins[0]
+    if x.ndim < 2:
+        return []
+    return [AxisOption((Shard(node.args[1] % x.ndim),), Shard(node.args[1] % x.ndim), VOCAB_PARALLEL)]
+
+
+def nll_loss_option(node, ins) -> list[AxisOption]:
+    """The vocab-split `aten.nll_loss(log_probs, target, weight, reduction, ignore_index)`, without class
+    weights and with reduction none or sum (a mean is lowered to sum / count: passes/lowering.py)."""
+    if ins[0].ndim < 2 or _arg(node, 2, "weight", None) is not None or _arg(node, 3, "reduction", 1) == 1:
+        return []
+    return [AxisOption((Shard(CLASS_DIM),) + (R,) * (len(ins) - 1), Partial(), VOCAB_PARALLEL)]
+
+
+def class_dim(node, ndim: int) -> int:
+    """The vocabulary's dim of an op's first input: a log_softmax's `dim`, a loss's class dim."""
+    return node.args[1] % ndim if op_name(node.target) in LOG_SOFTMAX_OPS else CLASS_DIM
 
 
 def vocab_axes(layout: Sequence, dim: int) -> list[int]:
