@@ -14,7 +14,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -57,7 +56,8 @@ CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4
          ("gpt-nll", (2, 2), ("dp", "tp"))]
 
 
-@pytest.mark.parametrize("name,mesh_shape,axis_names", CASES, ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2"])
+@pytest.mark.parametrize("name,mesh_shape,axis_names", CASES,
+                         ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2"])
 def test_vocab_parallel_trains_like_one_process(rank_pool, name, mesh_shape, axis_names):
     pins = vocab_pins(name, len(mesh_shape), axis_names.index("tp"))
     plan = _plan(mesh_shape, axis_names, pins, name)
@@ -84,4 +84,5 @@ def test_planner_chooses_the_vocab_parallel_loss_after_a_column_parallel_head():
     loss = next(n for n in plan.nodes if n.op == "aten.cross_entropy_loss")
     assert loss.labels == ("batch", VOCAB), loss
     logits = LOGITS["gpt"]
-    assert _gathers_logits(plan, logits) == [] and not any(c.tensor in logits for c in loss.collectives), loss.collectives
+    assert _gathers_logits(plan, logits) == []
+    assert not any(c.tensor in logits for c in loss.collectives), loss.collectives

@@ -68,7 +68,8 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
-           "bucket_launch_time", "expert_exchange_times", "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire",
+           "bucket_launch_time", "expert_exchange_times", "VOCAB_REDUCES", "vocab_reduce_times",
+           "vocab_reduce_bytes_on_wire",
            "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
@@ -238,7 +239,8 @@ VOCAB_REDUCES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.log_softmax": ((4, 4), (4,)), "aten._log_softmax": ((4, 4), (4,))}
 
 
-def vocab_reduce_times(op: str, rows: float, n: int, link: AnyLink, launch_overhead: float = 0.0) -> tuple[float, float]:
+def vocab_reduce_times(op: str, rows: float, n: int, link: AnyLink,
+                       launch_overhead: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of the all-reduces of vocab-split op `op` (`VOCAB_REDUCES`) over one
     mesh axis of n devices, for `rows` rows on one device."""
     if n <= 1:

@@ -291,7 +291,8 @@ def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
     if op_name(node.target) in VOCAB_REDUCES:
         ins = [tensor_meta(a.meta.get("val"))[0] for a in tensor_inputs(node)]
         for op, n, link, rows, a in vocab_reductions(node, s, ins, mesh):
-            times = vocab_reduce_times(op, rows, n, link, mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
+            launch = mesh.profile.kernel_overhead + mesh.profile.collective_overhead
+            times = vocab_reduce_times(op, rows, n, link, launch)
             ax = mesh.axis_names[a]
             out += [(phase, f"all_reduce@{ax}", t, sent, ax) for phase, t, sent in
                     zip(("forward", "backward"), times, vocab_reduce_bytes_on_wire(op, rows, n)) if sent]

@@ -56,7 +56,8 @@ def cross_entropy_rule(node, ins, outs):
     if logits.ndim == 1:
         return []
     rest = tuple(Shard(0) if t.ndim >= 1 and t.shape[0] == logits.shape[0] else R for t in ins[1:])
-    vocab = (cross_entropy_option if node.target.overloadpacket is aten.cross_entropy_loss else nll_loss_option)(node, ins)
+    vocab_option = cross_entropy_option if node.target.overloadpacket is aten.cross_entropy_loss else nll_loss_option
+    vocab = vocab_option(node, ins)
     return [AxisOption((Shard(0),) + rest, out, "batch")] + vocab
 
 
