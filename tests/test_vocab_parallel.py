@@ -86,3 +86,27 @@ def test_planner_chooses_the_vocab_parallel_loss_after_a_column_parallel_head():
     logits = LOGITS["gpt"]
     assert _gathers_logits(plan, logits) == []
     assert not any(c.tensor in logits for c in loss.collectives), loss.collectives
+
+
+def test_vocab_parallel_loss_prices_its_all_reduces_and_splits_the_logits_memory():
+    """The vocab-parallel loss's two all-reduces (rows x 4 bytes, then rows x 8: the maximum, then the
+    sum-exp and the target logit) are priced by the cost model and listed on the node; the plan holds
+    a tp-th of the logits, so it needs less memory than the one that gathers them for the loss."""
+    from autopar.cost_model.comm import vocab_reduce_times
+    model = GPT(vocab=8192, seq=64, hidden=64, heads=4, layers=1)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    plans = {}
+    for loss in ("vocab_parallel", "replicate"):
+        pins = {"linear_4": ("batch", "column"), "cross_entropy_loss*": ("batch", loss)}
+        plans[loss] = autopar.plan(model, gpt_inputs(batch=8, seq=64, vocab=8192), mesh, batch_axes=("dp",),
+                                   pins=pins, symbolic=False, **LAYOUTS_ONLY)
+    node = next(n for n in plans["vocab_parallel"].nodes if n.op == "aten.cross_entropy_loss")
+    rows = 8 * 64 // 2                                    # the batch is split over dp
+    inside = [c for c in node.collectives if c.tensor == node.name]
+    want = vocab_reduce_times("aten.cross_entropy_loss", rows, 2, mesh.links[1],
+                              mesh.profile.kernel_overhead + mesh.profile.collective_overhead)[0]
+    assert [(c.kind, c.phase) for c in inside] == [("all_reduce@tp", "forward")]
+    assert inside[0].seconds == pytest.approx(want)
+    logits_b = 8 * 64 * 8192 * 4 / 2                      # fp32 logits on a dp rank
+    saved = plans["replicate"].estimate.peak_memory_bytes - plans["vocab_parallel"].estimate.peak_memory_bytes
+    assert saved >= logits_b / 2, (saved, logits_b)
