@@ -14,6 +14,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -110,3 +111,31 @@ def test_vocab_parallel_loss_prices_its_all_reduces_and_splits_the_logits_memory
     logits_b = 8 * 64 * 8192 * 4 / 2                      # fp32 logits on a dp rank
     saved = plans["replicate"].estimate.peak_memory_bytes - plans["vocab_parallel"].estimate.peak_memory_bytes
     assert saved >= logits_b / 2, (saved, logits_b)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5, 12])
+def test_vocab_embedding_slices_sum_to_the_lookup(padding_idx):
+    """Each device's masked lookup in its rows of the table sums to the whole lookup, and its table
+    gradient is its rows' slice of the whole gradient (a padding row, wherever it lives, gets none)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.runtime.vocab import vocab_embedding
+    torch.manual_seed(0)
+    table = torch.randn(16, 4, requires_grad=True)
+    ids = torch.randint(0, 16, (3, 7))
+    pad = () if padding_idx is None else (padding_idx,)
+    whole = torch.ops.aten.embedding.default(table, ids, *pad)
+    whole.pow(2).sum().backward()
+    n, outs, grads = 2, [], []
+    for r in range(n):
+        shard = table.detach()[r * 8:(r + 1) * 8].clone().requires_grad_()
+        op = SimpleNamespace(target=torch.ops.aten.embedding.default, inputs=((Shard(0),), (Replicate(),)),
+                             mesh=SimpleNamespace(get_coordinate=lambda r=r: [r], shape=(n,)))
+        out = vocab_embedding(op, (shard, ids, *pad), {})
+        out.backward(2 * whole.detach())            # d/dout of the whole loss
+        outs.append(out.detach())
+        grads.append(shard.grad)
+    assert torch.allclose(sum(outs), whole.detach())
+    assert torch.allclose(torch.cat(grads), table.grad)

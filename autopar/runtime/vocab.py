@@ -62,14 +62,14 @@ def vocab_embedding(op, args, kwargs):
     """`aten.embedding(weight, ids, padding_idx, ...)` for the LocalOp `op` (arguments already local)."""
     if not vocab_axes(op.inputs[0], 0):
         return op.target(*args, **kwargs)
-    weight, ids, *rest = args
+    weight, ids = args[:2]
+    given = dict(zip(("padding_idx", "scale_grad_by_freq", "sparse"), args[2:]), **kwargs)
     rows = weight.shape[0]
     start = _start(op, 0, rows)
     local, outside = _masked_ids(ids, start, rows)
-    if rest and rest[0] >= 0:     # padding_idx: a row that gets no gradient, where it lives
-        rest[0] = rest[0] - start if start <= rest[0] < start + rows else -1
-    out = op.target(weight, local, *rest, **kwargs)
-    return out.masked_fill(outside.unsqueeze(-1), 0)
+    pad = given.get("padding_idx", -1)     # a row that gets no gradient: on the device holding it
+    given["padding_idx"] = pad - start if 0 <= pad and start <= pad < start + rows else -1
+    return op.target(weight, local, **given).masked_fill(outside.unsqueeze(-1), 0)
 
 
 class _VocabParallelLoss(torch.autograd.Function):
