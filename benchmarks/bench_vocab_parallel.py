@@ -7,11 +7,11 @@ global batch 64 x 4096 on 64 H100 as `Mesh((8, 8), ("dp", "tp"))`, batch over "d
 own choice, then the loss pinned to each layout on the "tp" axis: "vocab_parallel" (logits split on
 the vocabulary from the head to the loss), "batch" (the logits moved to a row split first) and
 "replicate" (the logits gathered whole); then the embedding pinned "vocab_parallel" and "batch".
-Per plan: the labels of the embedding and the loss, the logits' bytes per device (the head's output,
-and the fp32 copy Hugging Face's loss makes), the collectives into and inside the loss, the
-predicted step time and peak memory per device. Every plan has the same memory policy (selective
-recomputation, no offload, gathered weights kept), so that the layouts are what differ. One JSON
-line per plan.
+Per plan: the labels of the embedding, the head and the loss, the collectives into the head and into
+and inside the loss, the logits' bytes per device (the head's output and the fp32 copy Hugging Face's
+loss makes), the predicted step time and peak memory per device. Every plan has the same memory
+policy (selective recomputation, no offload, gathered weights kept), so that the layouts are what
+differ. One JSON line per plan.
 """
 from __future__ import annotations
 
@@ -52,9 +52,12 @@ def logits_summary(plan, nbytes: dict) -> dict:
     nodes = {n.name: n for n in plan.nodes}
     loss = next(n for n in plan.nodes if n.op == "aten.cross_entropy_loss")
     emb = next(n for n in plan.nodes if n.op == "aten.embedding")
+    head = next(nodes[name] for name in nbytes if name in nodes and nodes[name].op == "aten.linear")
     logits = sum(_local_bytes(plan, name, nbytes) for name in nbytes if name in nodes)
     colls = sorted({f"{c.kind} ({c.phase}, {c.tensor})" for c in loss.collectives})
-    return {"embedding": "/".join(emb.labels), "loss": "/".join(loss.labels),
+    head_colls = sorted({f"{c.kind} ({c.phase}, {c.tensor})" for c in head.collectives})
+    return {"embedding": "/".join(emb.labels), "head": "/".join(head.labels), "head_collectives": head_colls,
+            "loss": "/".join(loss.labels),
             "logits_gib_per_device": round(logits / 2**30, 2), "loss_collectives": colls,
             "loss_comm_ms": round(1e3 * sum(c.seconds for c in loss.collectives), 2)}
 
