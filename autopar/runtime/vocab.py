@@ -32,7 +32,6 @@ import torch.distributed as dist
 from ..placement import block_index
 from ..strategies.vocab import CLASS_DIM, vocab_axes
 
-aten = torch.ops.aten
 _STATS_DTYPE = torch.float32      # the max and sums are kept in fp32 whatever the logits' dtype
 
 
@@ -41,9 +40,10 @@ def _groups(op, dim: int) -> tuple:
     return tuple(op.mesh.get_group(a) for a in vocab_axes(op.inputs[0], dim))
 
 
-def _all_reduce(t: torch.Tensor, op, groups: tuple) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, reduce_op, groups: tuple) -> torch.Tensor:
+    """t reduced in place over every group (the axes that split the vocabulary)."""
     for g in groups:
-        dist.all_reduce(t, op, group=g)
+        dist.all_reduce(t, reduce_op, group=g)
     return t
 
 
