@@ -4,8 +4,8 @@
   vocab-parallel layouts (the table split on rows, the head column-parallel, the loss on logits split
   on the classes) trains 3 AdamW steps like one process (loss, gradients, parameters within 1e-4);
   the plan never gathers the logits and labels those nodes "vocab_parallel". Also on a (dp, tp) mesh,
-  for a Hugging Face Llama (its loss ignores the last position), and for a GPT whose loss is
-  log_softmax + nll_loss.
+  for a Hugging Face Llama (its loss ignores the last position), for a GPT whose loss is
+  log_softmax + nll_loss, and with the vocabulary split over two axes.
 * The planner chooses them by itself where the logits are large: a wide-vocabulary model on a tp axis.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ LOGITS = {"gpt": ("linear_4", "view_4"), "gpt-nll": ("linear_4", "view_4", "log_
 LOSS = {"gpt-nll": {"log_softmax": "split", "nll_loss*": "batch"}}
 
 
-def vocab_pins(name: str, mesh_ndim: int, tp: int) -> dict:
-    """Vocab-parallel pins on axis `tp` of a mesh; "batch" (or the batch split) on the others."""
+def vocab_pins(name: str, axis_names: tuple) -> dict:
+    """Vocab-parallel pins on the mesh axes named tp*; "batch" (or the batch split) on the others."""
     def per_axis(on_tp: str, other: str) -> tuple:
-        return tuple(on_tp if a == tp else other for a in range(mesh_ndim))
+        return tuple(on_tp if ax.startswith("tp") else other for ax in axis_names)
     head, flat = LOGITS[name][:2]
     return {"embedding": per_axis(VOCAB, "batch"), head: per_axis("column", "batch"), flat: per_axis("S(1)", "S(0)"),
             **{op: per_axis(VOCAB, batch) for op, batch in LOSS.get(name, {"cross_entropy_loss*": "batch"}).items()}}
@@ -54,16 +54,16 @@ def _gathers_logits(plan, logits) -> list[str]:
 
 
 CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4,), ("tp",)),
-         ("gpt-nll", (2, 2), ("dp", "tp"))]
+         ("gpt-nll", (2, 2), ("dp", "tp")), ("gpt", (2, 2), ("tp0", "tp1"))]
 
 
 @pytest.mark.parametrize("name,mesh_shape,axis_names", CASES,
-                         ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2"])
+                         ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2", "gpt-vocab-over-2-axes"])
 def test_vocab_parallel_trains_like_one_process(rank_pool, name, mesh_shape, axis_names):
-    pins = vocab_pins(name, len(mesh_shape), axis_names.index("tp"))
+    pins = vocab_pins(name, axis_names)
     plan = _plan(mesh_shape, axis_names, pins, name)
     by_name = {n.name: n for n in plan.nodes}
-    assert by_name["embedding"].inputs[0][axis_names.index("tp")] == "S(0)"
+    assert all(p == "S(0)" for p, ax in zip(by_name["embedding"].inputs[0], axis_names) if ax.startswith("tp"))
     losses = [n for n in plan.nodes if n.op in ("aten.cross_entropy_loss", "aten.log_softmax", "aten.nll_loss_nd")]
     assert VOCAB in by_name["embedding"].labels and all(VOCAB in n.labels for n in losses), losses
     assert _gathers_logits(plan, LOGITS[name]) == []
