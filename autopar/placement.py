@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["Placement", "Replicate", "Shard", "Partial", "to_str", "from_str", "layout_str", "parse_layout",
-           "parse_pin", "local_shape", "R", "P"]
+           "parse_pin", "local_shape", "gathers", "R", "P"]
 
 R = Replicate()
 P = Partial()
@@ -91,3 +91,8 @@ def block_index(layout: Sequence[Placement], dim: int, coord: Sequence[int], axi
         if isinstance(p, Shard) and p.dim == dim:
             block = block * n + c
     return block
+
+
+def gathers(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Does moving from src to dst make a sharded axis whole (an all-gather over some axis)?"""
+    return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))

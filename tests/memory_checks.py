@@ -29,6 +29,11 @@ from models import GPT, gpt_inputs  # noqa: E402
 TP_PINS = {"blocks.*.attn.qkv.*": ("S(0)",), "blocks.*.fc.*": ("S(0)",), "blocks.*.attn.proj.weight": ("S(1)",),
            "blocks.*.fc2.weight": ("S(1)",), "linear_1": ("P",), "linear_3": ("P",), "linear_5": ("P",),
            "linear_7": ("P",)}
+# Megatron sequence parallelism (Korthikanti et al. 2022) on top: the residual stream and layer norms of
+# the blocks split on the sequence (S(1)) over "tp", so each column matmul all-gathers its input and
+# each row matmul's partial output is reduce-scattered into the residual add
+SP_PINS = {**TP_PINS, **{f"add{s}": ("S(1)",) for s in ("", "_1", "_2", "_3", "_4")},
+           **{f"layer_norm{s}": ("S(1)",) for s in ("", "_1", "_2", "_3")}}
 # ZeRO-3 on a 1-axis "dp" mesh: block weights stored split over dp, every linear batch-split (so it
 # gathers its weight)
 ZERO3_PINS = {"blocks.*.weight": ("S(0)",), **{f"linear{s}": ("S(0)",) for s in ["", *(f"_{i}" for i in range(1, 8))]}}
@@ -126,7 +131,10 @@ def train_variant(model, inputs, mesh, plan, compare=True):
                  predicted_peak=predicted.peak_memory_bytes, predicted_host=predicted_tier(ref, inputs, mesh, plan),
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
-                 gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherParam"),
+                 gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
+                             and not m.key.startswith("activations:")),
+                 act_gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
+                                 and m.key.startswith("activations:")),
                  regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))
     return worst
 

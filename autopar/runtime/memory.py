@@ -1,11 +1,12 @@
 """The plan's memory decisions, applied to the rank graph (one executor per family, wired here).
 
-* residency (regather.py): each Reshard that gathers a parameter becomes a `GatherParam`;
+* residency (regather.py): each Reshard that gathers a parameter, and each activation gather the
+  plan re-gathers ("activations:<layer>", Megatron sequence parallelism), becomes a `GatherCopy`;
 * recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
   the layer it is saved in ("device" outside offloaded layers):
-    1. in a gathered parameter copy -> kept ("keep") or dropped and gathered again ("regather");
+    1. in a gathered copy (parameter or re-gathered activation) -> kept ("keep") or dropped and gathered again ("regather");
     2. a parameter's or buffer's own storage -> kept (it lives anyway);
     3. otherwise -> kept on "device", or moved to the host pool or a file ("host", "disk").
   A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
@@ -26,10 +27,11 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..compat import tensor_version
 from ..errors import AutoparError
-from ..placement import parse_layout
+from ..passes.layers import layer_key, module_path
+from ..placement import gathers, parse_layout
 from ..plan import RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
 from .offload import DiskStore, HostPool, OffloadedTensor
-from .regather import GatherParam, GatheredCopies, RegatheredCopy, gathers
+from .regather import ACTIVATIONS, GatherCopy, GatheredCopies, RegatheredCopy
 from .regions import LayerRegion, group_layers, node_layers
 from .reshard import Reshard
 
@@ -44,7 +46,7 @@ class MemoryRuntime:
     offload_dir: str | None = None
     disk: DiskStore | None = None
     resident: frozenset[int] = frozenset()      # storages of parameters and buffers (this forward)
-    regathers: bool = False                     # some parameter is regathered: route the whole forward
+    regathers: bool = False                     # some copy is regathered: route the whole forward
     outer: SavedTensors | None = None           # the router around the whole forward, if any
     notes: list[str] = field(default_factory=list)
 
@@ -95,7 +97,7 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     _check(plan, gm, param_of, activations)
     rt.regathers = "regather" in plan.residency.values()
     if rt.regathers or any(v != "device" for v in activations.values()):
-        _gather_params(gm, plan, param_of, rt)
+        _gather_copies(gm, plan, param_of, rt)
     routers = {tier: SavedTensors(rt, tier) for tier in TIERS}
 
     def make_region(layer: str, body: fx.GraphModule) -> LayerRegion | None:
@@ -115,26 +117,47 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     return gm
 
 
-def _gather_params(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> None:
-    """Each Reshard gathering a parameter -> a GatherParam with the parameter's residency."""
+def _gather_copies(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> None:
+    """Each Reshard gathering a parameter -> a GatherCopy with the parameter's residency; each Reshard
+    gathering an activation for an op whose activations the plan re-gathers (`activation_key`) -> a
+    GatherCopy "regather"."""
+    planned = {n.name: n for n in plan.nodes}
     for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), Reshard):
             continue
-        src = node.args[0]
+        src, mod = node.args[0], gm.get_submodule(node.target)
         fqn = param_of.get(getattr(src, "name", None))
-        if fqn is None or src.op != "placeholder":
-            continue
-        mod = gm.get_submodule(node.target)
-        stored = parse_layout(plan.placements.get(fqn, ("R",) * len(mod.layout)))
-        if gathers(stored, mod.layout):
-            gather = GatherParam(mod.layout, fqn, plan.residency.get(fqn, "keep"), rt.copies)
+        if fqn is not None and src.op == "placeholder":
+            key, residency = fqn, plan.residency.get(fqn, "keep")
+            stored = plan.placements.get(fqn, ("R",) * len(mod.layout))
+        else:
+            made = planned.get(src.meta.get("autopar_node")) if isinstance(src, fx.Node) else None
+            if made is None or made.executor == "input" or len(node.users) != 1:
+                continue
+            key = activation_key(next(iter(node.users)))
+            residency, stored = plan.residency.get(key, "keep"), made.output
+            if residency != "regather":
+                continue
+        if gathers(parse_layout(stored), mod.layout):
+            gather = GatherCopy(mod.layout, key, residency, rt.copies)
             gather.sync = mod.sync
             gm.add_submodule(node.target, gather)
 
 
+def activation_key(consumer: fx.Node) -> str:
+    """The residency key of the activations gathered for `consumer` (a rank-graph op):
+    "activations:<its layer>", or "activations:<its captured node>" outside the layers."""
+    return ACTIVATIONS + (layer_key(module_path(consumer)) or consumer.meta.get("autopar_node", consumer.name))
+
+
+def activation_keys(gm: fx.GraphModule) -> set[str]:
+    """The residency keys of activations gathered in this rank graph (`activation_key` of its ops)."""
+    return {activation_key(n) for n in gm.graph.nodes if n.op == "call_module"}
+
+
 def _check(plan: Plan, gm: fx.GraphModule, param_of: dict[str, str], activations: dict[str, str]) -> None:
     layers = sorted({k for k in node_layers(gm).values() if k is not None})
-    params = set(param_of.values())
+    params = set(param_of.values()) | activation_keys(gm)
     problems = []
     for field_, prefix, table, modes, known in (("recompute", "", plan.recompute, RECOMPUTE_MODES, layers),
                                                 ("offload", "activations:", activations, TIERS, layers),
@@ -142,7 +165,8 @@ def _check(plan: Plan, gm: fx.GraphModule, param_of: dict[str, str], activations
         for key, mode in table.items():
             where = f"plan.{field_}[{prefix + key!r}]"
             if key not in known:
-                problems.append(f"{where}: no {'parameter' if known is params else 'layer'} {key!r} in this model")
+                problems.append(f"{where}: no {'parameter or activations:<layer>' if known is params else 'layer'} "
+                                f"{key!r} in this model")
             if mode not in modes:
                 problems.append(f"{where} = {mode!r} is not one of {modes}")
     if problems:

@@ -52,7 +52,7 @@ from ..passes.shape_prop import tensor_meta
 from ..placement import local_shape, parse_layout
 from ..plan import Plan
 from . import rng
-from .memory import MemoryRuntime, apply_memory_plan
+from .memory import MemoryRuntime, activation_keys, apply_memory_plan
 from .module import _device, _set_path, _storage, input_value, shard_parameters
 from .offload import HostPool
 from .ops import _ToLocal
@@ -190,7 +190,8 @@ class PipelinedModule(torch.nn.Module):
         own = replace(plan, recompute={k: v for k, v in plan.recompute.items() if k in layers},
                       offload={k: v for k, v in plan.offload.items()
                                if not k.startswith("activations:") or k.split(":", 1)[1] in layers},
-                      residency={k: v for k, v in plan.residency.items() if k in params.values()})
+                      residency={k: v for k, v in plan.residency.items()
+                                 if k in params.values() or k in activation_keys(program)})
         program = apply_memory_plan(program, own, params, self._memory)
         by_name = {n.name: n for n in graph.graph.nodes}
         layouts = [self._layout_of(by_name[r]) for r in chunk.received]

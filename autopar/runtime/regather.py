@@ -1,15 +1,19 @@
-"""Parameter residency: a gathered parameter copy kept to the backward, or freed and gathered again.
+"""Residency: a gathered copy kept to the backward, or freed and gathered again.
 
-Where a parameter's stored shard is gathered for use (its Reshard goes from the stored layout to one
-with more Replicate), the rewrite's `Reshard` becomes a `GatherParam`, which records the gathered
-copy's storage in a `GatheredCopies` registry with the plan's residency for that parameter.
-Saved-tensor hooks (memory.py) then treat any tensor an op saves for the backward that lives in
-that storage (the copy itself or a view, such as the transposed weight a matmul saves):
+Two kinds of gathered copies, one mechanism. Where a parameter's stored shard is gathered for use
+(its Reshard goes from the stored layout to one with more Replicate), and where the plan says
+"regather" for an activation's gather (Megatron sequence parallelism: the sequence-sharded input
+of a column-parallel matmul all-gathered over the tensor-parallel axis; key "activations:<layer>"),
+the rewrite's `Reshard` becomes a `GatherCopy`, which records the gathered copy's storage in a
+`GatheredCopies` registry with its residency. Saved-tensor hooks (memory.py) then treat any tensor
+an op saves for the backward that lives in that storage (the copy itself or a view, such as the
+transposed weight a matmul saves):
 
-* "keep": saved as is; the copy lives from the forward to the backward (today's behaviour);
-* "regather": `RegatheredCopy` keeps only the shard (the parameter itself), the target layout
-  and the view's geometry; the gathered copy is freed once the forward no longer uses it, and
-  unpacking in the backward gathers it again (FSDP's `reshard_after_forward`, ZeRO-3).
+* "keep": saved as is; the copy lives from the forward to the backward;
+* "regather": `RegatheredCopy` keeps only the shard (the parameter itself, or the activation's
+  pre-gather shard), the target layout and the view's geometry; the gathered copy is freed once
+  the forward no longer uses it, and unpacking in the backward gathers it again (FSDP's
+  `reshard_after_forward`, ZeRO-3; Megatron-SP's all-gather of the saved input in the backward).
 
 Why saved-tensor hooks rather than wrapping each consuming op: the gathered copy reaches the ops
 that save it through views made by other ops (a transpose, a split), so the consumer that saves it
@@ -26,16 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..placement import layout_str
 from .reshard import reshard, to_layout
 
-
-def gathers(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
-    """Does moving from src to dst make a sharded axis whole (an all-gather of some axis)?"""
-    return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))
+ACTIVATIONS = "activations:"     # residency keys of gathered activations: "activations:<layer or node>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class RegatheredCopy:
 
 
 class GatheredCopies:
-    """Storages of this step's gathered parameter copies -> (parameter shard, layout, residency).
+    """Storages of this step's gathered copies -> (shard, layout, residency).
 
     Entries leave when their storage is freed (a finalizer), so a storage address is never
     mistaken for a later tensor's."""
@@ -85,13 +86,15 @@ class GatheredCopies:
         return len(self._live)
 
 
-class GatherParam(torch.nn.Module):
-    """Graph op: `w = self.reshard_x(p_w)` gathering a parameter, recorded in `copies` (see module
-    docstring). Differentiates as `Reshard` (the gradient goes back to the stored layout)."""
+class GatherCopy(torch.nn.Module):
+    """Graph op: `w = self.reshard_x(p_w)` gathering a parameter, or an activation the plan re-gathers,
+    recorded in `copies` (see module docstring). Differentiates as `Reshard`
+    (the gradient goes back to the source layout). `key`: the plan's residency key (a parameter FQN,
+    "activations:<layer>")."""
 
-    def __init__(self, layout: Sequence[Placement], fqn: str, residency: str, copies: GatheredCopies):
+    def __init__(self, layout: Sequence[Placement], key: str, residency: str, copies: GatheredCopies):
         super().__init__()
-        self.layout, self.fqn, self.residency = tuple(layout), fqn, residency
+        self.layout, self.key, self.residency = tuple(layout), key, residency
         self._copies = [copies]          # in a list: not a submodule, not a parameter
         self.sync = None                 # the Reshard's link to the gradient buckets, if any
 
@@ -101,4 +104,4 @@ class GatherParam(torch.nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.fqn} -> {', '.join(layout_str(self.layout))}, {self.residency}"
+        return f"{self.key} -> {', '.join(layout_str(self.layout))}, {self.residency}"

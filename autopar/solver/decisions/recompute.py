@@ -10,11 +10,13 @@ The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...cost_model.recompute import saved_under_selective
 from ...plan import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import allowed_options, before_backward, layer_groups, saved_only_in
+from .common import allowed_options, before_backward, gathering_pairs, layer_groups, masked, saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -54,8 +56,9 @@ def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
 
 def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int) -> list[Freed]:
     """What recomputing `layer` frees until its backward (timeline position `until`): tensors it
-    made and only it saves (`saved`: what only it saves), and parameter copies gathered for its
-    ops (gathered again when it runs again)."""
+    made and only it saves (`saved`: what only it saves), and the resharded copies its ops keep
+    (parameters gathered for them, activations gathered or reduced for them: made again when it
+    runs again)."""
     live, inside = problem.live, set(names)
     out = []
     for o in saved:
@@ -68,12 +71,20 @@ def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int) -
     for k, e in enumerate(problem.edges):
         if e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "param":
             out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until))
+        elif e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "op":
+            # as two items: the gathered pairs, which residency may free too (one item, `merge_freed`), and the rest
+            mask = gathering_pairs(problem, e)
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masked(e.saved, mask)))
+            out.append(replace(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until,
+                                          masked(e.saved, mask, keep=False)), key=f"copy:{k}:other"))
     return out
 
 
-def copy_freed(problem: Problem, k: int, gates, until: int) -> Freed:
-    """The gathered copy edge k keeps for its consumer's backward, freed after the consumer runs
-    and gathered again at timeline position `until` + 1."""
+def copy_freed(problem: Problem, k: int, gates, until: int, table=None) -> Freed:
+    """The resharded copy edge k keeps for its consumer's backward (its [a][b] bytes: `table`, by
+    default all of `e.saved`), freed after the consumer runs and made again at timeline position
+    `until` + 1."""
     e = problem.edges[k]
-    return Freed(Expr((), ((k, tuple(map(tuple, e.saved))),)), tuple(gates), e.dst_pos, until,
-                 f"gathered {problem.decisions[e.src].fqn} for {e.dst}", f"copy:{k}")
+    table = tuple(map(tuple, e.saved)) if table is None else table
+    return Freed(Expr((), ((k, table),)), tuple(gates), e.dst_pos, until,
+                 f"gathered {problem.decisions[e.src].fqn or e.src} for {e.dst}", f"copy:{k}")
