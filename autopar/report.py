@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from .plan import Plan
+from .strategies.attention import CONTEXT_LABELS
 
 
 def _gib(b: float) -> str:
@@ -50,6 +52,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
              f"planning took {plan.timings.total_s:.2f} s", ""]
     lines += _pipeline_lines(plan)
+    lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]
     # parameters, grouped by module
     lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "):")
     for fqn, layout in plan.placements.items():
@@ -288,3 +291,82 @@ def _scaling_lines(plan: Plan) -> list[str]:
     if sc.fixed:
         lines.append(f"  fixed by the model: {', '.join(sc.fixed)}")
     return lines + [""]
+
+
+# Weight matrices' products (`strategies/matmul.py` labels): which label of an axis splits what
+WEIGHT_PRODUCTS = ("aten.linear", "aten.addmm", "aten.mm")
+COLUMN_LABELS = ("column",)                 # the weight's output features split
+ROW_LABELS = ("row", "contract")            # the contraction split: a partial output
+NORM_OPS = ("aten.layer_norm", "aten.rms_norm")
+NORM_MODULE_SUFFIX = ("norm", "ln_1", "ln_2", "ln_f")   # a norm written out in ops (HF Llama's RMSNorm), by module
+SEQUENCE_SPLIT = "S(1)"                     # [batch, sequence, hidden] activations split on the sequence
+FAMILY_RANK = ("none", "1D", "2D", "2.5D", "3D")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelism:
+    """The tensor-parallel family a plan's layouts form, in the seed's (Colossal-AI's) vocabulary:
+
+    * "1D" (Megatron-LM): weight products split column- or row-wise over one axis;
+    * "2D" (Optimus / SUMMA's weight grid): a weight product split column-wise over one axis and
+      row-wise over another (the weight split on both dims);
+    * "2.5D" (Tesseract): 2D over two axes of equal size q plus a depth axis, not a batch axis, that
+      splits the product's rows (batch or sequence) with the weight replicated over it;
+    * "3D": 2D plus a third axis splitting the rows with the weight stored split over it too
+      (gathered for use);
+    * `sequence`: axes of a 1D family over which every layer norm is split on the sequence, as the
+      residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
+      reduce-scatter after the row product);
+    * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it.
+    The plan's family is the largest any weight product has; `axes` the axes they split weights over."""
+    family: str = "none"
+    axes: tuple[str, ...] = ()
+    depth: tuple[str, ...] = ()
+    sequence: tuple[str, ...] = ()
+    context: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        names = {"1D": "1D tensor parallelism (Megatron)", "2D": "2D tensor parallelism", "2.5D":
+                 "2.5D tensor parallelism (Tesseract)", "3D": "3D tensor parallelism"}
+        parts = [] if self.family == "none" else [f"{names[self.family]} over {', '.join(self.axes)}"
+                                                  + (f", depth {', '.join(self.depth)}" if self.depth else "")]
+        if self.sequence:
+            parts.append(f"sequence parallelism (Megatron-SP) over {', '.join(self.sequence)}")
+        parts += [f"context parallelism ({how}) over {ax}" for ax, how in self.context.items()]
+        return "; ".join(parts) or "no tensor, sequence or context parallelism"
+
+
+def tensor_parallel_family(plan: Plan) -> TensorParallelism:
+    """The `TensorParallelism` of `plan`, from its nodes' strategy labels and layouts per mesh axis."""
+    axes, sizes = plan.mesh["axis_names"], plan.mesh["shape"]
+    batch = set(plan.options.get("batch_axes") or ())
+    params = {n.name for n in plan.nodes if n.executor == "param"}
+    context = {axes[a]: lab for n in plan.nodes for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS}
+    family, tp_axes, depth = "none", set(), set()
+    for n in plan.nodes:
+        if n.op not in WEIGHT_PRODUCTS:
+            continue
+        cols = {a for a, lab in enumerate(n.labels) if lab in COLUMN_LABELS}
+        rows = {a for a, lab in enumerate(n.labels) if lab in ROW_LABELS}
+        if not cols and not rows:
+            continue
+        mine, third = "1D", set()
+        if cols and rows and cols != rows:
+            mine = "2D"
+            split = {a for a, lab in enumerate(n.labels)
+                     if a not in cols | rows and lab not in ("replicate", "-") and axes[a] not in batch
+                     and axes[a] not in context}
+            gathered = {a for c in n.collectives if c.phase == "forward" and c.tensor in params
+                        for a, ax in enumerate(axes) if c.kind.endswith(f"@{ax}")}
+            if split & gathered:
+                mine, third = "3D", split & gathered
+            elif split and len({sizes[a] for a in cols | rows}) == 1:
+                mine, third = "2.5D", split
+        tp_axes |= cols | rows
+        depth |= third
+        family = max(family, mine, key=FAMILY_RANK.index)
+    norms = [n for n in plan.nodes if n.op in NORM_OPS or n.module.rsplit(".", 1)[-1].endswith(NORM_MODULE_SUFFIX)]
+    sequence = () if family != "1D" or not norms else tuple(
+        axes[a] for a in sorted(tp_axes) if axes[a] not in context and all(n.output[a] == SEQUENCE_SPLIT for n in norms))
+    return TensorParallelism(family, tuple(axes[a] for a in sorted(tp_axes)), tuple(axes[a] for a in sorted(depth)),
+                             sequence, context)

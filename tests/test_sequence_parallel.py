@@ -14,10 +14,12 @@ import pytest
 import autopar
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
+from autopar.plan import Collective
 from autopar.planner import PlanOptions, plan_assignment, planning_problem
+from autopar.report import tensor_parallel_family as tp_family
 from autopar.solver.evaluate import evaluate
 from dist_checks import shard_happy_profile
-from memory_checks import SP_PINS, gpt, run_variants
+from memory_checks import SP_PINS, TP_PINS, gpt, run_variants
 from rank_pool import get_pool
 
 TOL = 1e-4
@@ -29,7 +31,7 @@ GATHERED_BYTES = 2 * 2 * 4 * 16 * 32 * 4
 
 @pytest.fixture(scope="module")
 def trained():
-    return get_pool(TP).run(run_variants, (TP,), ("tp",), SP_PINS, {"keep": {}, "regather": REGATHER})
+    return get_pool(TP).run(run_variants, (TP,), ("tp",), SP_PINS, {"keep": {}, "regather": REGATHER}, timeout=300)
 
 
 def test_sequence_parallel_plan_has_megatron_sp_collectives():
@@ -68,3 +70,40 @@ def test_planner_prices_the_regather_and_chooses_it_under_a_budget():
                           offload="none")
     assert chosen.estimate.peak_memory_bytes <= budget
     assert "regather" in {chosen.residency.get(f"activations:blocks.{i}") for i in range(2)}
+
+
+def _plan(mesh_shape, axes, pins, **kw):
+    model, inputs = gpt(**kw)
+    return autopar.plan(model, inputs, autopar.Mesh(mesh_shape, axes, device=shard_happy_profile()), pins=pins,
+                        symbolic=False, recompute="none", residency="keep", offload="none")
+
+
+def _relabelled(plan, mesh_shape, axes, labels, gathered=()):
+    """`plan` on another mesh, its weight products' strategy labels per axis `labels` (and a forward
+    all-gather of their weight over the axes `gathered`), everything else whole: the layouts of a
+    plan of another family, as data."""
+    whole = tuple("R" for _ in axes)
+    params = [n.name for n in plan.nodes if n.executor == "param"]
+    gathers = tuple(Collective(f"all_gather@{ax}", "forward", params[0], 0.0) for ax in gathered)
+    nodes = [dataclasses.replace(n, labels=labels, output=whole, collectives=gathers) if n.op == "aten.linear"
+             else dataclasses.replace(n, labels=tuple("replicate" for _ in axes), output=whole) for n in plan.nodes]
+    return dataclasses.replace(plan, mesh={**plan.mesh, "shape": list(mesh_shape), "axis_names": list(axes)},
+                               nodes=nodes)
+
+
+def test_report_names_the_tensor_parallel_family():
+    tp = _plan((2,), ("tp",), TP_PINS | {f"layer_norm{s}": ("S(0)",) for s in ("", "_1", "_2", "_3", "_4")})
+    assert (tp_family(tp).family, tp_family(tp).axes, tp_family(tp).sequence) == ("1D", ("tp",), ())
+    sp = _plan((2,), ("tp",), SP_PINS | {"layer_norm_4": ("S(1)",)})
+    assert tp_family(sp).sequence == ("tp",)
+    assert "Parallelism: 1D tensor parallelism (Megatron) over tp; sequence parallelism (Megatron-SP) over tp" \
+        in sp.report(symbolic=False)
+    cp = _plan((2,), ("cp",), {"idx": ("S(1)",), "targets": ("S(1)",), "scaled_dot_product_attention*": ("ring",)})
+    assert tp_family(cp).context == {"cp": "ring"} and tp_family(cp).sequence == ()
+    assert tp_family(_relabelled(tp, (2, 2), ("x", "y"), ("column", "row"))).family == "2D"
+    depth = _relabelled(tp, (2, 2, 2), ("x", "y", "z"), ("column", "row", "batch"))
+    assert (tp_family(depth).family, tp_family(depth).depth) == ("2.5D", ("z",))
+    cube = _relabelled(tp, (2, 2, 2), ("x", "y", "z"), ("column", "row", "batch"), gathered=("z",))
+    assert (tp_family(cube).family, tp_family(cube).axes, tp_family(cube).depth) == ("3D", ("x", "y"), ("z",))
+    dp = dataclasses.replace(depth, options={**depth.options, "batch_axes": ["z"]})
+    assert tp_family(dp).family == "2D"          # a declared batch axis is data parallelism, not depth
