@@ -43,8 +43,9 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         `plan.largest_batch`, the report's scaling table); costs one more trace of the model.
     recompute: activation recomputation per layer: "auto" (the solver chooses), "none", "selective"
         (keep matmul outputs, recompute the rest) or "full" (`plan.recompute`).
-    residency: a gathered parameter copy is kept to the backward or freed and gathered again:
-        "auto", "keep" or "regather" (FSDP / ZeRO-3; `plan.residency`).
+    residency: a gathered copy is kept to the backward or freed and gathered again: "auto", "keep" or
+        "regather" (`plan.residency`): a parameter's (FSDP / ZeRO-3), or an activation's all-gathered
+        for a product that saves it (Megatron sequence parallelism: the saved input stays a sequence shard).
     offload: saved activations and optimizer state (step on the host) on "device", "host" or "disk":
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for

@@ -10,9 +10,11 @@ person can read them):
 
 * `recompute`: layer path ("blocks.3", "model.layers.0") -> "none" | "selective" | "full":
   what the layer's forward keeps for its backward (`RECOMPUTE_MODES`);
-* `residency`: parameter FQN -> "keep" | "regather": whether a parameter gathered for use keeps
-  its gathered copy from the forward to the backward, or frees it after the forward and gathers
-  it again in the backward (FSDP's `reshard_after_forward`, ZeRO-3);
+* `residency`: parameter FQN, or "activations:<layer>" ("activations:<node>" outside the layers)
+  -> "keep" | "regather": whether a parameter gathered for use (or an activation all-gathered for
+  an op that saves it) keeps its gathered copy from the forward to the backward, or frees it after
+  the forward and gathers it again in the backward (FSDP's `reshard_after_forward`, ZeRO-3;
+  Megatron sequence parallelism's sequence-sharded saved input of a column-parallel product);
 * `offload`: "activations:<layer>" (tensors the layer saves for the backward) or
   "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
   step) -> "device" | "host" | "disk" (`TIERS`).
@@ -165,7 +167,7 @@ class Plan:
     scaling: Scaling = field(default_factory=lambda: Scaling(unavailable="not computed"))
     timings: Timings = field(default_factory=Timings, compare=False)
     recompute: dict[str, str] = field(default_factory=dict)     # layer path -> RECOMPUTE_MODES
-    residency: dict[str, str] = field(default_factory=dict)     # parameter FQN -> RESIDENCY_MODES
+    residency: dict[str, str] = field(default_factory=dict)     # FQN or "activations:<layer>" -> RESIDENCY_MODES
     offload: dict[str, str] = field(default_factory=dict)       # "<class>:<layer or FQN>" -> TIERS
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
 

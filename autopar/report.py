@@ -235,7 +235,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     """The memory decisions that differ from the defaults, grouped by option."""
     lines = []
     for family, chosen, default in (("Recomputation", plan.recompute, "none"),
-                                    ("Parameter residency", plan.residency, "keep"),
+                                    ("Residency of gathered copies", plan.residency, "keep"),
                                     ("Offload", plan.offload, "device")):
         by: dict[str, list[str]] = defaultdict(list)
         for key, option in chosen.items():
@@ -337,12 +337,14 @@ class TensorParallelism:
 
 
 def tensor_parallel_family(plan: Plan) -> TensorParallelism:
-    """The `TensorParallelism` of `plan`, from its nodes' strategy labels and layouts per mesh axis."""
+    """The `TensorParallelism` of `plan`, from its nodes' strategy labels and layouts per mesh axis: the
+    family most of its tensor-parallel weight products form, over the axes at least half of those
+    split (an odd one out, such as a vocabulary-parallel head over another axis, does not name the plan)."""
     axes, sizes = plan.mesh["axis_names"], plan.mesh["shape"]
     batch = set(plan.options.get("batch_axes") or ())
     params = {n.name for n in plan.nodes if n.executor == "param"}
     context = {axes[a]: lab for n in plan.nodes for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS}
-    family, tp_axes, depth = "none", set(), set()
+    found: list[tuple[str, frozenset, frozenset]] = []       # per product: (family, its axes, its depth axes)
     for n in plan.nodes:
         if n.op not in WEIGHT_PRODUCTS:
             continue
@@ -362,11 +364,16 @@ def tensor_parallel_family(plan: Plan) -> TensorParallelism:
                 mine, third = "3D", split & gathered
             elif split and len({sizes[a] for a in cols | rows}) == 1:
                 mine, third = "2.5D", split
-        tp_axes |= cols | rows
-        depth |= third
-        family = max(family, mine, key=FAMILY_RANK.index)
+        found.append((mine, frozenset(cols | rows), frozenset(third)))
+    if not found:
+        return TensorParallelism(context=context)
+    counts = {f: sum(1 for g, _, _ in found if g == f) for f in FAMILY_RANK}
+    family = max(FAMILY_RANK, key=lambda f: (counts[f], FAMILY_RANK.index(f)))
+    mine = [(a, d) for f, a, d in found if f == family]
+    tp_axes = [x for x in range(len(axes)) if 2 * sum(x in a for a, _ in mine) >= len(mine)]
+    depth = [x for x in range(len(axes)) if 2 * sum(x in d for _, d in mine) >= len(mine)]
     norms = [n for n in plan.nodes if n.op in NORM_OPS or n.module.rsplit(".", 1)[-1].endswith(NORM_MODULE_SUFFIX)]
     sequence = () if family != "1D" or not norms else tuple(
-        axes[a] for a in sorted(tp_axes) if axes[a] not in context and all(n.output[a] == SEQUENCE_SPLIT for n in norms))
-    return TensorParallelism(family, tuple(axes[a] for a in sorted(tp_axes)), tuple(axes[a] for a in sorted(depth)),
-                             sequence, context)
+        axes[a] for a in tp_axes if axes[a] not in context and all(n.output[a] == SEQUENCE_SPLIT for n in norms))
+    return TensorParallelism(family, tuple(axes[a] for a in tp_axes), tuple(axes[a] for a in depth), sequence,
+                             context)

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.layers import module_path  # noqa: E402
+from autopar.report import tensor_parallel_family  # noqa: E402
 from bench_context_parallel import LLAMA3_8B  # noqa: E402
 
 BATCH = 2
@@ -49,7 +50,7 @@ def megatron_pins(layers: int, attention: str, sp: bool) -> dict:
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=8, vocab_size=128, max_position_embeddings=64))
     ids = torch.zeros(BATCH, 16, dtype=torch.long)
-    cap = capture(tiny, (), {"input_ids": ids, "labels": ids})
+    cap = capture(tiny, (), {"input_ids": ids, "labels": ids.clone()})
     seq = attention != "batch"
     cp_layout, cp_label = ("S(1)", "dim1") if seq else ("S(0)", "batch")
     pins = {"input_ids": (cp_layout, "R"), "labels": (cp_layout, "R"),
@@ -83,7 +84,7 @@ def run(layers: int, seqs: list[int], time_limit: float) -> None:
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        plan = autopar.plan(model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids},
+                        plan = autopar.plan(model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids.clone()},
                                             pins=pins[attention, sp], sharded_outputs=True, time_limit=time_limit,
                                             symbolic=False, recompute="none", offload="none",
                                             residency="regather" if sp else "keep")
@@ -95,7 +96,7 @@ def run(layers: int, seqs: list[int], time_limit: float) -> None:
                                tokens_per_s_per_gpu=round(BATCH * seq / est.step_time_s / mesh.size, 1),
                                peak_gib=round(est.peak_memory_bytes / 2**30, 2),
                                activation_gib=round(est.activation_bytes / 2**30, 2),
-                               family=autopar.report.tensor_parallel_family(plan).describe())
+                               family=tensor_parallel_family(plan).describe())
                 row["plan_s"] = round(time.perf_counter() - t0, 1)
                 print(json.dumps(row), flush=True)
 
