@@ -37,6 +37,7 @@ PLAN_FORMAT_VERSION = 3
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 RESIDENCY_MODES = ("keep", "regather")
+ACTIVATIONS = "activations:"     # residency keys of gathered activations: "activations:<layer or node>"
 TIERS = ("device", "host", "disk")
 OFFLOAD_CLASSES = ("activations", "optimizer")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")

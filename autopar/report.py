@@ -318,7 +318,7 @@ class TensorParallelism:
       residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
       reduce-scatter after the row product);
     * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it.
-    The plan's family is the largest any weight product has; `axes` the axes they split weights over."""
+    `tensor_parallel_family` says how a plan's products are counted."""
     family: str = "none"
     axes: tuple[str, ...] = ()
     depth: tuple[str, ...] = ()

@@ -6,7 +6,8 @@
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
   the layer it is saved in ("device" outside offloaded layers):
-    1. in a gathered copy (parameter or re-gathered activation) -> kept ("keep") or dropped and gathered again ("regather");
+    1. in a gathered copy (a parameter's, or an activation's the plan re-gathers) -> kept ("keep") or
+       dropped and gathered again ("regather");
     2. a parameter's or buffer's own storage -> kept (it lives anyway);
     3. otherwise -> kept on "device", or moved to the host pool or a file ("host", "disk").
   A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
@@ -29,9 +30,9 @@ from ..compat import tensor_version
 from ..errors import AutoparError
 from ..passes.layers import layer_key, module_path
 from ..placement import gathers, parse_layout
-from ..plan import RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
+from ..plan import ACTIVATIONS, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
 from .offload import DiskStore, HostPool, OffloadedTensor
-from .regather import ACTIVATIONS, GatherCopy, GatheredCopies, RegatheredCopy
+from .regather import GatherCopy, GatheredCopies, RegatheredCopy
 from .regions import LayerRegion, group_layers, node_layers
 from .reshard import Reshard
 

@@ -36,8 +36,6 @@ from torch.distributed.tensor.placement_types import Placement
 from ..placement import layout_str
 from .reshard import reshard, to_layout
 
-ACTIVATIONS = "activations:"     # residency keys of gathered activations: "activations:<layer or node>"
-
 
 @dataclass(frozen=True, slots=True)
 class RegatheredCopy:

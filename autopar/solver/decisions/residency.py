@@ -21,14 +21,13 @@ once more, for the layout pairs that gather.
 """
 from __future__ import annotations
 
-from ...plan import RESIDENCY_MODES
+from ...plan import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
 from .common import allowed_options, gathering_pairs, layer_groups, masked
 from .recompute import copy_freed
 
 REGATHER = 1
-ACTIVATIONS = "activations:"      # as the runtime keys them (runtime/regather.py)
 
 
 def build(problem: Problem, setting: str) -> Families:
