@@ -1,6 +1,6 @@
 """Growing sequences (issue 13): attention split four ways, Megatron sequence parallelism on and off.
 
-    python benchmarks/bench_sequence.py [--layers N] [--seqs 2048,8192,32768,131072] [--time-limit S]
+    python benchmarks/bench_sequence.py [--layers N] [--seqs 2048,8192,32768,131072] [--sp-layouts]
 
 Hugging Face Llama-3-8B's configuration (LlamaForCausalLM from its config, bf16, AdamW; the first
 `--layers` of its 32 layers, so memory and time are those of that many layers) at growing sequence
@@ -8,13 +8,14 @@ lengths, global batch 2, on one node of 8 H100 as `Mesh((2, 4), ("cp", "tp"))`: 
 parallelism over "tp" (q/k/v/gate/up column-parallel, o/down row-parallel, attention split on
 heads), and the attention over "cp" split on the batch (data parallel), on the heads (the sequence
 moved to heads and back around it), by ring attention or by Ulysses (inputs split on the sequence
-over "cp" for the last three). Each with Megatron-SP off (the norms and the residual stream whole
-over "tp", gathered activations kept: `residency="keep"`) and on (split on the sequence over "tp",
-an all-gather before each column product and a reduce-scatter after each row product, the column
-products' inputs saved as their sequence shard and re-gathered in the backward: `residency=
-"regather"`). Every plan has the same other decisions: no recomputation, no offload. Prints one
-JSON line per plan: predicted step time, tokens/s per GPU, peak memory per device, or the least
-memory the layouts need when they do not fit in 80 GB.
+over "cp" for the last three). Each with Megatron-SP "off" (the norms and the residual stream whole
+over "tp", gathered activations kept: `residency="keep"`), "layouts" (split on the sequence over
+"tp": an all-gather before each column product and a reduce-scatter after each row product, the
+gathered inputs kept for the backward) and "on" (those layouts, the column products' inputs saved
+as their sequence shard and re-gathered in the backward: `residency="regather"`, Korthikanti et
+al. 2022); "layouts" only with `--sp-layouts`. Every plan has the same other decisions: no
+recomputation, no offload. Prints one JSON line per plan: predicted step time, tokens/s per GPU,
+peak memory per device, or the least memory the layouts need when they do not fit in 80 GB.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ MESH = ((2, 4), ("cp", "tp"))
 ATTENTION = ("batch", "heads", "ring", "ulysses")
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
+SP_MODES = {"off": (False, "keep"), "layouts": (True, "keep"), "on": (True, "regather")}   # (split norms, residency)
 
 
 def megatron_pins(layers: int, attention: str, sp: bool) -> dict:
@@ -67,19 +69,20 @@ def megatron_pins(layers: int, attention: str, sp: bool) -> dict:
     return pins
 
 
-def run(layers: int, seqs: list[int], time_limit: float) -> None:
+def run(layers: int, seqs: list[int], time_limit: float, all_modes: bool) -> None:
     import transformers
     cfg = transformers.LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": layers})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     mesh = autopar.Mesh(*MESH, device="h100")
     pins = {(a, sp): megatron_pins(layers, a, sp) for a in ATTENTION for sp in (False, True)}
+    modes = SP_MODES if all_modes else {k: SP_MODES[k] for k in ("off", "on")}
     for seq in seqs:
         ids = torch.zeros(BATCH, seq, dtype=torch.long, device="meta")
         for attention in ATTENTION:
-            for sp in (False, True):
+            for mode, (sp, residency) in modes.items():
                 row = {"bench": f"llama3-8b {layers} layers 8xH100 (cp 2, tp 4) {BATCH}x{seq}",
-                       "attention": attention, "megatron_sp": sp}
+                       "attention": attention, "megatron_sp": mode}
                 t0 = time.perf_counter()
                 try:
                     with warnings.catch_warnings():
@@ -87,7 +90,7 @@ def run(layers: int, seqs: list[int], time_limit: float) -> None:
                         plan = autopar.plan(model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids.clone()},
                                             pins=pins[attention, sp], sharded_outputs=True, time_limit=time_limit,
                                             symbolic=False, recompute="none", offload="none",
-                                            residency="regather" if sp else "keep")
+                                            residency=residency)
                 except autopar.InfeasibleError as e:
                     row.update(feasible=False, min_memory_gib=round((e.min_memory_bytes or 0) / 2**30, 1))
                 else:
@@ -106,8 +109,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seqs", default="2048,8192,32768,131072")
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--sp-layouts", action="store_true", help="also Megatron-SP's layouts with gathered inputs kept")
     a = ap.parse_args()
-    run(a.layers, [int(s) for s in a.seqs.split(",")], a.time_limit)
+    run(a.layers, [int(s) for s in a.seqs.split(",")], a.time_limit, a.sp_layouts)
 
 
 if __name__ == "__main__":

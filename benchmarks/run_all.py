@@ -39,6 +39,9 @@ RUNS = [
     ["bench_context_parallel.py"],
     # issue 13: Llama-3-8B at 64 x 4096 on (dp 8, tp 8): the vocab-parallel loss and embedding against the others
     ["bench_vocab_parallel.py"],
+    # issue 13: Llama-3-8B's layers at 2k-128k tokens on (cp 2, tp 4): batch/heads/ring/Ulysses attention,
+    # Megatron-SP on and off
+    ["bench_sequence.py"],
     # issue 14: planning time per phase: HF Llama-3-8B at 64 x 4096 on (8, 8), Llama-3-70B as torchtitan
     # trains it (32 x 8), GPT-3 175B at 1,536 on (16, 8, 8) and one pipeline stage's ILP on (16, 8)
     ["bench_plan_speed.py", "--all"],
