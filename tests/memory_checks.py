@@ -32,7 +32,8 @@ TP_PINS = {"blocks.*.attn.qkv.*": ("S(0)",), "blocks.*.fc.*": ("S(0)",), "blocks
 # Megatron sequence parallelism (Korthikanti et al. 2022) on top: the residual stream and layer norms of
 # the blocks split on the sequence (S(1)) over "tp", so each column matmul all-gathers its input and
 # each row matmul's partial output is reduce-scattered into the residual add
-SP_PINS = {**TP_PINS, "scaled_dot_product_attention*": ("heads",), **{f"add{s}": ("S(1)",) for s in ("", "_1", "_2", "_3", "_4")},
+SP_PINS = {**TP_PINS, "scaled_dot_product_attention*": ("heads",),
+           **{f"add{s}": ("S(1)",) for s in ("", "_1", "_2", "_3", "_4")},
            **{f"layer_norm{s}": ("S(1)",) for s in ("", "_1", "_2", "_3")}}
 # ZeRO-3 on a 1-axis "dp" mesh: block weights stored split over dp, every linear batch-split (so it
 # gathers its weight)
