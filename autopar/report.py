@@ -314,8 +314,8 @@ class TensorParallelism:
       splits the product's rows (batch or sequence) with the weight replicated over it;
     * "3D": 2D plus a third axis splitting the rows with the weight stored split over it too
       (gathered for use);
-    * `sequence`: axes of a 1D family over which every layer norm is split on the sequence, as the
-      residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
+    * `sequence`: axes of a 1D family over which most layer norms' ops are split on the sequence, as
+      the residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
       reduce-scatter after the row product);
     * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it.
     `tensor_parallel_family` says how a plan's products are counted."""
@@ -373,7 +373,8 @@ def tensor_parallel_family(plan: Plan) -> TensorParallelism:
     tp_axes = [x for x in range(len(axes)) if 2 * sum(x in a for a, _ in mine) >= len(mine)]
     depth = [x for x in range(len(axes)) if 2 * sum(x in d for _, d in mine) >= len(mine)]
     norms = [n for n in plan.nodes if n.op in NORM_OPS or n.module.rsplit(".", 1)[-1].endswith(NORM_MODULE_SUFFIX)]
-    sequence = () if family != "1D" or not norms else tuple(
-        axes[a] for a in tp_axes if axes[a] not in context and all(n.output[a] == SEQUENCE_SPLIT for n in norms))
+    sequence = () if family != "1D" else tuple(
+        axes[a] for a in tp_axes
+        if axes[a] not in context and 2 * sum(n.output[a] == SEQUENCE_SPLIT for n in norms) > len(norms) > 0)
     return TensorParallelism(family, tuple(axes[a] for a in tp_axes), tuple(axes[a] for a in depth), sequence,
                              context)
