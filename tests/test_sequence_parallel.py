@@ -2,7 +2,7 @@
 split on the sequence over the tensor-parallel axis, an all-gather before each column matmul and a
 reduce-scatter after each row matmul, and the column matmul's saved input kept sequence-sharded and
 all-gathered again in the backward (`Plan.residency["activations:<layer>"] = "regather"`).
-Trained on 4 gloo ranks against one process; memory measured with `MemoryMeter` and priced by the
+Trained on 4 gloo ranks (tp 4, and dp 2 x tp 2) against one process; memory measured with `MemoryMeter` and priced by the
 planner's evaluator, which chooses the re-gather under a tight budget. And the report's name for a
 plan's tensor-parallel family (1D, 2D, 2.5D, 3D, sequence, context), from its layouts per axis.
 """
@@ -30,9 +30,17 @@ REGATHER = {"residency": {"activations:blocks.0": "regather", "activations:block
 GATHERED_BYTES = 2 * 2 * 4 * 16 * 32 * 4
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return get_pool(TP).run(run_variants, (TP,), ("tp",), SP_PINS, {"keep": {}, "regather": REGATHER}, timeout=300)
+# the same on a (dp, tp) = (2, 2) mesh: batch split over dp, weights replicated over it
+DP_SP_PINS = {k: ("R", *v) if "blocks" in k else ("batch", *v) if k.startswith("scaled") else ("S(0)", *v)
+              for k, v in SP_PINS.items()}
+MESHES = {"tp4": ((TP,), ("tp",), SP_PINS, TP, 1), "dp2xtp2": ((2, 2), ("dp", "tp"), DP_SP_PINS, 2, 2)}
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def trained(request):
+    shape, axes, pins, tp, dp = MESHES[request.param]
+    results = get_pool(4).run(run_variants, shape, axes, pins, {"keep": {}, "regather": REGATHER}, timeout=300)
+    return results, tp, dp
 
 
 def test_sequence_parallel_plan_has_megatron_sp_collectives():
@@ -45,13 +53,15 @@ def test_sequence_parallel_plan_has_megatron_sp_collectives():
 
 
 def test_regathered_sequence_parallel_trains_exactly_and_saves_the_shard_only(trained):
-    for r in trained:
+    results, tp, dp = trained
+    for r in results:
         for name in ("keep", "regather"):
             for key in ("loss", "grad", "param"):
                 assert r[name][key] < TOL, (name, key, r[name][key])
         assert r["regather"]["act_gathers"] == 4 and r["keep"]["act_gathers"] == 0   # qkv's and fc's inputs
-        # each rank keeps 1/TP of each gathered input instead of all of it, between forward and backward
-        assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == GATHERED_BYTES * (TP - 1) // TP
+        # each rank keeps 1/tp of each gathered input (its batch share) instead of all of it, between
+        # forward and backward
+        assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == GATHERED_BYTES // dp * (tp - 1) // tp
 
 
 def test_planner_prices_the_regather_and_chooses_it_under_a_budget():
