@@ -2,9 +2,10 @@
 split on the sequence over the tensor-parallel axis, an all-gather before each column matmul and a
 reduce-scatter after each row matmul, and the column matmul's saved input kept sequence-sharded and
 all-gathered again in the backward (`Plan.residency["activations:<layer>"] = "regather"`).
-Trained on 4 gloo ranks (tp 4, and dp 2 x tp 2) against one process; memory measured with `MemoryMeter` and priced by the
-planner's evaluator, which chooses the re-gather under a tight budget. And the report's name for a
-plan's tensor-parallel family (1D, 2D, 2.5D, 3D, sequence, context), from its layouts per axis.
+Trained on 4 gloo ranks (tp 4, and dp 2 x tp 2) against one process; memory measured with
+`MemoryMeter` and priced by the planner's evaluator, which chooses the re-gather under a tight
+budget. And the report's name for a plan's tensor-parallel family (1D, 2D, 2.5D, 3D, sequence,
+context), from its layouts per axis.
 """
 from __future__ import annotations
 
