@@ -14,6 +14,7 @@ from .mesh import Mesh
 from .plan import Estimate, Plan
 from .estimate import StepEstimate, estimate  # noqa: E402  (binds the function over the submodule's name)
 from .explain import Explanation, explain  # noqa: E402  (likewise)
+from .runtime.experts import moe_capacity
 
 
 def compile_backend(mesh: Mesh, **options):
@@ -23,5 +24,5 @@ def compile_backend(mesh: Mesh, **options):
 
 
 __all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
-           "autoparallelize", "compile_backend", "AutoparError", "CaptureError", "CollectiveError", "InfeasibleError",
-           "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]
+           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CollectiveError",
+           "InfeasibleError", "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

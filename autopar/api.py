@@ -27,7 +27,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
          time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
          symbolic: bool = True, recompute: str = "auto", residency: str = "auto", offload: str = "auto",
-         precision: str = "auto", pipeline: Mapping | bool | None = None) -> Plan:
+         precision: str = "auto", pipeline: Mapping | bool | None = None,
+         moe_capacity_factor: float | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
@@ -54,13 +55,16 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         (axis, stages, virtual_stages, microbatches, schedule) and the planner chooses the rest, with
         "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything; the
         search solves one ILP per pipeline axis and microbatch count); None or False: no pipeline.
+    moe_capacity_factor: mixture-of-experts layers drop the token-slots past each expert's capacity,
+        ceil(factor x tokens x top_k / experts) over the global batch (GShard, Switch Transformer; the rule:
+        `autopar/runtime/experts.py`, one process: `autopar.moe_capacity`); None: dropless.
     """
     show = sys.stderr.isatty() if progress is None else progress
     with PhaseProgress() if show else contextlib.nullcontext() as phases:
         opts = PlanOptions(memory_budget, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
                            sharded_outputs, optimizer, time_limit, show, cache_dir=cache_dir, symbolic=symbolic,
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
-                           precision=precision, pipeline=pipeline)
+                           precision=precision, pipeline=pipeline, moe_capacity_factor=moe_capacity_factor)
         args = _as_tuple(example_inputs)
         if isinstance(pipeline, Mapping):
             return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)

@@ -36,7 +36,7 @@ _PHASES = ("forward", "backward")
 _FIXED = ("batch", "seq")
 _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
                  "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
-                 "precision": "str", "pipeline": "pipeline"}
+                 "precision": "str", "pipeline": "pipeline", "moe_capacity_factor": "positive?"}
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -109,9 +109,11 @@ class _Reader:
         self.keys(o, "options", required=(), optional=tuple(_OPTION_TYPES))
         for k, v in o.items():
             kind, field = _OPTION_TYPES[k], f"options.{k}"
-            if kind == "number?":
+            if kind in ("number?", "positive?"):
                 if v is not None:
                     self.number(v, field, least=0)
+                if kind == "positive?" and v is not None and not 0 < v < math.inf:
+                    self.fail(field, f"{v} is not a number above 0 (null: none)")
             elif kind == "bool":
                 self.boolean(v, field)
             elif kind == "str":

@@ -25,6 +25,7 @@ from .solver.ilp import min_memory, solve
 from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 from .strategies import op_name, rule_for
 from .strategies.attention import context_axis
+from .strategies.moe import check_capacity_factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +44,12 @@ class PlanOptions:
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
     pipeline: Mapping | bool | None = None      # None / False: no pipeline; a dict: that pipeline (pipelining.py)
+    moe_capacity_factor: float | None = None    # None: dropless MoE routing; a number: each expert's capacity
+                                                # (runtime/experts.py)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
 
     def __post_init__(self):
+        check_capacity_factor(self.moe_capacity_factor)
         for name, layout in (self.pins or {}).items():
             if isinstance(layout, str) or not isinstance(layout, Sequence):
                 raise ShardingError(f"pin {name!r}: {layout!r} is not a layout: give one placement (or strategy "
@@ -61,13 +65,16 @@ class PlanOptions:
                 "batch_axes": list(self.batch_axes or []), "sharded_outputs": self.sharded_outputs,
                 "optimizer": self.optimizer, "symbolic": self.symbolic, "recompute": self.recompute,
                 "residency": self.residency, "offload": self.offload, "precision": self.precision,
-                "pipeline": dict(sorted(self.pipeline.items())) if isinstance(self.pipeline, Mapping) else self.pipeline}
+                "pipeline": (dict(sorted(self.pipeline.items())) if isinstance(self.pipeline, Mapping)
+                             else self.pipeline),
+                "moe_capacity_factor": self.moe_capacity_factor}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PlanOptions:
         """The options a plan was made with (`Plan.options`), to rebuild its planning problem."""
         keep = {k: d[k] for k in ("memory_budget", "sharded_outputs", "optimizer", "symbolic", "recompute",
-                                  "residency", "offload", "precision", "pipeline") if k in d}
+                                  "residency", "offload", "precision", "pipeline", "moe_capacity_factor")
+                if k in d}
         return cls(pins=dict(d.get("pins") or {}) or None, batch_axes=tuple(d.get("batch_axes") or ()) or None,
                    progress=False, **keep)
 
@@ -159,7 +166,7 @@ def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Pro
     """The planning problem: the layout family, then the others as the options allow."""
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
                             sharded_outputs=opts.sharded_outputs, precision=opts.precision,
-                            saved_frees=opts.frees_activations)
+                            saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
     try:
         return add_families(problem, recompute_mode=opts.recompute, residency_mode=opts.residency,
                             offload_mode=opts.offload)

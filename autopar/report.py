@@ -211,6 +211,7 @@ def expert_placement(plan: Plan) -> dict[str, dict[str, object]]:
         out[n.module or n.name] = {
             "strategy": n.labels, "experts_split_over": split,
             "all_to_all_over": tuple(ax for ax, lab in zip(axes, n.labels) if lab == "expert_parallel"),
+            "matrices_split_over": tuple(ax for ax, lab in zip(axes, n.labels) if lab == "expert_tp"),
             "stored": plan.placements.get(f"{n.module}.gate_up_proj")}
     return out
 
@@ -222,12 +223,18 @@ def _expert_lines(plan: Plan) -> list[str]:
     axes = plan.mesh["axis_names"]
     lines = [f"Experts ({len(layers)} MoE layers; strategy per mesh axis {_lay(axes)}: expert_parallel = tokens and "
              f"experts split, token-slots dispatched and combined by all-to-all; experts = experts split, every "
-             f"token on every device, outputs summed; tokens = tokens split, every expert on every device):"]
+             f"token on every device, outputs summed; tokens = tokens split, every expert on every device; "
+             f"expert_tp = every expert's matrices split, gate/up by columns and down by rows, outputs summed):"]
+    factor = plan.options.get("moe_capacity_factor")
+    lines.append("  dropless routing: every token-slot computed" if factor is None else
+                 f"  capacity factor {factor:g}: each expert takes at most ceil({factor:g} x tokens x top_k / experts) "
+                 f"token-slots of the global batch, the rest dropped (their tokens carried by the residual)")
     for module, e in layers.items():
         stored = _lay(e["stored"]) if e["stored"] else "-"
         lines.append(f"  {module:<40} {_lay(e['strategy']):<28} experts split over "
                      f"{', '.join(e['experts_split_over']) or 'none'}; all-to-all over "
-                     f"{', '.join(e['all_to_all_over']) or 'none'}; gate_up stored {stored}")
+                     f"{', '.join(e['all_to_all_over']) or 'none'}; matrices split over "
+                     f"{', '.join(e['matrices_split_over']) or 'none'}; gate_up stored {stored}")
     return lines + [""]
 
 

@@ -45,7 +45,7 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
     only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     sp = build_problem(cap, sym.infos, problem.mesh, only=only, optimizer=opts.optimizer,
                        batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
-                       saved_frees=opts.frees_activations)
+                       saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
     one = {name: 0 for name in sp.decisions}
     add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload)
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's

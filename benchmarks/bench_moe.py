@@ -8,8 +8,12 @@ Hugging Face Mixtral-8x7B (MixtralForCausalLM from its published config: 32 laye
 the meta device. Four plans: the solver's own choice, then the experts op pinned to each of its
 strategies on "ep" (tokens split over "dp" in all three): expert_parallel (all-to-all dispatch),
 experts (every token on every device of the axis, outputs summed) and tokens (every expert on every
-device). One JSON line per plan: predicted step time, tokens/s per GPU, peak memory, the experts'
-strategy per axis and the all-to-all axes, planning time.
+device). A fifth on the same 64 GPUs as `Mesh((8, 4, 2), ("dp", "ep", "tp"))` (ep x tp: one node
+of 8): expert_parallel on "ep" and tensor parallelism inside every expert on "tp" (expert_tp),
+inputs split over dp and ep. A sixth: expert_parallel on (dp=8, ep=8) with `moe_capacity_factor=1.0`
+(slots past capacity dropped; priced at the capped load, below the profile's imbalance of 1.2).
+One JSON line per plan: predicted step time, tokens/s per GPU, peak memory, the experts' strategy
+per axis and the all-to-all axes, planning time.
 """
 from __future__ import annotations
 
@@ -28,23 +32,30 @@ from autopar.report import expert_placement  # noqa: E402
 from zoo import build  # noqa: E402
 
 BATCH, SEQ = 64, 4096
-CHOICES = {"solver": None, "expert_parallel": ("tokens", "expert_parallel"), "experts": ("tokens", "experts"),
-           "tokens": ("tokens", "tokens")}
+DP_EP = ((8, 8), ("dp", "ep"))
+# label -> (the experts op's strategy per axis or None: the solver's choice, mesh shape and axis names,
+# moe_capacity_factor)
+CHOICES = {"solver": (None, *DP_EP, None), "expert_parallel": (("tokens", "expert_parallel"), *DP_EP, None),
+           "experts": (("tokens", "experts"), *DP_EP, None), "tokens": (("tokens", "tokens"), *DP_EP, None),
+           "expert_parallel+expert_tp": (("tokens", "expert_parallel", "expert_tp"), (8, 4, 2), ("dp", "ep", "tp"),
+                                         None),
+           "expert_parallel capacity 1.0": (("tokens", "expert_parallel"), *DP_EP, 1.0)}
 
 
 def one(label: str, layers: int, time_limit: float) -> dict:
     model, args, kwargs, _ = build("mixtral", full=True, layers=layers, batch=BATCH, seq=SEQ)
     model = model.to(torch.bfloat16)
-    mesh = autopar.Mesh((8, 8), axis_names=("dp", "ep"), device="h100")
-    pins = {"moe_experts*": CHOICES[label]} if CHOICES[label] else None
+    strategy, shape, names, capacity = CHOICES[label]
+    mesh = autopar.Mesh(shape, axis_names=names, device="h100")
+    pins = {"moe_experts*": strategy} if strategy else None
     t0 = time.perf_counter()
-    row = {"bench": f"mixtral-8x7b ({layers} layers) bf16 AdamW {BATCH}x{SEQ} on (dp=8, ep=8) H100",
-           "experts": label}
+    where = ", ".join(f"{a}={n}" for a, n in zip(names, shape))
+    row = {"bench": f"mixtral-8x7b ({layers} layers) bf16 AdamW {BATCH}x{SEQ} on ({where}) H100", "experts": label}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = autopar.plan(model, args, mesh, example_kwargs=kwargs, batch_axes=("dp", "ep"), pins=pins,
-                                symbolic=False, time_limit=time_limit)
+            plan = autopar.plan(model, args, mesh, example_kwargs=kwargs, batch_axes=names[:2], pins=pins,
+                                symbolic=False, time_limit=time_limit, moe_capacity_factor=capacity)
     except autopar.InfeasibleError as e:
         return {**row, "feasible": False, "min_memory_gib": round(e.min_memory_bytes / 2**30, 1),
                 "plan_s": round(time.perf_counter() - t0, 1)}

@@ -92,32 +92,38 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 LAYOUTS_ONLY = dict(recompute="none", offload="none", residency="keep")
 
 
-def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None):
+def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None, batch_axes=None, capacity=None):
+    """capacity: the plan's moe_capacity_factor; the one-process run drops the same token-slots."""
+    import contextlib
     model, inputs, kwargs, loss_fn = build_any(name)
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh(mesh_shape, axis_names, device=shard_happy_profile())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    local_inputs = inputs
-    if batch_axes:   # this rank's slice of the batch, as a DistributedSampler would give
+    local_inputs, local_kwargs = inputs, kwargs
+    if batch_axes:   # this rank's slice of the batch (positional and keyword), as a DistributedSampler would give
         local_inputs = mesh.local_batch(inputs, batch_axes)
+        local_kwargs = dict(zip(kwargs, mesh.local_batch(tuple(kwargs.values()), batch_axes)))
     if pins:
         # the saved-plan path: plan once (rank 0, as offline), ship the JSON, apply without solving
         import torch.distributed as dist
         saved = [autopar.plan(model, inputs, mesh, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
-                              symbolic=False, **LAYOUTS_ONLY).to_json() if rank == 0 else None]
+                              symbolic=False, moe_capacity_factor=capacity, **LAYOUTS_ONLY).to_json()
+                 if rank == 0 else None]
         dist.broadcast_object_list(saved, src=0)
         saved = saved[0]
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs,
                                          plan=autopar.Plan.from_json(saved))
     else:
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
-                                         **LAYOUTS_ONLY)
+                                         moe_capacity_factor=capacity, **LAYOUTS_ONLY)
 
     opt = torch.optim.AdamW(dmodel.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    stack = contextlib.ExitStack()      # the reference drops what the plan drops (its own experts modules only)
+    dropped = {} if capacity is None else stack.enter_context(autopar.moe_capacity(ref, capacity))
     for step in range(STEPS):
-        out = dmodel(*local_inputs, **kwargs)
+        out = dmodel(*local_inputs, **local_kwargs)
         if batch_axes:
             out = out.full_tensor() if hasattr(out, "full_tensor") else out
         loss = loss_fn(out)
@@ -156,6 +162,8 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     worst["buffer"] = max([rel(buffers[k], b) if b.is_floating_point() else float(not torch.equal(buffers[k], b))
                            for k, b in ref.named_buffers()], default=0.0)
     worst["n_buffers"] = len(buffers)
+    stack.close()
+    worst["dropped"] = dict(dropped)
     worst["placements"] = dict(dmodel.plan.placements)
     worst["fallbacks"] = list(dmodel.plan.fallbacks)
     worst["labels"] = sorted({lab for n in dmodel.plan.nodes for lab in n.labels})

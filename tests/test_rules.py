@@ -30,7 +30,7 @@ from autopar.placement import local_shape  # noqa: E402
 from autopar.runtime.ops import _SHAPE_ARG  # noqa: E402
 from autopar.strategies import rule_for  # noqa: E402
 from autopar.strategies.attention import CONTEXT_LABELS  # noqa: E402
-from autopar.strategies.moe import EXPERT_PARALLEL  # noqa: E402
+from autopar.strategies.moe import EXPERT_PARALLEL, EXPERT_TP  # noqa: E402
 from autopar.strategies.strategy import axis_options, fits  # noqa: E402
 from autopar.strategies.vocab import VOCAB_PARALLEL  # noqa: E402
 from zoo import MODELS  # noqa: E402
@@ -114,7 +114,8 @@ def check_node(node: fx.Node, env: dict[str, object], gen) -> list[str]:
         [env[a.name] if isinstance(a, fx.Node) else a for a in leaves], spec)[1])
     bad = []
     for opt in axis_options(rule, node, ins, outs):
-        if opt.label in ("replicate", EXPERT_PARALLEL, VOCAB_PARALLEL) or opt.label in CONTEXT_LABELS or (
+        inside = ("replicate", EXPERT_PARALLEL, EXPERT_TP, VOCAB_PARALLEL)
+        if opt.label in inside or opt.label in CONTEXT_LABELS or (
                 rule.admits is not None and not rule.admits((opt.label,), tuple((p,) for p in opt.inputs),
                                                             (opt.output,), ins, outs, (N,), fits)):
             continue      # these move data inside the op or mask it to a slice: their own test files

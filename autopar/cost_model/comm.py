@@ -38,7 +38,10 @@ an axis sends each token-slot to its expert's device and back, two all-to-alls o
 routed rows R = tokens x top_k x hidden x itemsize (pairwise exchange: n-1 steps, each device sends
 (n-1)/n of R), after one all-to-all of the n split counts (latency only). The splits follow the
 routing, so the exchange ends when the busiest device does: its bandwidth term is `imbalance`
-(`DeviceProfile.moe_load_imbalance`) times the mean. The backward runs the two all-to-alls reversed.
+(`DeviceProfile.moe_load_imbalance`) times the mean, or the capacity factor where a plan sets a
+lower one (`moe_routed_load`: slots past capacity are dropped, never sent). The backward runs the two
+all-to-alls reversed. Tensor parallelism inside the experts (`expert_tp_exchange_times`) trades the
+device's fused gate/up shard with its peers once per step and direction: one all-to-all of the shard.
 
 Vocab-split cross-entropy and log_softmax (`vocab_reduce_times`): logits split on the vocabulary over an
 axis all-reduce a few fp32 statistics per row (the maximum, the sum-exp, ...; `VOCAB_REDUCES`), each
@@ -68,9 +71,8 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
-           "bucket_launch_time", "expert_exchange_times", "VOCAB_REDUCES", "vocab_reduce_times",
-           "vocab_reduce_bytes_on_wire",
-           "ReshardCost", "reshard_cost"]
+           "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
+           "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Algorithm = Literal["ring", "tree", "auto"]
@@ -219,6 +221,13 @@ def bucket_launch_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, l
 _COUNT_BYTES = 8
 
 
+def moe_routed_load(imbalance: float, capacity_factor: float | None = None) -> float:
+    """The busiest device's routed token-slots over the mean: the profile's `moe_load_imbalance`, at
+    most the capacity factor where one is set (no expert takes more than factor x its mean share of
+    the slots, so no device does: runtime/experts.py)."""
+    return imbalance if capacity_factor is None else min(imbalance, capacity_factor)
+
+
 def expert_exchange_times(row_bytes: float, n: int, link: AnyLink, imbalance: float = 1.0,
                           launch_overhead: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of an expert-parallel layer's dispatch and combine over one mesh
@@ -253,6 +262,17 @@ def vocab_reduce_times(op: str, rows: float, n: int, link: AnyLink,
 def vocab_reduce_bytes_on_wire(op: str, rows: float, n: int) -> tuple[float, float]:
     """(forward, backward) bytes one device sends in those all-reduces (`vocab_reduce_times`)."""
     return tuple(collective_bytes_on_wire("all_reduce", rows * sum(phase), n) for phase in VOCAB_REDUCES[op])
+
+
+def expert_tp_exchange_times(shard_bytes: float, n: int, link: AnyLink,
+                             launch_overhead: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of trading a MoE layer's fused gate/up shard into Megatron's pairing
+    over its expert_tp axis of n devices (runtime/experts.py): one all-to-all of the device's
+    `shard_bytes` forward, its reverse for the gradient backward."""
+    if n <= 1:
+        return 0.0, 0.0
+    t = collective_time("all_to_all", n * shard_bytes, n, link) + launch_overhead
+    return t, t
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:

@@ -121,7 +121,8 @@ def moe_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, a
 
     hidden [T, H]; top_k_index/top_k_weights [T, k]; gate_up_proj [E_local, 2I, H] (gate rows
     first); down_proj [E_local, H, I]. Tokens routed elsewhere contribute zero, so summing the
-    results of devices holding disjoint experts gives the whole layer."""
+    results of devices holding disjoint experts gives the whole layer; so does a slot whose index
+    is -1 (dropped over its expert's capacity, runtime/experts.py)."""
     T, k = top_k_index.shape
     out = hidden.new_zeros(T, k, hidden.shape[-1])
     fn = _ACTS[act]
@@ -192,15 +193,18 @@ def _is_plain_hf_experts(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def experts_as_one_op(model: torch.nn.Module):
+def experts_as_one_op(model: torch.nn.Module, route=None):
     """While tracing, run each standard HF experts module as `autopar::moe_experts` (the model's
-    own modules are restored afterwards; nothing else changes)."""
+    own modules are restored afterwards; nothing else changes). `route(top_k_index, num_experts,
+    module)`, if given, rewrites each layer's routing first (a capacity's drops: runtime/experts.py)."""
     patched = []
     for m in model.modules():
         if _is_plain_hf_experts(m) and "forward" not in m.__dict__:
             act = _moe_act(m)
 
             def forward(hidden_states, top_k_index, top_k_weights, _m=m, _act=act):
+                if route is not None:
+                    top_k_index = route(top_k_index, _m.gate_up_proj.shape[0], _m)
                 return torch.ops.autopar.moe_experts(hidden_states, top_k_index, top_k_weights, _m.gate_up_proj,
                                                      _m.down_proj, _act, 0)
             m.forward = forward

@@ -120,6 +120,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None, **extra)
             mod.local_out = pass_local and passes_local(node, planned, len(whole))
+            mod.capacity_factor = plan.options.get("moe_capacity_factor")
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)
     return fx.GraphModule(root, g, class_name="AutoparRankGraph")

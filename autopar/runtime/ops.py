@@ -25,7 +25,7 @@ from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import block_index, layout_str, local_shape
 from . import rng
-from .experts import expert_parallel
+from .experts import run_experts
 from .reshard import grad_layout, reshard, to_layout
 from .vocab import vocab_cross_entropy, vocab_embedding, vocab_log_softmax, vocab_nll_loss
 
@@ -48,7 +48,7 @@ def _moe_first_expert(op: "LocalOp", args, kwargs):
 LOCALIZE = {torch.ops.autopar.moe_experts.default: _moe_first_expert}
 # Ops that run otherwise than the plain op on local shards under some strategies (moving data between
 # devices inside themselves, or masking a lookup to their slice): target -> fn(op, args, kwargs)
-EXCHANGE = {torch.ops.autopar.moe_experts.default: expert_parallel,
+EXCHANGE = {torch.ops.autopar.moe_experts.default: run_experts,
             aten.embedding.default: vocab_embedding, aten.cross_entropy_loss.default: vocab_cross_entropy,
             aten.log_softmax.int: vocab_log_softmax, aten._log_softmax.default: vocab_log_softmax,
             aten.nll_loss.default: vocab_nll_loss, aten.nll_loss_nd.default: vocab_nll_loss}
@@ -113,6 +113,7 @@ class LocalOp(torch.nn.Module):
         self.rng: rng.RngState | None = None      # a dropout's (rng.attach), with its node's name
         self.node = ""
         self.local_out = False      # hand the result on as a plain local tensor (passes/rewrite.passes_local)
+        self.capacity_factor: float | None = None    # the plan's moe_capacity_factor (an experts op's, experts.py)
 
     def _localize(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))

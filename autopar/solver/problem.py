@@ -24,7 +24,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_exchange_times,
-                               vocab_reduce_bytes_on_wire, vocab_reduce_times)
+                               expert_tp_exchange_times, moe_routed_load, vocab_reduce_bytes_on_wire,
+                               vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
@@ -36,7 +37,7 @@ from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_inputs, tensor_meta
 from ..placement import parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
-from ..strategies.moe import MOE_OP, exchange_axes, expert_axes
+from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
 from ..strategies.vocab import class_dim, vocab_axes
 from ..passes.layers import layer_key, module_path
 from .families import Families
@@ -102,6 +103,7 @@ class Problem:
     # parameter -> forward position of its last consumer: its gradient exists from that op's backward
     # on (a parameter no edge reaches, from the start of the backward)
     grad_from: dict[str, int] = field(default_factory=dict)
+    moe_load: float = 1.0     # MoE layers' busiest device's routed slots over the mean (comm.moe_routed_load)
 
     def grad_since(self, name: str) -> int:
         """The timeline position from which parameter `name`'s gradient exists."""
@@ -213,25 +215,27 @@ class OpCostArgs(NamedTuple):
     all_out_b: float         # all its outputs on one device (when its autograd work needs it)
     facts: OpFacts
     context: ContextComm | None = None    # context-parallel attention's transfers (cost_model/context.py)
-    routed: bool = False     # a MoE op whose experts are split: its load follows the routing
+    routed: float = 0.0      # a MoE op whose experts are split: its busiest device's load over the mean
     exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
     vocab: tuple = ()        # (op, axis size, link, rows on one device, axis) per vocab axis of a vocab-split op
+    paired: tuple = ()       # (axis, its size, link, gate/up shard bytes): a MoE op's expert_tp weight trade
 
 
 def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None,
-                 links=None, vocab: tuple = ()) -> OpCostArgs:
+                 links=None, vocab: tuple = (), moe_load: float = 1.0) -> OpCostArgs:
     """The `OpCostArgs` of a node under strategy s (`links`, one per mesh axis: to price the
-    collectives an op runs inside itself; without them, its compute alone)."""
+    collectives an op runs inside itself; without them, its compute alone; `moe_load`: `Problem.moe_load`)."""
     pf = parallel_count(s, shape)
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    routed, exchange = False, ()
+    routed, exchange, paired = 0.0, (), ()
     if facts.op == MOE_OP:
-        routed = bool(expert_axes(s.inputs))
+        routed = moe_load if expert_axes(s.inputs) else 0.0
         exchange = moe_exchange(info.out[0], info.ins[1], s, shape, links) if links else ()
+        paired = expert_tp_trade(info.ins[3], s, shape, links) if links else ()
     return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts,
-                      context, routed, exchange, vocab)
+                      context, routed, exchange, vocab, paired)
 
 
 def vocab_reductions(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> tuple:
@@ -274,13 +278,29 @@ def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, link
     return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
 
 
-def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, profile) -> float:
+def gate_up_shard_bytes(gate_up: fx.Node, s: Strategy, shape) -> float:
+    """Bytes of one device's shard of a MoE op's fused gate/up weight under s."""
+    return tensor_meta(gate_up.meta["val"])[0].nbytes / shard_count(s.inputs[3], shape)
+
+
+def expert_tp_trade(gate_up: fx.Node, s: Strategy, shape, links) -> tuple:
+    """(axis, its size, link, bytes of one device's gate/up shard) where a MoE op under s trades its
+    fused gate/up shard into Megatron's pairing (`strategies.moe`, expert_tp); () if no axis does."""
+    a = tensor_axis(s.inputs)
+    return () if a is None else ((a, shape[a], links[a], gate_up_shard_bytes(gate_up, s, shape)),)
+
+
+def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, moe_load: float) -> float:
     """Bytes an op that exchanges data inside itself keeps for its backward besides its output: an
     expert-parallel MoE layer keeps the token-slots it received (its experts' input) and their
-    outputs (for the router weights' gradient), each the busiest device's routed rows (runtime/experts.py)."""
-    if facts.op != MOE_OP or not exchange_axes(s.inputs):
+    outputs (for the router weights' gradient), each the busiest device's routed rows; under expert_tp
+    it keeps its traded gate/up shard (runtime/experts.py)."""
+    if facts.op != MOE_OP:
         return 0.0
-    return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * profile.moe_load_imbalance
+    paired = 0.0 if tensor_axis(s.inputs) is None else gate_up_shard_bytes(info.ins[3], s, shape)
+    if not exchange_axes(s.inputs):
+        return paired
+    return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * moe_load + paired
 
 
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
@@ -302,9 +322,15 @@ def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
     metas = tensor_meta(node.meta.get("val"))
     for a, n, link, routed_b in moe_exchange(metas[0], node.args[1], s, mesh.shape, mesh.links):
         ax = mesh.axis_names[a]
-        xf, xb = expert_exchange_times(routed_b, n, link, mesh.profile.moe_load_imbalance,
+        xf, xb = expert_exchange_times(routed_b, n, link, problem.moe_load,
                                        mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
         sent = 2 * collective_bytes_on_wire("all_to_all", n * routed_b, n)
+        out += [("forward", f"all_to_all@{ax}", xf, sent, ax), ("backward", f"all_to_all@{ax}", xb, sent, ax)]
+    for a, n, link, shard_b in expert_tp_trade(node.args[3], s, mesh.shape, mesh.links):
+        ax = mesh.axis_names[a]
+        xf, xb = expert_tp_exchange_times(shard_b, n, link, mesh.profile.kernel_overhead
+                                          + mesh.profile.collective_overhead)
+        sent = collective_bytes_on_wire("all_to_all", n * shard_b, n)
         out += [("forward", f"all_to_all@{ax}", xf, sent, ax), ("backward", f"all_to_all@{ax}", xb, sent, ax)]
     return out
 
@@ -318,14 +344,17 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
     if a.context is not None:
         fwd, bwd = context_times(fwd, bwd, a.context)
     if a.routed:       # experts split over devices: the busiest device sets the pace (profiles.py)
-        fwd, bwd = fwd * profile.moe_load_imbalance, bwd * profile.moe_load_imbalance
+        fwd, bwd = fwd * a.routed, bwd * a.routed
     for _, n, link, routed_b in a.exchange:
-        xf, xb = expert_exchange_times(routed_b, n, link, profile.moe_load_imbalance,
+        xf, xb = expert_exchange_times(routed_b, n, link, a.routed,
                                        profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + xf, bwd + xb
     for op, n, link, rows, _ in a.vocab:
         vf, vb = vocab_reduce_times(op, rows, n, link, profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + vf, bwd + vb
+    for _, n, link, shard_b in a.paired:
+        xf, xb = expert_tp_exchange_times(shard_b, n, link, profile.kernel_overhead + profile.collective_overhead)
+        fwd, bwd = fwd + xf, bwd + xb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
@@ -364,11 +393,13 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                   pins: Mapping[str, Sequence[str]] | None = None, optimizer: str = "adamw",
                   batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False,
                   link_layers: bool = True, only: Mapping[str, Strategy] | None = None,
-                  precision: str = "auto", saved_frees: bool = False) -> Problem:
+                  precision: str = "auto", saved_frees: bool = False,
+                  moe_capacity_factor: float | None = None) -> Problem:
     """The planning problem of a captured graph (the layout family; `solver.decisions` adds the others).
 
     `precision` prices optimizer state (`cost_model.memory.state_bytes`); `saved_frees` adds the
     liveness points where freeing families (recomputation, offload) lower memory.
+    `moe_capacity_factor` caps MoE layers' load (`cost_model.comm.moe_routed_load`).
 
     `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
     how a chosen plan is re-priced at symbolic sizes (`autopar.scaling`), where `infos` hold
@@ -386,6 +417,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     fallbacks: list[str] = []
     batch_idx = {mesh.axis_index(a) for a in (batch_axes or ())}
     priced: dict = {}
+    moe_load = moe_routed_load(mesh.profile.moe_load_imbalance, moe_capacity_factor)
 
     def pinned(keys: Sequence[str]):
         for pat, layout in pins.items():
@@ -473,7 +505,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         facts = op_facts(node, infos, ng)
         for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
             key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links,
-                               vocab_reductions(node, s, ins_meta, mesh))
+                               vocab_reductions(node, s, ins_meta, mesh), moe_load)
             if key not in priced:    # a repeated layer's ops cost the same: price each once
                 priced[key] = op_cost(key, mesh.profile)
             fwd, bwd = priced[key]
@@ -482,7 +514,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         compute = compute or [0.0] * len(strategies)
         forward = forward or [0.0] * len(strategies)
         act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
-               + exchange_saved_bytes(info, s, shape, facts, mesh.profile) for s in strategies]
+               + exchange_saved_bytes(info, s, shape, facts, moe_load) for s in strategies]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
                                         opt_bytes=[0.0] * len(strategies))
@@ -504,7 +536,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
     layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
     return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer,
-                   grad_from=grad_from)
+                   grad_from=grad_from, moe_load=moe_load)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
