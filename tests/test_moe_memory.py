@@ -48,8 +48,8 @@ def train_with_memory_families(rank, world_size):
     plan = dmodel.plan
     return {**worst, "stored": {k: plan.placements[k] for k in EXPERTS},
             "residency": {k: plan.residency.get(k) for k in EXPERTS}, "tiers": {k: opt.tier_of(k) for k in EXPERTS},
-            "regathered": sorted(m.fqn for m in dmodel.graph_module.modules()
-                                 if type(m).__name__ == "GatherParam" and m.residency == "regather"),
+            "regathered": sorted(m.key for m in dmodel.graph_module.modules()
+                                 if type(m).__name__ == "GatherCopy" and m.residency == "regather"),
             "labels": sorted({lab for n in plan.nodes for lab in n.labels}), "notes": list(dmodel.memory.notes)}
 
 
