@@ -109,7 +109,8 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
         check_plan(plan, cap, mesh)
     if pipe is not None:
         from .runtime.pipeline import PipelinedModule
-        return PipelinedModule(model, cap, plan, device_mesh, offload_dir=offload_dir)
+        return PipelinedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
+                               grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
                              grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
 

@@ -118,8 +118,11 @@ class _Bucket:
 class GradSync:
     """Per distributed module: the parameters' gradient buckets (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, device_mesh, bucket_bytes: float):
-        self.module, self.mesh, self.bucket_bytes = module, device_mesh, bucket_bytes
+    def __init__(self, module: torch.nn.Module, device_mesh, bucket_bytes: float, deferred: bool = False):
+        """deferred: a pipelined step's mode (runtime/pipeline.py): every microbatch's partial gradients
+        are summed locally and nothing is launched until the caller's `finish()` after the schedule's
+        last backward: one reduction per step, as the evaluator prices a pipeline's gradient sync."""
+        self.module, self.mesh, self.bucket_bytes, self.deferred = module, device_mesh, bucket_bytes, deferred
         self._groups: dict[tuple[int, ...], object] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
         self.reset()
@@ -140,6 +143,13 @@ class GradSync:
         entry = self._pending.get(name)
         if kind is None or name in self._done or (entry is not None and entry[0] != kind):
             return False
+        if self.deferred:
+            local = grad.to_local()
+            if entry is None:
+                self._pending[name] = [kind, local.clone(), 0]
+            else:
+                entry[1].add_(local)
+            return True
         if not self._armed:
             at_backward_end(self.finish)
             self._armed = True

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..compat import pytree
+from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..passes.layers import layer_key
@@ -52,6 +53,7 @@ from ..passes.shape_prop import tensor_meta
 from ..placement import local_shape, parse_layout
 from ..plan import Plan
 from . import rng
+from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, activation_keys, apply_memory_plan
 from .module import _device, _set_path, _storage, input_value, shard_parameters
 from .offload import HostPool
@@ -122,7 +124,8 @@ class _ChunkModule(torch.nn.Module):
 
 
 class PipelinedModule(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None):
+    def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None,
+                 grad_bucket_bytes: float = DDP_BUCKET_BYTES):
         super().__init__()
         pipe = plan.pipeline
         _check_model(cap)
@@ -139,10 +142,15 @@ class PipelinedModule(torch.nn.Module):
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
         self._planned_shapes = input_shapes_of(cap)
         graph = rewrite(cap, plan, device_mesh, pass_local=False)     # chunk outputs cross as DTensors
-        chunks = cut(graph, chunk_of(graph.graph, pipe), pipe.chunks)
-        mine = [c for c in chunks if c.index % pipe.stages == self._pp_rank]
         param_of = {name: cap.param_names.get(str(s.target), str(s.target)) for name, s in cap.inputs.items()
                     if s.kind == "param"}
+        # gradients summed over the microbatches and reduced once per step, after the schedule (zb's
+        # weight pass asks autograd for the parameters' gradients itself: reduced per microbatch there)
+        self._grad_sync = GradSync(self, device_mesh, grad_bucket_bytes, deferred=True)
+        if pipe.schedule != "zb":
+            attach(graph, self._grad_sync, param_of)
+        chunks = cut(graph, chunk_of(graph.graph, pipe), pipe.chunks)
+        mine = [c for c in chunks if c.index % pipe.stages == self._pp_rank]
         readers: dict[str, set[int]] = {}
         for c in chunks:
             for p in c.placeholders:
@@ -285,7 +293,10 @@ class PipelinedModule(torch.nn.Module):
         training = torch.is_grad_enabled()
         before = self._shared_grads() if training else None
         run = self._schedule.step if training else self._schedule.eval
+        self._grad_sync.reset()
         run(mb=ids, target=ids, losses=losses, return_outputs=False)
+        if training:
+            self._grad_sync.finish()
         self._micro = []
         last_rank = (pipe.chunks - 1) % pipe.stages
         value = (torch.stack([x.detach() for x in losses]).sum() if losses
