@@ -77,19 +77,26 @@ def _plan(model, inputs, mesh, **kw):
 def compare(hidden, heads, layers, batch, mesh, megatron_pipe, chosen_pipe, label) -> list[dict]:
     model, inputs = _model(hidden, heads, layers, batch)
     flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
-    out = []
-    plan, wall = _plan(model, inputs, mesh, pipeline=chosen_pipe)
-    out.append(_row(f"{label} autopar", plan, wall, flops, mesh.size))
-    print(json.dumps(out[-1]), flush=True)
     fixed = dict(pipeline=megatron_pipe) if megatron_pipe else dict(pipeline=False)
-    plan, wall = _plan(model, inputs, mesh, pins=_pins(mesh), recompute="selective", residency="keep",
-                       offload="none", **fixed)
-    out.append(_row(f"{label} Megatron-LM", plan, wall, flops, mesh.size))
-    print(json.dumps(out[-1]), flush=True)
-    print(json.dumps({"benchmark": f"pipeline {label}", "autopar_step_s": out[0]["step_s"],
-                      "megatron_step_s": out[1]["step_s"],
-                      "autopar_over_megatron": round(out[0]["step_s"] / out[1]["step_s"], 3)}), flush=True)
+    out = [_priced(f"{label} autopar", flops, mesh, model, inputs, pipeline=chosen_pipe),
+           _priced(f"{label} Megatron-LM", flops, mesh, model, inputs, pins=_pins(mesh), recompute="selective",
+                   residency="keep", offload="none", **fixed)]
+    steps = [r.get("step_s") for r in out]
+    print(json.dumps({"benchmark": f"pipeline {label}", "autopar_step_s": steps[0], "megatron_step_s": steps[1],
+                      "autopar_over_megatron": round(steps[0] / steps[1], 3) if all(steps) else None}), flush=True)
     return out
+
+
+def _priced(label, flops, mesh, model, inputs, **kw) -> dict:
+    """One configuration's row, or what it needs where nothing fits the device (printed either way)."""
+    try:
+        plan, wall = _plan(model, inputs, mesh, **kw)
+        row = _row(label, plan, wall, flops, mesh.size)
+    except autopar.InfeasibleError as e:
+        need = e.min_memory_bytes
+        row = {"config": label, "infeasible": str(e), "needs_gib": None if need is None else round(need / 2**30, 2)}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv=None) -> list[dict]:
