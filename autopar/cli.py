@@ -93,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--microbatches", type=int, default=1)
     e.add_argument("--pipeline-axis", default="pp")
     e.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    e.add_argument("--num-layers", type=int, help="price the layer stack as this many layers")
     x = sub.add_parser("explain", help="why nodes or parameters got their layouts, and what else would cost")
     _model_args(x, required_mesh=False)
     x.add_argument("--plan", required=True, metavar="FILE", help="the plan JSON (its mesh is used)")
@@ -229,12 +228,11 @@ def cmd_estimate(a) -> int:
         return 0
     mesh, src = _mesh(a), _source(a)
     layouts = _load_plan(a.plan) if a.plan else (parse_pins(a.pins) or None)
-    pipe = autopar.Pipeline(stages=a.stages, microbatches=a.microbatches,
-                            axis=a.pipeline_axis if a.stages > 1 else None)
-    try:
+    pipe = (autopar.Pipeline(stages=a.stages, microbatches=a.microbatches, axis=a.pipeline_axis)
+            if a.stages > 1 or a.microbatches > 1 else None)
+    try:       # given only when asked: a plan decides its own pipeline and recomputation
         est = autopar.estimate(src.model, src.args, mesh, layouts, example_kwargs=src.kwargs,
-                               batch_axes=_list(a.batch_axes), pipeline=pipe, recompute=a.recompute,
-                               num_layers=a.num_layers)
+                               batch_axes=_list(a.batch_axes), pipeline=pipe, recompute=a.recompute or None)
     except ValueError as e:      # estimate's argument checks (pipeline axis, sizes)
         raise CliError(str(e)) from None
     print(est.report())

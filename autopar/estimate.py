@@ -2,103 +2,59 @@
 
     est = autopar.estimate(model, batch, mesh,                       # mesh axes ("pp", "dp", "tp")
                            {"*.qkv.weight": ("R", "S(0)"), ...},     # layouts over the other axes
-                           batch_axes=("dp",), recompute=True,
+                           batch_axes=("dp",), recompute="full",
                            pipeline=Pipeline(stages=4, microbatches=16, schedule="interleaved",
                                              virtual_stages=2))
     print(est.report()); est.step_time_s; est.tflops_per_device
 
 `plan` is an autopar `Plan`, a dict of pins (parameter names or globs, or node names -> one
-placement per non-pipeline mesh axis; the ops in between take the fastest layouts consistent
-with them, as the planner would choose), or None (autopar chooses).
+placement per mesh axis, or per non-pipeline axis when a pipeline is given), or None (autopar
+chooses the layouts).
 
-How a step is composed, from the planner's own per-op and per-edge prices (the planning
-problem's tables, `solver/problem.py`); an autopar `Plan` is priced by the planner's evaluator
-itself (`solver/evaluate.py`), equal to `plan.estimate`:
-
-* The model is captured at one microbatch (`example_inputs` is the global batch of a step; with
-  m microbatches each is 1/m of it). Every op node lands in a *segment*: `pre` (before the layer
-  stack: embeddings), one per layer of the stack (the `ModuleList` of repeated blocks, e.g.
-  `blocks.3`), and `post` (final norm, head, loss).
-* Per segment and microbatch: forward and backward compute (`cost_model.compute.op_times`: per-op
-  backward factors, attention on the matrix units); forward resharding (tensor-parallel all-reduces, weight gathers) and backward
-  resharding of activation gradients, all on the critical path (no overlap). With
-  `recompute=True` every layer runs its forward (compute and collectives) once more before its
-  backward: full activation recomputation as Megatron-LM ran it.
-* `num_layers` prices a stack of that many copies of the captured layers (their mean), so a
-  model captured with ONE layer prices the full-depth model: costs per layer are exact copies
-  for identical layers, and nothing but the layer count differs.
-* Layers are dealt to `stages * virtual_stages` chunks in order, chunk j on device j mod stages;
-  `pre` runs on the first device, `post` on the last. `cost_model.pipeline` turns per-device
-  times into the step time (bubble included); stage-boundary activations go point-to-point over
-  the pipeline axis's link.
-* Gradient synchronisation (the backward legs of parameter edges: data-parallel all-reduces or
-  reduce-scatters) runs once per step, bucketed (`bucket_bytes`); `grad_overlap` in [0, 1] is
-  the fraction of the last microbatch's backward it may hide behind (0: after the backward, as
-  Megatron's local DDP; 1: fully behind it but the last bucket, as PyTorch DDP). A parameter
-  used on the first and the last stage (tied embeddings) is also all-reduced between them.
-* The optimizer step: `cost_model.compute.optimizer_seconds`, as the planner prices it.
-* Memory per device: parameter state (`precision`: "mixed" = 16-bit params and grads with fp32
-  master and moments; "same" = all in the parameter dtype), plus activations saved for the
-  backward times the microbatches in flight (`cost_model.pipeline.in_flight_microbatches`);
-  with recompute, a layer keeps only its input, and one layer's activations live during its
-  recomputation.
+This module prices nothing itself. A hand-written configuration is turned into the Plan it
+describes: the planner (`autopar.plan`) with every family fixed as written (the pins; the
+pipeline given in full as `pipeline=dict(axis=, stages=, microbatches=, schedule=, virtual_stages=)`;
+`recompute`, `residency`, `offload` as given; no memory budget, so that a configuration that does
+not fit is priced, not refused), the ops between pins taking the fastest layouts consistent with
+them. A Plan, given or made, is then priced by the planner's one evaluator (`solver/evaluate.py`,
+per pipeline rank when pipelined), so `estimate(...)` of pins equals `plan.estimate` of the Plan
+they describe. What the evaluator reads from the device profile can be set per call:
+`grad_overlap` is the profile's `grad_sync_overlap` (the share of the gradient sync's transfer the
+backward hides) and `bucket_bytes` its `grad_bucket_bytes` (math.inf: one bucket).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import operator
-from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .compat import pytree
-from .cost_model.autograd import gradient_sums_time
-from .cost_model.comm import bucketed_time, collective_bytes_on_wire
-from .cost_model.compute import grad_accumulation_time, optimizer_seconds
-from .cost_model.memory import state_bytes_per_element
-from .cost_model.pipeline import Pipeline, in_flight_microbatches, pipeline_time
+from .api import plan as make
+from .cost_model.pipeline import Pipeline
 from .cost_model.profiles import DDP_BUCKET_BYTES
-from .errors import PlanMismatchError
+from .cost_model.recompute import saved_under_selective
+from .errors import PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
-from .passes.rewrite import output_modules, reshards_edge
-from .passes.shape_prop import annotate, tensor_meta
-from .placement import layout_str
+from .passes.shape_prop import annotate
+from .passes.stages import microbatch
 from .plan import Plan
-from .cost_model.recompute import saved_under_selective
+from .pipelining import stage_options
 from .planner import PlanOptions, communication, plan_assignment, planning_problem
 from .solver.decisions.stages import node_chunks
 from .solver.evaluate import Staging, evaluate
-from .solver.ilp import solve
-from .solver.problem import build_problem, chosen_edges, grad_layout_in, grad_layout_out, op_cost_args
-from .strategies.strategy import shard_count
 
 __all__ = ["estimate", "StepEstimate", "Pipeline", "DDP_BUCKET_BYTES"]
 
-PRE, POST = "pre", "post"
-
-
-@dataclass(slots=True)
-class _Seg:
-    """Costs of one segment for one microbatch (seconds; bytes per device)."""
-    fwd_compute: float = 0.0
-    bwd_compute: float = 0.0
-    fwd_comm: float = 0.0
-    bwd_comm: float = 0.0
-    flops: float = 0.0               # forward FLOPs, global
-    train_flops: float = 0.0         # forward + backward FLOPs, global
-    saved_bytes: float = 0.0         # activations kept for the backward, per device
-    input_bytes: float = 0.0         # the largest activation entering the segment, per device
-    runtime: float = 0.0             # autopar runtime's per-node cost (profile.runtime_op_overhead), fwd + bwd
-    params: set = field(default_factory=set)
-
-    def add(self, other: _Seg, k: float = 1.0) -> None:
-        for f in ("fwd_compute", "bwd_compute", "fwd_comm", "bwd_comm", "flops", "train_flops", "saved_bytes",
-                  "input_bytes", "runtime"):
-            setattr(self, f, getattr(self, f) + k * getattr(other, f))
+# Arguments of the earlier estimate() that priced hand-written steps its own way, and what to do now.
+_REMOVED = {
+    "num_layers": "build the model at its depth (on the meta device that allocates nothing): the evaluator "
+                  "prices the graph that runs, layer by layer",
+    "layers": "the repeated layers are found by the planner (passes/layers.py)",
+    "grad_sync_algorithm": "gradient sync is priced as the runtime runs it (bucketed ring collectives)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,385 +124,83 @@ class StepEstimate:
         return "\n".join(lines)
 
 
-# -- helpers ---------------------------------------------------------------------------------
-def _stage_mesh(mesh: Mesh, axis: str | None) -> Mesh:
-    return mesh.stage_mesh(axis)
-
-
-def _microbatch(example_inputs, microbatches: int):
-    """The first 1/m of every tensor whose dim 0 is the batch (the first tensor input's dim 0)."""
-    leaves, spec = pytree.tree_flatten(example_inputs)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.ndim >= 1]
-    if microbatches == 1 or not tensors:
-        return example_inputs
-    batch = tensors[0].shape[0]
-    if batch % microbatches:
-        raise ValueError(f"the batch of {batch} does not split into {microbatches} microbatches")
-    cut = lambda t: t[: batch // microbatches] if isinstance(t, torch.Tensor) and t.ndim >= 1 and \
-        t.shape[0] == batch else t  # noqa: E731
-    return pytree.tree_unflatten([cut(t) for t in leaves], spec)
-
-
-def _layer_of(node) -> tuple[str, int] | None:
-    """(stack, index) of the repeated block a node belongs to: `blocks.3.attn` -> ("blocks", 3)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        parts = path.replace("L['self'].", "").replace("L__self___", "").split(".")
-        for j, part in enumerate(parts):
-            if part.isdigit() and j > 0:
-                return ".".join(parts[:j]), int(part)
-    return None
-
-
-def _segments(nodes, layers: str | None) -> tuple[dict[str, str], list[str]]:
-    """Node name -> segment ("pre", "layer:<i>", "post"); and the layer segments in order.
-
-    Ops before the first layer are `pre`, ops after the last layer's last op are `post`, and ops
-    between two layers (functional code in the model's forward) go with the layer before them."""
-    found = {n.name: _layer_of(n) for n in nodes if n.op == "call_function"}
-    if layers is None:
-        counts = Counter(v[0] for v in found.values() if v is not None)
-        layers = counts.most_common(1)[0][0] if counts else None
-    seg, order, current, last = {}, [], PRE, -1
-    for i, n in enumerate(nodes):
-        if n.op != "call_function":
-            continue
-        f = found[n.name]
-        if f is not None and f[0] == layers:
-            current, last = f"layer:{f[1]}", i
-            if current not in order:
-                order.append(current)
-        seg[n.name] = current
-    for i, n in enumerate(nodes):
-        if i > last >= 0 and n.name in seg:
-            seg[n.name] = POST
-    return seg, order
-
-
-def _grad_sync_once_per_step(problem, by_name, weight: float) -> None:
-    """Reprice parameter edges for the solver: a parameter's gradient is synchronised once per step,
-    not once per microbatch, so its leg weighs `weight` = 1/m against per-microbatch costs (the
-    planner's tables price one pass of the graph). Tables are rebuilt, never edited in place (the
-    planner shares them between identical edges), and only where our rebuild of the table with
-    weight 1 reproduces the planner's own (else the planner's table is kept)."""
-    mesh = problem.mesh
-    for e in problem.edges:
-        src = problem.decisions[e.src]
-        if src.kind != "param" or e.dst == "output":
-            continue
-        dst = problem.decisions[e.dst]
-        meta = tensor_meta(by_name[e.src].meta.get("val"))[0]
-        a_keys = list(dict.fromkeys(s.output for s in src.strategies))
-        b_keys = list(dict.fromkeys((t.inputs[e.slot], grad_layout_in(t, e.slot)) for t in dst.strategies))
-        if (len(a_keys), len(b_keys)) != (len(e.cost), len(e.cost[0])):
-            continue
-
-        def table(w):
-            return [[mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
-                     + w * mesh.reshard_cost(meta.shape, meta.dtype.itemsize, gb, grad_layout_out(a)).seconds
-                     for (b, gb) in b_keys] for a in a_keys]
-        same = table(1.0)
-        if all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-15) for r1, r2 in zip(same, e.cost) for x, y in zip(r1, r2)):
-            e.cost = table(weight)
-
-
-def _scatter_layout(layout, shape, sizes):
-    """`layout` with every replicated axis splitting a dim instead (the scatter half of
-    scatter/gather), or None if no dim divides evenly."""
-    out, split = list(layout), [1] * len(shape)
-    for a, p in enumerate(layout):
-        if isinstance(p, Shard):
-            split[p.dim] *= sizes[a]
-    changed = False
-    for a, p in enumerate(layout):
-        if isinstance(p, Replicate) and sizes[a] > 1:
-            for d in reversed(range(len(shape))):
-                if shape[d] % (split[d] * sizes[a]) == 0:
-                    out[a], split[d], changed = Shard(d), split[d] * sizes[a], True
-                    break
-            else:
-                return None
-    return tuple(out) if changed else None
-
-
-# -- the estimate ----------------------------------------------------------------------------
 def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Mapping | None = None, *,
              example_kwargs: dict | None = None, batch_axes: Sequence[str] | None = None,
-             pipeline: Pipeline | None = None, recompute: bool = False, grad_overlap: float = 0.0,
-             num_layers: int | None = None, layers: str | None = None, optimizer: str = "adamw",
-             precision: str = "auto", bucket_bytes: float | None = DDP_BUCKET_BYTES,
-             grad_sync_algorithm: str = "ring",
-             time_limit: float | None = 60.0) -> StepEstimate:
+             pipeline: Pipeline | Mapping | None = None, recompute: bool | str | None = None,
+             residency: str | None = None, offload: str | None = None, grad_overlap: float | None = None,
+             bucket_bytes: float | None = None, optimizer: str = "adamw", precision: str = "auto",
+             time_limit: float | None = 60.0, **removed) -> StepEstimate:
     """Price one training step of `model` on `mesh` under `plan` (see the module docstring).
 
     example_inputs: the global batch of one step (meta tensors are fine).
     mesh: every axis, the pipeline axis (`pipeline.axis`) included.
-    plan: a `Plan` (pipeline and microbatches not supported: autopar plans have none yet), a dict
-      of pins over the non-pipeline axes, or None (autopar chooses).
+    plan: a `Plan` (priced as planned: give none of pipeline=, recompute=, residency=, offload=), a dict
+      of pins, or None (autopar chooses the layouts; the other families are fixed as given).
     batch_axes: mesh axes over which inputs arrive split on dim 0 (data parallelism).
-    recompute: full activation recomputation of every layer (one more forward before its backward).
-    grad_overlap: fraction of the last microbatch's backward that gradient sync may hide behind.
-    num_layers: price the layer stack as this many copies of the captured layers.
-    layers: name of the layer stack (`ModuleList`), e.g. "blocks"; found by itself if omitted.
-    precision: "mixed", "same" or "auto" (mixed for 16-bit parameters).
-    bucket_bytes: gradient bucket size (None: one bucket, as a contiguous gradient buffer; 0: one
-      collective per parameter, as the planner prices them).
+    pipeline: `Pipeline(...)` or the planner's dict (axis, stages, microbatches, schedule, virtual_stages).
+    recompute: "none" (default; False), "selective", or "full" (True) for every layer.
+    residency: "keep" (default) or "regather" for every gathered parameter; offload: "none" (default),
+      "host" or "disk".
+    grad_overlap: the profile's `grad_sync_overlap` for this estimate (default: the profile's).
+    bucket_bytes: the profile's `grad_bucket_bytes` for this estimate (default: the profile's; math.inf:
+      one bucket, as Megatron's local DDP syncs one contiguous buffer).
     """
-    pipe = pipeline or Pipeline(stages=1, microbatches=1, axis=None)
-    if not 0.0 <= grad_overlap <= 1.0:
-        raise ValueError(f"grad_overlap must be in [0, 1], got {grad_overlap}")
-    p, v, m = pipe.stages, pipe.virtual_stages, pipe.microbatches
-    if p > 1 and pipe.axis not in mesh.axis_names:
-        raise ValueError(f"the pipeline runs along mesh axis {pipe.axis!r}, which {mesh!r} does not have")
-    if pipe.axis in mesh.axis_names and mesh.shape[mesh.axis_index(pipe.axis)] != p:
-        raise ValueError(f"pipeline of {p} stages on axis {pipe.axis!r} of size "
-                         f"{mesh.shape[mesh.axis_index(pipe.axis)]}: they must match")
+    if removed:
+        name = sorted(removed)[0]
+        raise PlanOptionError(f"estimate() no longer takes {name}=: " + _REMOVED.get(
+            name, "it is not an argument of estimate()"))
+    mesh = _priced_on(mesh, grad_overlap, bucket_bytes)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(plan, Plan):
-        if pipe.stages > 1 or pipe.microbatches > 1 or recompute or num_layers is not None or grad_overlap:
-            raise ValueError("an autopar Plan decides its own recomputation and pipeline: estimate it as planned "
-                             "(no pipeline=, recompute=, num_layers=, grad_overlap=), or pass pins for a "
+        if pipeline is not None or recompute is not None or residency is not None or offload is not None:
+            raise ValueError("an autopar Plan decides its own recomputation, memory and pipeline: estimate it as "
+                             "planned (no pipeline=, recompute=, residency=, offload=), or pass pins for a "
                              "hand-written configuration")
-        m = plan.pipeline.microbatches
-        pipe = Pipeline(plan.pipeline.stages, m, axis=plan.pipeline.axis) if plan.pipeline.stages > 1 else pipe
-    smesh = _stage_mesh(mesh, pipe.axis)
-    micro = _microbatch(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), m)
-    cap = capture(model, micro, example_kwargs)
-    infos = annotate(cap.gm)
-    if isinstance(plan, Plan):
-        return _estimate_plan(cap, infos, mesh, smesh, plan)
-    sharded_outputs = False
-    problem = build_problem(cap, infos, smesh, pins=dict(plan) if plan else None, optimizer=optimizer,
-                            batch_axes=batch_axes)
-    if m > 1:
-        _grad_sync_once_per_step(problem, by_name={n.name: n for n in cap.gm.graph.nodes}, weight=1.0 / m)
-    choice = solve(problem, float("inf"), time_limit).choice
-    chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
-    nodes = list(cap.gm.graph.nodes)
-    by_name = {n.name: n for n in nodes}
-    seg_of, layer_segs = _segments(nodes, layers)
-    ng = problem.needs_grad
-    profile, shape = smesh.profile, smesh.shape
-    segs: dict[str, _Seg] = defaultdict(_Seg)
-    n_nodes = 0
+    else:
+        plan = _written_plan(model, args, example_kwargs, mesh, plan, batch_axes, pipeline, recompute, residency,
+                             offload, optimizer, precision, time_limit)
+    pp = plan.pipeline
+    cap = capture(model, *microbatch(args, example_kwargs, pp.microbatches))
+    return _estimate_plan(cap, annotate(cap.gm), mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
 
-    def book_sums(name: str, seconds: float) -> None:
-        """Gradients of a node's several consumers are added up where they arrive: book that with the
-        first consumer's segment (a layer's input is summed in that layer, whichever captured it)."""
-        first = next((u.name for u in by_name[name].users if ng.get(u.name)), None)
-        segs[seg_of.get(first, seg_of.get(name, PRE))].bwd_compute += seconds
 
-    # compute, per node
-    for name, d in problem.decisions.items():
-        if d.kind == "param" and d.facts.work:     # a parameter's cost is its gradient sums (tied weights)
-            book_sums(name, d.compute_s[choice[d.leader]])
-        if d.kind != "op":
-            continue
-        node, info = by_name[name], infos[name]
-        s = chosen[name]
-        seg = segs[seg_of[name]]
-        seg.flops += info.flops
-        seg.train_flops += info.flops * (3.0 if ng[name] else 1.0)
-        if node.target is not operator.getitem:        # every other op, views included, runs as one LocalOp
-            seg.runtime += profile.runtime_op_overhead
-            n_nodes += 1
-        i = choice[d.leader]                           # the planner's own prices of the op (its tables)
-        fwd, bwd = d.fwd_s[i], d.compute_s[i] - d.fwd_s[i]
-        seg.fwd_compute += fwd
-        if ng[name]:
-            sums = gradient_sums_time(d.facts.work, op_cost_args(info, s, shape, d.facts).out_b, profile)
-            seg.bwd_compute += bwd - sums
-            book_sums(name, sums)
+def _priced_on(mesh: Mesh, grad_overlap: float | None, bucket_bytes: float | None) -> Mesh:
+    """`mesh` with its profile's gradient-sync figures set as asked (the evaluator reads them there)."""
+    if grad_overlap is not None and not 0.0 <= grad_overlap <= 1.0:
+        raise ValueError(f"grad_overlap must be in [0, 1], got {grad_overlap}")
+    if bucket_bytes is not None and not bucket_bytes > 0:
+        raise ValueError(f"bucket_bytes must be > 0 (math.inf: one bucket), got {bucket_bytes}")
+    prof = mesh.profile
+    want = dict(grad_sync_overlap=prof.grad_sync_overlap if grad_overlap is None else float(grad_overlap),
+                grad_bucket_bytes=prof.grad_bucket_bytes if bucket_bytes is None else float(bucket_bytes))
+    if all(getattr(prof, k) == v for k, v in want.items()):
+        return mesh
+    return Mesh(mesh.shape, mesh.axis_names, dataclasses.replace(prof, **want))
 
-    # resharding, per edge; gradient sync of parameters, per parameter and axis
-    grad_wire: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)   # param -> (axis, kind) -> bytes
-    param_segs: dict[str, set] = defaultdict(set)
-    per_axis_step = dict.fromkeys(mesh.axis_names, 0.0)
-    per_axis_micro: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: dict.fromkeys(mesh.axis_names, 0.0))
-    for c in chosen_edges(problem, choice, cap):
-        e, meta, a = c.edge, c.meta, c.src
-        src = problem.decisions[e.src]
-        dst_seg = (POST if layer_segs else PRE) if e.dst == "output" else seg_of[e.dst]
-        seg = segs[dst_seg]
-        fwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, c.dst)     # its bytes and collectives
-        grad = ng.get(e.src, False) and meta.dtype.is_floating_point
-        bwd = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst) if grad else None
-        ia = e.a_of[choice[src.leader]]                 # seconds: the planner's edge table
-        ib = 0 if e.dst == "output" else e.b_of[choice[problem.decisions[e.dst].leader]]
-        seg.fwd_comm += e.fwd[ia][ib]
-        # the runtime modules the rewrite puts on this edge (passes/rewrite.py); a decision's kind
-        # names its executor for parameters and inputs
-        k = (output_modules(sharded_outputs) if e.dst == "output"
-             else int(reshards_edge(src.kind, tuple(a), tuple(c.dst))))
-        seg.runtime += k * profile.runtime_op_overhead
-        n_nodes += k
-        for ax, nb in zip(smesh.axis_names, fwd.bytes_per_axis):
-            per_axis_micro[(dst_seg, "fwd")][ax] += nb
-        if src.kind == "param":
-            param_segs[src.fqn].add(dst_seg)
-            if bwd is not None:
-                for ax, nb in zip(smesh.axis_names, bwd.bytes_per_axis):
-                    if nb > 0:
-                        kind = next(c.split("@")[0] for c in bwd.collectives if c.endswith("@" + ax))
-                        key = (ax, kind)
-                        grad_wire[src.fqn][key] = max(grad_wire[src.fqn].get(key, 0.0), nb)
-        else:
-            if bwd is not None:
-                seg.bwd_comm += e.cost[ia][ib] - e.fwd[ia][ib]
-                for ax, nb in zip(smesh.axis_names, bwd.bytes_per_axis):
-                    per_axis_micro[(dst_seg, "bwd")][ax] += nb
-            if src.kind == "op" and seg_of.get(e.src) != dst_seg and dst_seg != POST:
-                seg.input_bytes = max(seg.input_bytes, meta.nbytes / shard_count(a, shape))
 
-    # activations saved for the backward (end of the forward), per segment
-    if problem.live.end_index >= 0:
-        for owner in problem.live.points[problem.live.end_index]:
-            d = problem.decisions[owner]
-            segs[seg_of.get(owner, PRE)].saved_bytes += d.act_bytes[choice[d.leader]]
+def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, pipeline, recompute, residency, offload,
+                  optimizer, precision, time_limit) -> Plan:
+    """The Plan a hand-written configuration describes: the planner with every family fixed."""
+    pipe = _pipeline_option(pipeline)
+    if pins and pipe:
+        k = mesh.axis_index(pipe["axis"])
+        pins = {n: (tuple(p[:k]) + ("R",) + tuple(p[k:]) if len(p) == mesh.ndim - 1 else tuple(p))
+                for n, p in pins.items()}
+    modes = {None: "none", False: "none", True: "full"}
+    return make(model, args, mesh, example_kwargs=kwargs, memory_budget=math.inf, pins=dict(pins) if pins else None,
+                batch_axes=batch_axes, optimizer=optimizer, time_limit=time_limit, progress=False, symbolic=False,
+                recompute=modes.get(recompute, recompute), residency=residency or "keep",
+                offload=offload or "none", precision=precision, pipeline=pipe)
 
-    # parameters: state bytes and elements per segment
-    state_elems: dict[str, float] = {}
-    param_itemsize: dict[str, int] = {}
-    for name, d in problem.decisions.items():
-        if d.kind != "param":
-            continue
-        meta = tensor_meta(by_name[name].meta.get("val"))[0]
-        state_elems[d.fqn] = math.prod(meta.shape) / shard_count(chosen[name].output, shape)
-        param_itemsize[d.fqn] = meta.dtype.itemsize
 
-    # the layer stack, scaled to num_layers copies of the mean captured layer
-    k = len(layer_segs)
-    n_layers = num_layers if num_layers is not None else k
-    if n_layers and not k:
-        raise ValueError("num_layers was given but the model has no stack of repeated layers (a ModuleList of "
-                         "blocks): pass layers='<name of the ModuleList>'")
-    layer = _Seg()
-    for s_ in layer_segs:
-        layer.add(segs[s_], 1.0 / k)
-    pre, post = segs[PRE], segs[POST]
-
-    # layers -> devices (chunk j on device j mod p)
-    chunks = p * v
-    if n_layers < chunks and p > 1:
-        raise ValueError(f"{n_layers} layers cannot fill {p} stages x {v} chunks")
-    per_chunk = [n_layers // chunks + (1 if j < n_layers % chunks else 0) for j in range(chunks)]
-    n_dev = [sum(per_chunk[j] for j in range(d, chunks, p)) for d in range(p)]
-
-    def dev_total(d: int, attr: str, layer_k: float = 1.0) -> float:
-        x = n_dev[d] * layer_k * getattr(layer, attr)
-        if d == 0:
-            x += getattr(pre, attr)
-        if d == p - 1:
-            x += getattr(post, attr)
-        return x
-
-    fwd_d = [dev_total(d, "fwd_compute") + dev_total(d, "fwd_comm") + dev_total(d, "runtime") for d in range(p)]
-    bwd_d = [dev_total(d, "bwd_compute") + dev_total(d, "bwd_comm") for d in range(p)]
-    if recompute:
-        bwd_d = [b + n_dev[d] * (layer.fwd_compute + layer.fwd_comm) for d, b in enumerate(bwd_d)]
-
-    # point-to-point at stage boundaries: the activation entering a layer (its gradient comes back)
-    p2p = 0.0
-    if p > 1:
-        p2p = _p2p_time(problem, chosen, by_name, seg_of, layer_segs, mesh, smesh, pipe)
-    # gradient accumulation: microbatches 2..m add their parameter gradients into the accumulated
-    # ones, on the device's critical path (spread over the m microbatches' backwards)
-    if m > 1:
-        for d in range(p):
-            mults = [(_param_multiplicity(ss, layer_segs, n_dev[d], k, d, p), f) for f, ss in param_segs.items()]
-            nbytes = sum(x * state_elems[f] * param_itemsize[f] for x, f in mults)
-            bwd_d[d] += (m - 1) / m * grad_accumulation_time(nbytes, sum(x for x, _ in mults), profile)
-    pt = pipeline_time(fwd_d, bwd_d, m, virtual_stages=v, p2p_forward=p2p, p2p_backward=p2p)
-
-    # gradient sync per device, bucketed per (axis, collective)
-    ax_index = {n: i for i, n in enumerate(smesh.axis_names)}
-    pp_link = mesh.axes[mesh.axis_index(pipe.axis)].link if p > 1 else None
-    sync_d, opt_d, state_d, buckets_d = [], [], [], []
-    launch = profile.kernel_overhead + profile.collective_overhead     # per collective, as Mesh.reshard_cost
-    first_last = {f for f, ss in param_segs.items() if p > 1 and PRE in ss and POST in ss}
-    for d in range(p):
-        wire: dict[tuple[str, str], float] = defaultdict(float)
-        elems, state, tensors = 0.0, 0.0, 0.0
-        for fqn, ss in param_segs.items():
-            mult = _param_multiplicity(ss, layer_segs, n_dev[d], k, d, p)
-            if not mult:
-                continue
-            tensors += mult
-            for key, nb in grad_wire[fqn].items():
-                wire[key] += mult * nb
-            elems += mult * state_elems[fqn]
-            prec = precision if precision != "auto" else ("mixed" if param_itemsize[fqn] == 2 else "same")
-            state += mult * state_elems[fqn] * state_bytes_per_element(param_itemsize[fqn], optimizer, prec)
-        t_sync, sync_bytes = 0.0, 0.0
-        if bucket_bytes == 0:     # one collective per parameter, as the planner prices them
-            for fqn, ss in param_segs.items():
-                mult = _param_multiplicity(ss, layer_segs, n_dev[d], k, d, p)
-                for (ax, kind), nb in grad_wire[fqn].items() if mult else ():
-                    i = ax_index[ax]
-                    n = smesh.shape[i]
-                    full = nb / (collective_bytes_on_wire(kind, 1.0, n) or 1.0)
-                    t_sync += mult * bucketed_time(kind, full, n, smesh.axes[i].link, None, launch)
-        for (ax, kind), nb in (wire.items() if bucket_bytes != 0 else ()):
-            i = ax_index[ax]
-            n = smesh.shape[i]
-            full = nb / (collective_bytes_on_wire(kind, 1.0, n) or 1.0)
-            t_sync += bucketed_time(kind, full, n, smesh.axes[i].link, bucket_bytes, launch,
-                                    grad_sync_algorithm)
-            sync_bytes = max(sync_bytes, full)
-            if d == 0:
-                per_axis_step[ax] += nb
-        buckets_d.append(1 if not bucket_bytes else max(1, math.ceil(sync_bytes / bucket_bytes)))
-        if first_last and d in (0, p - 1):
-            tied = sum(state_elems[f] * param_itemsize[f] for f in first_last)
-            t_sync += bucketed_time("all_reduce", tied, 2, pp_link, None, launch)
-        sync_d.append(t_sync)
-        opt_d.append(optimizer_seconds(elems, tensors, profile, optimizer, mixed=precision == "mixed"))
-        state_d.append(state)
-
-    # exposed sync: hidden behind grad_overlap of the device's last backward, never the last bucket
-    exposed = []
-    for d in range(p):
-        s = sync_d[d]
-        if grad_overlap > 0 and s > 0:
-            s = max(s - grad_overlap * bwd_d[d], s / buckets_d[d])
-        exposed.append(s)
-    tail = max(exposed[d] + opt_d[d] for d in range(p))
-    step = pt.total_s + tail
-
-    # activation memory per device
-    act_d = []
-    for d in range(p):
-        per_micro = n_dev[d] * (layer.input_bytes if recompute else layer.saved_bytes)
-        per_micro += (pre.saved_bytes if d == 0 else 0.0) + (post.saved_bytes if d == p - 1 else 0.0)
-        flight = in_flight_microbatches(d, p, m, pipe.schedule, v)
-        act_d.append(flight * per_micro + (layer.saved_bytes if recompute and n_dev[d] else 0.0))
-    peak_dev = max(range(p), key=lambda d: state_d[d] + act_d[d])
-
-    # FLOPs of the step (all devices): data-parallel replicas each run the microbatches shown
-    fl_model = m * (pre.train_flops + n_layers * layer.train_flops + post.train_flops)
-    fl_hw = fl_model + (m * n_layers * layer.flops if recompute else 0.0)
-    per_axis = {ax: per_axis_step.get(ax, 0.0) for ax in mesh.axis_names}
-    for (sname, leg), axes in per_axis_micro.items():
-        is_layer = sname.startswith("layer:")
-        mult = (n_layers / k if is_layer else 1.0) * (2.0 if recompute and is_layer and leg == "fwd" else 1.0)
-        for ax, nb in axes.items():
-            per_axis[ax] = per_axis.get(ax, 0.0) + m * mult * nb
-    if p > 1:
-        per_axis[pipe.axis] = per_axis.get(pipe.axis, 0.0) + 2 * m * v * layer.input_bytes
-    slow = max(range(p), key=lambda d: pt.per_device_s[d])
-    comp = m * (dev_total(slow, "fwd_compute") + dev_total(slow, "bwd_compute")
-                + (n_dev[slow] * layer.fwd_compute if recompute else 0.0))
-    comm = m * (dev_total(slow, "fwd_comm") + dev_total(slow, "bwd_comm")
-                + (n_dev[slow] * layer.fwd_comm if recompute else 0.0))
-    return StepEstimate(
-        step_time_s=step, pipeline_s=pt.total_s, compute_s=comp, comm_s=comm, p2p_s=pt.p2p_s,
-        bubble_s=pt.bubble_s, grad_sync_s=max(sync_d), grad_sync_exposed_s=max(exposed), optimizer_s=max(opt_d),
-        peak_memory_bytes=state_d[peak_dev] + act_d[peak_dev], param_state_bytes=state_d[peak_dev],
-        activation_bytes=act_d[peak_dev], model_flops=fl_model, hardware_flops=fl_hw, devices=mesh.size,
-        microbatches=m, stages=p, virtual_stages=v, layers=n_layers, recompute=recompute,
-        grad_overlap=grad_overlap, per_device_s=pt.per_device_s, comm_bytes_per_axis=per_axis,
-        layout_summary={problem.decisions[n].fqn: layout_str(chosen[n].output) for n in problem.decisions
-                        if problem.decisions[n].kind == "param"},
-        runtime_s=m * dev_total(slow, "runtime"), graph_nodes=n_nodes)
+def _pipeline_option(pipeline: Pipeline | Mapping | None) -> dict | None:
+    """The planner's `pipeline=` dict for a pipeline given in full (None: no pipeline)."""
+    if pipeline is None or isinstance(pipeline, Mapping):
+        return dict(pipeline) if pipeline else None
+    if pipeline.stages == 1 and pipeline.microbatches == 1:
+        return None
+    return dict(axis=pipeline.axis, stages=pipeline.stages, microbatches=pipeline.microbatches,
+                schedule=pipeline.schedule, virtual_stages=pipeline.virtual_stages)
 
 
 def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
@@ -558,7 +212,9 @@ def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
         raise PlanMismatchError(f"the plan was made for mesh {plan.mesh['shape']}, not {mesh.shape}")
     pp = plan.pipeline
     staged = pp.stages > 1
-    problem = planning_problem(cap, infos, smesh, PlanOptions.from_dict(plan.options))
+    opts = PlanOptions.from_dict(plan.options)
+    problem = planning_problem(cap, infos, smesh, stage_options(opts, mesh, mesh.axis_index(pp.axis)) if staged
+                               else opts)
     choice, options = plan_assignment(problem, stage_view(plan, mesh.axis_index(pp.axis)) if staged else plan)
     staging = (Staging(pp, node_chunks(problem, cap.gm.graph, pp), mesh.axes[mesh.axis_index(pp.axis)].link)
                if staged else None)
@@ -583,8 +239,8 @@ def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
         model_flops=m * model_flops, hardware_flops=m * (model_flops + again),
         devices=mesh.size, microbatches=m, stages=pp.stages, virtual_stages=pp.virtual_stages,
         layers=len(set(problem.layer.values())), recompute=any(v != "none" for v in plan.recompute.values()),
-        grad_overlap=0.0, per_device_s=tuple(s.fwd_s + s.bwd_s for s in price.stages) if price else (fwd_bwd,),
-        comm_bytes_per_axis=per_axis, layout_summary=dict(plan.placements), runtime_s=ev.runtime_s,
+        grad_overlap=mesh.profile.grad_sync_overlap, per_device_s=tuple(s.fwd_s + s.bwd_s for s in price.stages) if price else (fwd_bwd,),
+        comm_bytes_per_axis={a: per_axis.get(a, 0.0) for a in mesh.axis_names}, layout_summary=dict(plan.placements), runtime_s=ev.runtime_s,
         graph_nodes=ev.graph_nodes)
 
 
@@ -595,40 +251,3 @@ def stage_view(plan: Plan, k: int) -> Plan:
     nodes = [replace(n, inputs=tuple(cut(i) for i in n.inputs), output=cut(n.output) if n.output else n.output,
                      labels=cut(n.labels) if n.labels else n.labels) for n in plan.nodes]
     return replace(plan, nodes=nodes, placements={f: cut(p) for f, p in plan.placements.items()})
-
-
-def _param_multiplicity(segments: set, layer_segs: list[str], n_layers_here: int, k: int, d: int, p: int) -> float:
-    """How many copies of a parameter device d holds: per layer for layer parameters (scaled from
-    the k captured layers), 1 for a pre/post parameter on its device (both ends for tied ones)."""
-    if segments & set(layer_segs):
-        return n_layers_here / k if k else 0.0
-    here = (PRE in segments and d == 0) or (POST in segments and d == p - 1)
-    return 1.0 if here else 0.0
-
-
-def _p2p_time(problem, chosen, by_name, seg_of, layer_segs, mesh, smesh, pipe) -> float:
-    """Seconds to send one stage-boundary activation to the next stage (one direction)."""
-    from .cost_model.comm import p2p_time
-    link = mesh.axes[mesh.axis_index(pipe.axis)].link
-    best = None
-    for e in problem.edges:
-        if e.dst == "output" or seg_of.get(e.dst) not in layer_segs or problem.decisions[e.src].kind != "op":
-            continue
-        if seg_of.get(e.src) == seg_of.get(e.dst):
-            continue
-        a = chosen[e.src].output
-        meta = tensor_meta(by_name[e.src].meta.get("val"))[0]
-        local = meta.nbytes / shard_count(a, smesh.shape)
-        if best is None or local > best[0]:
-            best = (local, meta, a)
-    if best is None:
-        return 0.0
-    local, meta, a = best
-    if pipe.scatter_gather and any(isinstance(x, (Replicate, Partial)) for x in a):
-        scattered = _scatter_layout(tuple(Replicate() if isinstance(x, Partial) else x for x in a), meta.shape,
-                                    smesh.shape)
-        if scattered is not None:
-            piece = meta.nbytes / shard_count(scattered, smesh.shape)
-            gather = smesh.reshard_cost(meta.shape, meta.dtype.itemsize, scattered, a).seconds
-            return p2p_time(piece, link) + gather
-    return p2p_time(local, link)

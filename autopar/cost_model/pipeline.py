@@ -42,16 +42,14 @@ class Pipeline:
     """How a model is pipelined: `stages` devices along mesh axis `axis`, `microbatches` per step.
 
     schedule: "1f1b" (PipeDream-flush, Megatron's default), "gpipe", "zb" (zero bubble, ZB-1P), or
-    "interleaved" with `virtual_stages` chunks per device. `scatter_gather`: a stage boundary tensor that is
-    replicated over other mesh axes is sent 1/r by each of the r replicas and all-gathered on
-    arrival (Megatron's scatter/gather optimisation, section 4.1 of the paper).
+    "interleaved" with `virtual_stages` chunks per device (`autopar.estimate` takes it as the
+    planner's `pipeline=` dict).
     """
     stages: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     axis: str | None = "pp"
-    scatter_gather: bool = True
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.microbatches < 1 or self.virtual_stages < 1:
