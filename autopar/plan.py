@@ -15,9 +15,10 @@ person can read them):
   an op that saves it) keeps its gathered copy from the forward to the backward, or frees it after
   the forward and gathers it again in the backward (FSDP's `reshard_after_forward`, ZeRO-3;
   Megatron sequence parallelism's sequence-sharded saved input of a column-parallel product);
-* `offload`: "activations:<layer>" (tensors the layer saves for the backward) or
+* `offload`: "activations:<layer>" (tensors the layer saves for the backward),
   "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
-  step) -> "device" | "host" | "disk" (`TIERS`).
+  step) -> "device" | "host" | "disk" (`TIERS`), or "gradients:<layer or parameter FQN>" (the
+  gradients, moved out as they are made) -> "device" | "host".
 A layer or parameter missing from a dict takes the first mode ("none", "keep", "device").
 
 `pipeline` (`PipelinePlan`) says how the layer sequence is cut into pipeline stages over one mesh
@@ -39,7 +40,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RESIDENCY_MODES = ("keep", "regather")
 ACTIVATIONS = "activations:"     # residency keys of gathered activations: "activations:<layer or node>"
 TIERS = ("device", "host", "disk")
-OFFLOAD_CLASSES = ("activations", "optimizer")
+OFFLOAD_CLASSES = ("activations", "optimizer", "gradients")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 PIPELINE_KEYS = ("axis", "stages", "virtual_stages", "microbatches", "schedule")   # the `pipeline=` option's
 

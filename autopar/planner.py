@@ -168,8 +168,11 @@ def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Pro
                             sharded_outputs=opts.sharded_outputs, precision=opts.precision,
                             saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
     try:
+        # a pipeline stage's problem (pipelining.stage_options: pipeline=False) offers no gradient
+        # offload: the pipelined runtime sums a tied parameter's gradient over its ranks after the
+        # schedule, on the device
         return add_families(problem, recompute_mode=opts.recompute, residency_mode=opts.residency,
-                            offload_mode=opts.offload)
+                            offload_mode=opts.offload, gradient_offload=opts.pipeline is not False)
     except ValueError as e:
         raise PlanOptionError(str(e)) from None
 

@@ -16,10 +16,13 @@ Predicted TFLOP/s per GPU = Megatron's own FLOP count per iteration,
 F = 96 B s l h^2 (1 + s / 6h + V / 16lh), over the predicted iteration time and the GPU count,
 so prediction and publication use the same numerator.
 
-Only ONE transformer layer (plus embeddings and head) is captured, on the meta device, at the
-real sizes; `estimate(num_layers=l)` scales the layer to the model's depth (every layer of these
-GPTs is identical). Capturing and planning the full 128-layer graph of the largest model would
-take minutes and give the same per-layer numbers.
+The model is built at its depth on the meta device (nothing allocated) and priced by
+`autopar.estimate`, which makes Megatron's configuration a Plan (the pins, the pipeline, full
+recomputation fixed) and prices it with the planner's evaluator: the same price `autopar.plan`
+would give these layouts. Repeated layers share their decisions, so planning the deep models
+costs seconds to minutes, most of it capture. PyTorch DDP's overlap is the profile's
+`grad_sync_overlap` = 1 (the gradient transfer hidden behind the backward, its buckets' launches
+not); Megatron's local DDP is one bucket after the backward.
 
 The layer is Megatron's GPT layer in plain PyTorch: pre-LayerNorm, fused QKV projection viewed as
 (heads, 3 x head_dim) so that column parallelism splits heads, explicit attention (QK^T, softmax,
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -131,12 +135,13 @@ MEGATRON_PINS = {
 }
 
 
-def residual_stream_pins() -> dict[str, tuple[str, str]]:
+def residual_stream_pins(layers: int = 1) -> dict[str, tuple[str, str]]:
     """Megatron (2021) keeps the residual stream whole on every tensor-parallel rank: layer norms,
     hidden dropouts and residual adds run replicated over tp (sequence parallelism came in 2022).
-    Pin those ops by node name; names do not depend on sizes, so a tiny copy of the model finds them."""
+    Pin those ops by node name; names do not depend on sizes, so a tiny copy of the model (with as
+    many layers) finds them."""
     from autopar.passes.capture import capture
-    model = MegatronGPT(64, 8, 16, 2, layers=1)
+    model = MegatronGPT(64, 8, 16, 2, layers=layers)
     idx = torch.zeros(2, 8, dtype=torch.long)
     cap = capture(model, (idx, idx.clone()))
     pins = {}
@@ -160,16 +165,19 @@ def price_row(row, device: str = "a100") -> dict:
     dp = gpus // (tp * pp)
     micro = batch // (dp * mbs)
     with torch.device("meta"):
-        model = MegatronGPT(VOCAB, SEQ, hidden, heads, layers=1).half()
+        model = MegatronGPT(VOCAB, SEQ, hidden, heads, layers=layers).half()
         idx = torch.zeros(batch, SEQ, dtype=torch.long)
     mesh = autopar.Mesh((pp, dp, tp), ("pp", "dp", "tp"), device=device)
-    pipe = Pipeline(stages=pp, microbatches=micro, axis="pp",
-                    schedule="interleaved" if virtual > 1 else "1f1b", virtual_stages=virtual)
+    # the planner runs several microbatches only through a pipeline: a row without one (18.4B: 4
+    # microbatches of 8) is priced as one pass of the replica's batch (same FLOPs and per-step sync)
+    pipe = (Pipeline(stages=pp, microbatches=micro, axis="pp", schedule="interleaved" if virtual > 1 else "1f1b",
+                     virtual_stages=virtual) if pp > 1 else None)
+    pins = {**MEGATRON_PINS, **residual_stream_pins(layers)}
     t0 = time.perf_counter()
-    est = estimate(model, (idx, idx.clone()), mesh, {**MEGATRON_PINS, **residual_stream_pins()}, batch_axes=("dp",), pipeline=pipe, recompute=True,
-                   num_layers=layers, layers="layers", precision="mixed",
+    est = estimate(model, (idx, idx.clone()), mesh, {k: ("R", *v) for k, v in pins.items()}, batch_axes=("dp",),
+                   pipeline=pipe, recompute="full", precision="mixed",
                    grad_overlap=1.0 if ddp == "torch" else 0.0,
-                   bucket_bytes=DDP_BUCKET_BYTES if ddp == "torch" else None)
+                   bucket_bytes=DDP_BUCKET_BYTES if ddp == "torch" else math.inf)
     seconds = time.perf_counter() - t0
     flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
     predicted = flops / (est.step_time_s * gpus) / 1e12

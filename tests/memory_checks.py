@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -109,7 +110,7 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             params = dict(dmodel.named_parameters())
             scale = max(float(p.grad.abs().max()) for p in ref.parameters())
             for k, p in ref.named_parameters():
-                mine = params[k].grad.full_tensor()
+                mine = _grad(dmodel, k, params[k])
                 if p.grad.abs().max() <= ZERO_GRAD * scale:    # analytically zero: rounding noise (dist_checks)
                     worst["grad"] = max(worst["grad"], float((mine - p.grad).abs().max()) / scale)
                     masks.setdefault(k, torch.zeros_like(p.grad, dtype=torch.bool))
@@ -119,7 +120,7 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             ref_opt.step()
             ref_opt.zero_grad()
         else:
-            worst["grads"] = {k: p.grad.full_tensor() for k, p in dmodel.named_parameters()}
+            worst["grads"] = {k: _grad(dmodel, k, p) for k, p in dmodel.named_parameters()}
         opt.zero_grad()
     params = dict(dmodel.named_parameters())
     if compare:
@@ -138,6 +139,14 @@ def train_variant(model, inputs, mesh, plan, compare=True):
                                  and m.key.startswith("activations:")),
                  regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))
     return worst
+
+
+def _grad(dmodel, fqn, p):
+    """A parameter's whole gradient, from the host where the plan moved it there (grad_offload.py)."""
+    host = dmodel.memory.grads.grad(fqn) if dmodel.memory.grads is not None else None
+    if host is None:
+        return p.grad.full_tensor()
+    return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False).full_tensor()
 
 
 def predicted_tier(model, inputs, mesh, plan) -> float:

@@ -125,6 +125,7 @@ class GradSync:
         self.module, self.mesh, self.bucket_bytes, self.deferred = module, device_mesh, bucket_bytes, deferred
         self._groups: dict[tuple[int, ...], object] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
+        self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self.reset()
 
     def reset(self) -> None:
@@ -141,7 +142,7 @@ class GradSync:
         caller reduces it itself."""
         kind = sync_kind(grad, stored)
         entry = self._pending.get(name)
-        if kind is None or name in self._done or (entry is not None and entry[0] != kind):
+        if kind is None or name in self.alone or name in self._done or (entry is not None and entry[0] != kind):
             return False
         if self.deferred:
             local = grad.to_local()

@@ -13,7 +13,8 @@
   A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
   keeps (almost) nothing, and its gathers are run again by the recomputation itself, so neither
   residency nor offload has anything left to act on there.
-Optimizer offload and master weights are the optimizer's (optimizer.py).
+Optimizer offload and master weights are the optimizer's (optimizer.py); gradients on the host are
+grad_offload.py's (wired by the module, which owns the parameters).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..errors import AutoparError
 from ..passes.layers import layer_key, module_path
 from ..placement import gathers, parse_layout
 from ..plan import ACTIVATIONS, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
+from .grad_offload import GradOffload
 from .offload import DiskStore, HostPool, OffloadedTensor
 from .regather import GatherCopy, GatheredCopies, RegatheredCopy
 from .regions import LayerRegion, group_layers, node_layers
@@ -49,6 +51,7 @@ class MemoryRuntime:
     resident: frozenset[int] = frozenset()      # storages of parameters and buffers (this forward)
     regathers: bool = False                     # some copy is regathered: route the whole forward
     outer: SavedTensors | None = None           # the router around the whole forward, if any
+    grads: GradOffload | None = None            # gradients moved to the host as they are made
     notes: list[str] = field(default_factory=list)
 
     def disk_store(self) -> DiskStore:

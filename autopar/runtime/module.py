@@ -25,6 +25,7 @@ from ..placement import parse_layout
 from ..plan import Plan
 from ..passes.rewrite import rewrite
 from . import rng
+from .grad_offload import GradOffload
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
@@ -94,6 +95,9 @@ class DistributedModule(torch.nn.Module):
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
         self._rng = rng.RngState.agreed()
         self._grad_sync = GradSync(self, device_mesh, grad_bucket_bytes)
+        if any(k.startswith("gradients:") and v != "device" for k, v in plan.offload.items()):
+            self._memory.grads = GradOffload(self, plan.offload, self._memory.pool)
+            self._grad_sync.alone = frozenset(self._memory.grads.aliases)
         self._graph = self._build(cap)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])

@@ -13,6 +13,9 @@
   master back into the parameter shard;
 * "disk": as "host", with master and state in memory-mapped files of the module's `DiskStore`.
 
+A gradient the plan puts on the host (`grad_offload.py`) comes back to the device for its
+parameter's update; with the state on the host it is copied out again for the host step.
+
 The tier of a parameter is `plan.offload["optimizer:<FQN>"]`, else `plan.offload["optimizer:<its
 layer>"]`, else "device". torch's optimizer creates its state lazily on the first step; state it
 creates for the host or disk tier is moved into the pool or a file right after that step.
@@ -105,10 +108,11 @@ class PlannedOptimizer:
     # -- stepping ------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        grads = self._mem.grads
         for tier, ms in self._masters.items():
             with host_scope() if tier != "device" else contextlib.nullcontext():
                 for m in ms:
-                    g = m.param.grad
+                    g = grads.back(m.param) if grads is not None and grads.has(m.param) else m.param.grad
                     m.master.grad = None if g is None else _local(g).to(m.master.device, MASTER_DTYPE, copy=True)
                 self._inner[tier].step()
                 for m in ms:
@@ -117,9 +121,31 @@ class PlannedOptimizer:
             for m in ms:
                 _local(m.param).copy_(m.master, non_blocking=self._pool.pin)
         if "direct" in self._inner:
-            self._inner["direct"].step()
+            self._step_direct(grads)
+
+    def _step_direct(self, grads) -> None:
+        """The in-place step; a gradient on the host (grad_offload.py) comes back for its own parameter's
+        update only (torch's optimizers skip parameters without a gradient), so the device holds one
+        of them at a time."""
+        opt = self._inner["direct"]
+        away = [p for g in opt.param_groups for p in g["params"] if grads is not None and grads.has(p)]
+        opt.step()
+        if not away:
+            return
+        kept = {p: p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        for p in kept:
+            p.grad = None
+        for p in away:
+            p.grad = grads.back(p)
+            if p.grad is not None:
+                opt.step()
+                p.grad = None
+        for p, g in kept.items():
+            p.grad = g
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._mem.grads is not None:
+            self._mem.grads.clear()
         for p in self.module.parameters():
             if set_to_none:
                 p.grad = None

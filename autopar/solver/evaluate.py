@@ -35,6 +35,7 @@ from ..cost_model.compute import optimizer_seconds
 from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
 from ..cost_model.symbolic import Poly2, smax, ssum
 from ..passes.layers import layer_key
+from ..plan import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
 from .problem import Problem
@@ -138,7 +139,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     for h in fam.held:
         if on.get(h.gate[0]) == h.gate[1]:
             tiers[h.tier] = tiers.get(h.tier, 0.0) + h.count * h.expr.value(problem, choice)
-    state_dev = state - ssum(b for f, b in freed if f.after < 0)      # kept off the device the whole step
+    state_dev = state - ssum(b for f, b in freed if f.until >= problem.live.step_end)   # off the device after the backward
     if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.scaling`): no one peak
         peak, at = None, -1
     else:
@@ -151,11 +152,17 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
             by_family[family_of[g]] = by_family.get(family_of[g], 0.0) + b
     offloaded = {name for f, _ in freed if f.after < 0 for name, _ in f.expr.nodes}
     nodes = graph_nodes(problem, choice)
-    buckets = grad_buckets_total(problem, choice)
+    buckets = grad_buckets_total(problem, choice, grads_to_host(problem, freed))
     return Evaluation(compute_total(problem, choice), comm_total(problem, choice), family_s, peak, state_dev,
                       tuple(points), tiers, by_family, grad_sync_total(problem, choice) + buckets, buckets,
                       optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
                       nodes)
+
+
+def grads_to_host(p: Problem, freed) -> set[str]:
+    """Parameters whose gradient leaves the device as it is made: items (Freed, bytes) freed from
+    within the step through its end."""
+    return {name for f, _ in freed if f.after >= 0 and f.until >= p.live.step_end for name, _ in f.expr.nodes}
 
 
 def compute_total(p: Problem, choice: Mapping[str, int]):
@@ -173,13 +180,14 @@ def grad_sync_total(p: Problem, choice: Mapping[str, int]):
                 if p.decisions[e.src].kind == "param" and e.fwd is not None)
 
 
-def grad_buckets_total(p: Problem, choice: Mapping[str, int]) -> float:
+def grad_buckets_total(p: Problem, choice: Mapping[str, int], alone=frozenset()) -> float:
     """The gradient buckets' latencies and launches per step (runtime/grad_sync.py): the bucketed
-    gradients' bytes summed per bucket kind, `profile.grad_bucket_bytes` to a bucket."""
+    gradients' bytes summed per bucket kind, `profile.grad_bucket_bytes` to a bucket; parameters in
+    `alone` (gradients moved to the host as they are made) are reduced outside the buckets."""
     per_kind: dict = {}
     for e, a, b in picked_edges(p, choice):
-        if e.sync is not None and e.sync[a][b] is not None:
-            kind, nbytes = e.sync[a][b]
+        if e.sync is not None and e.sync[a][b] is not None and e.src not in alone:
+            kind, nbytes, _ = e.sync[a][b]
             per_kind[kind] = per_kind.get(kind, 0.0) + nbytes
     prof = p.mesh.profile
     launch = prof.kernel_overhead + prof.collective_overhead        # per collective, as Mesh.reshard_cost
@@ -433,7 +441,7 @@ def _term_chunks(problem: Problem, chunk_of: Mapping[str, int]):
 
     def member(m: str) -> int:
         kind, sep, what = m.partition(":")
-        what = what if sep and kind in ("activations", "optimizer") else m
+        what = what if sep and kind in OFFLOAD_CLASSES else m
         if what in layer_chunk:
             return layer_chunk[what]
         return fqn_chunk.get(what, layer_chunk.get(layer_key(what) or "", 0))
@@ -531,7 +539,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]
         pts = [fwd_state + x + (k - 1) * saved for x in one]
-        device_state = st[r] - sum(b for f, b, q in freed if q == r and f.after < 0)
+        device_state = st[r] - sum(b for f, b, q in freed if q == r and f.until >= live.step_end)
         tiers: dict[str, float] = {}
         for h in fam.held:
             if on.get(h.gate[0]) == h.gate[1]:

@@ -213,7 +213,7 @@ class StrategyILP:
         params = [n for n, d in p.decisions.items() if d.kind == "param"]
         whole: dict = {}                 # after the backward: every gradient exists, no activation
         self._node_terms(whole, "state_bytes", params)
-        for z, n in self.terms.freed_throughout().items():     # optimizer state offloaded
+        for z, n in self.terms.freed_throughout(live.step_end).items():   # optimizer state, gradients offloaded
             whole[z] = whole.get(z, 0.0) - n * GIB
         state: dict = {}                 # in the forward: no gradient yet (zero_grad sets them to None)
         self._node_terms(state, "state_bytes", params)

@@ -166,12 +166,12 @@ class FamilyTerms:
                 for v, x in terms[0].items():
                     coef[v] = coef.get(v, 0.0) + count * x
 
-    def freed_throughout(self) -> dict:
-        """z variable -> how many items it stands for that are freed for the whole step (optimizer
-        state kept off the device)."""
+    def freed_throughout(self, step_end: int) -> dict:
+        """z variable -> how many items it stands for that are still freed after the backward (optimizer
+        state kept off the device, gradients moved to the host)."""
         out: dict = {}
         for f, z in self.z:
-            if f.after < 0:
+            if f.until >= step_end:
                 out[z] = out.get(z, 0) + 1
         return out
 

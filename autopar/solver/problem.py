@@ -78,8 +78,8 @@ class EdgeTable:
     dst_pos: int = -1                  # consumer's position in the forward (for liveness)
     temp: list[list[float]] | None = None   # [a][b] bytes of a resharded copy alive only while the consumer runs
     fwd: list[list[float]] | None = None    # [a][b] seconds of the forward reshard alone
-    sync: list[list[tuple | None]] | None = None   # [a][b] (GradBucket, bytes) of a parameter gradient the
-                                                   # runtime reduces in a bucket (Mesh.grad_sync_leg), else None
+    sync: list[list[tuple | None]] | None = None   # [a][b] (GradBucket, bytes, seconds more alone) of a parameter
+                                                   # gradient the runtime reduces in a bucket (Mesh.grad_sync_leg)
 
     @property
     def keeps_copy(self) -> bool:
@@ -570,7 +570,10 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # otherwise the collective's output is a temporary: it lives while the consumer runs
             temp = [[meta.nbytes / shard_count(b, shape) if not keeps and a != b else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
-            sync = [[None if s is None else s[1:] for s in row] for row in sync]
+            # (bucket kind, bytes, seconds more it costs reduced alone in the backward: a gradient moved
+            # to the host as it is made, solver/decisions/offload.py)
+            sync = [[None if s is None else (*s[1:], seconds(meta, gb, g) - s[0]) for (b, gb), s in zip(b_keys, row)]
+                    for row, g in zip(sync, ga)]
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None)
         return tables[key]
 

@@ -15,11 +15,11 @@ from . import offload, recompute, residency
 
 
 def add_families(problem: Problem, *, recompute_mode: str = "auto", residency_mode: str = "auto",
-                 offload_mode: str = "auto") -> Problem:
+                 offload_mode: str = "auto", gradient_offload: bool = True) -> Problem:
     fam = Families()
     fam.extend(recompute.build(problem, recompute_mode))
     fam.extend(residency.build(problem, residency_mode))
-    fam.extend(offload.build(problem, offload_mode))
+    fam.extend(offload.build(problem, offload_mode, gradient_offload))
     problem.families = merge_freed(fam)
     return problem
 

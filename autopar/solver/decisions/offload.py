@@ -10,6 +10,15 @@
   sends the gradient out and the updated parameter back over the host link and pays the
   host's optimizer rate; from disk the state is also read and written once per step. The host
   also holds every offloaded gradient in fp32 while it steps (`HOST_STEP_GRAD_ITEMSIZE`).
+* "gradients:<layer or parameter>" (host only): the parameter's gradient moves to the host pool as
+  it is made in the backward (`runtime/grad_offload.py`: a post-accumulate-grad hook; its reduction
+  over the data axes runs alone in the backward, not in a bucket, so that it is final there) and
+  comes back to the device one parameter at a time inside the optimizer step (ZeRO-Offload's
+  gradient memory: the device never holds every gradient at once). Priced: the way out and back
+  over the host link, synchronously (no copy stream), each with its latency, plus what reducing
+  the gradient alone costs more than in a bucket; freed from the point it is made through the
+  step's end; held on the host. With the optimizer also on the host the gradient comes back and
+  goes out again for the host step (one family's price does not depend on another's choice).
 The tiers' capacities are per device (`DeviceProfile.host_memory_capacity`, `disk_capacity`);
 a tier with none is not offered.
 """
@@ -37,7 +46,7 @@ def tiers_allowed(problem: Problem, setting: str) -> tuple[int, ...]:
     return tuple(t for t in allowed if have[t])
 
 
-def build(problem: Problem, setting: str) -> Families:
+def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
     allowed = tiers_allowed(problem, setting)
     fam = Families()
     groups = layer_groups(problem)
@@ -58,6 +67,14 @@ def build(problem: Problem, setting: str) -> Families:
         fam.groups.append(Group(key, "offload", TIERS, tuple(members), allowed))
         if allowed != (0,):
             optimizer(problem, fam, key, names, allowed)
+        grads = tuple(t for t in allowed if t != DISK) or (0,)       # no disk tier for gradients
+        with_grads = [n for n in names if problem.decisions[n].grad_bytes and any(problem.decisions[n].grad_bytes)]
+        if gradients and with_grads:
+            key = f"offload:gradients:{owner}"
+            fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "gradients:", 1)
+                                                                 for m in members), grads))
+            if grads != (0,):
+                gradients_out(problem, fam, key, with_grads)
     return fam
 
 
@@ -112,3 +129,17 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
             fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
             fam.held.append(Held(held, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
             fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
+
+
+def gradients_out(problem: Problem, fam: Families, key: str, names) -> None:
+    host = problem.mesh.profile.host_link
+    for n in names:
+        d = problem.decisions[n]
+        grad = Expr(((n, tuple(d.grad_bytes)),))
+        fam.freed.append(Freed(grad, ((key, HOST),), problem.grad_since(n) - 1, problem.live.step_end,
+                               f"gradient of {d.fqn}", f"grad:{n}"))
+        alone = tuple((k, tuple(tuple(0.0 if s is None else s[2] for s in row) for row in e.sync))
+                      for k, e in enumerate(problem.edges) if e.src == n and e.sync is not None)
+        moves = grad.scaled(2.0 / host.bandwidth) + Expr(const=2.0 * host.latency)
+        fam.costs.append(Cost(moves + Expr((), alone), (key, HOST), 1.0, f"gradient of {d.fqn} to the host and back"))
+        fam.held.append(Held(grad, (key, HOST), "host", 1.0, f"gradient of {d.fqn}"))
