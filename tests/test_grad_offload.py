@@ -40,3 +40,22 @@ def test_gradients_on_the_host_leave_the_device_as_predicted(dp):
         for name in VARIANTS:
             measured, predicted = r[name]["peak_device"], r[name]["predicted_peak"]
             assert abs(measured - predicted) <= 0.05 * measured, (name, measured, predicted)
+
+
+def test_the_planner_offers_gradients_to_the_host():
+    """offload="host" puts every gradient on the host with the optimizer state; the plan file keeps the
+    decision, and the evaluator prices it: the state after the backward holds no gradient, the host
+    holds them, the step pays their trips."""
+    import autopar
+    from memory_checks import gpt
+    model, inputs = gpt()
+    mesh = autopar.Mesh((1,), ("dp",), device="cpu", host_memory=2**30)
+    kept = autopar.plan(model, inputs, mesh, offload="none", recompute="none", symbolic=False)
+    moved = autopar.plan(model, inputs, mesh, offload="host", recompute="none", symbolic=False)
+    assert moved.offload["gradients:blocks.0"] == moved.offload["gradients:blocks.1"] == "host"
+    assert autopar.Plan.from_json(moved.to_json()).offload == moved.offload
+    grads = 4 * sum(p.numel() for p in model.parameters())          # fp32 gradients, one device
+    state = 16 * sum(p.numel() for p in model.parameters())
+    assert kept.estimate.param_state_bytes == state
+    assert moved.estimate.param_state_bytes == state - grads - 8 * sum(p.numel() for p in model.parameters())
+    assert moved.estimate.family_s["offload"] > 0
