@@ -217,7 +217,8 @@ def bad_memory_plans(rank, world):
     out = []
     for dec in ({"recompute": {"blocks.9": "full"}}, {"recompute": {"blocks.0": "sometimes"}},
                 {"residency": {"blocks.0.nope.weight": "regather"}}, {"offload": {"activations:block.0": "host"}},
-                {"offload": {"optimizer:blocks.7": "host"}}):
+                {"offload": {"optimizer:blocks.7": "host"}}, {"offload": {"gradients:blocks.8": "host"}},
+                {"offload": {"gradients:blocks.0": "disk"}}):
         try:
             dmodel = autopar.autoparallelize(model, mesh, inputs, plan=dataclasses.replace(plan, **dec))
             dmodel.optimizer(torch.optim.AdamW, lr=LR)

@@ -139,6 +139,7 @@ def test_bf16_parameters_get_fp32_master_weights_and_state_dict_round_trips(rank
 def test_memory_decisions_naming_nothing_are_errors(rank_pool):
     messages = rank_pool(2).run(bad_memory_plans)[0]
     assert all(messages), messages
-    for m, culprit in zip(messages, ("blocks.9", "sometimes", "blocks.0.nope.weight", "block.0", "blocks.7")):
+    for m, culprit in zip(messages, ("blocks.9", "sometimes", "blocks.0.nope.weight", "block.0", "blocks.7",
+                                       "blocks.8", "disk")):
         assert culprit in m, m
     assert "Layers here: blocks.0, blocks.1" in messages[0]

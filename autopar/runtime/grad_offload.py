@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import AutoparError
 from ..passes.layers import layer_key
 from .offload import HostPool, host_scope
+from .optimizer import check_keys
 
 
 def gradient_tier(offload: dict[str, str], names: list[str]) -> str:
@@ -39,6 +41,10 @@ class GradOffload:
         for fqn, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(fqn)
             params[id(p)] = p
+        check_keys(offload, [n for ns in names.values() for n in ns], "gradients")
+        disk = sorted(k for k, v in offload.items() if k.startswith("gradients:") and v == "disk")
+        if disk:
+            raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': gradients go to 'host' or stay on 'device'")
         self.pool = pool
         self.params = {names[k][0]: p for k, p in params.items() if gradient_tier(offload, names[k]) == "host"}
         self.aliases = {n for k, p in params.items() if names[k][0] in self.params for n in names[k]}

@@ -67,7 +67,7 @@ class PlannedOptimizer:
             names.setdefault(id(p), []).append(fqn)
             params[id(p)] = p
         offload = module.optimizer_offload
-        _check_keys(offload, [n for ns in names.values() for n in ns])
+        check_keys(offload, [n for ns in names.values() for n in ns])
         direct: list[torch.nn.Parameter] = []
         self._masters: dict[str, list[_Master]] = {}
         for key, p in params.items():
@@ -204,10 +204,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_keys(offload: dict[str, str], fqns: list[str]) -> None:
+def check_keys(offload: dict[str, str], fqns: list[str], kind: str = "optimizer") -> None:
+    """Every `plan.offload["<kind>:..."]` key names a parameter or layer of this model, with a tier."""
     known = set(fqns) | {layer_key(n) for n in fqns if layer_key(n)}
     for key, tier in offload.items():
-        if not key.startswith("optimizer:"):
+        if not key.startswith(f"{kind}:"):
             continue
         what = key.split(":", 1)[1]
         if what not in known:
