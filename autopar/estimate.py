@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .api import plan as make
 from .cost_model.pipeline import Pipeline
 from .cost_model.profiles import DDP_BUCKET_BYTES
 from .cost_model.recompute import saved_under_selective
@@ -42,7 +41,8 @@ from .passes.shape_prop import annotate
 from .passes.stages import microbatch
 from .plan import Plan
 from .pipelining import stage_options
-from .planner import PlanOptions, communication, plan_assignment, planning_problem
+from .pipeline_search import search_pipeline
+from .planner import PlanOptions, communication, plan_assignment, plan_captured, planning_problem
 from .solver.decisions.stages import node_chunks
 from .solver.evaluate import Staging, evaluate
 
@@ -156,12 +156,13 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
             raise ValueError("an autopar Plan decides its own recomputation, memory and pipeline: estimate it as "
                              "planned (no pipeline=, recompute=, residency=, offload=), or pass pins for a "
                              "hand-written configuration")
+        cap = capture(model, *microbatch(args, example_kwargs, plan.pipeline.microbatches))
+        infos = annotate(cap.gm)
     else:
-        plan = _written_plan(model, args, example_kwargs, mesh, plan, batch_axes, pipeline, recompute, residency,
-                             offload, optimizer, precision, time_limit)
+        plan, cap, infos = _written_plan(model, args, example_kwargs, mesh, plan, batch_axes, pipeline, recompute,
+                                         residency, offload, optimizer, precision, time_limit)
     pp = plan.pipeline
-    cap = capture(model, *microbatch(args, example_kwargs, pp.microbatches))
-    return _estimate_plan(cap, annotate(cap.gm), mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
+    return _estimate_plan(cap, infos, mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
 
 
 def _priced_on(mesh: Mesh, grad_overlap: float | None, bucket_bytes: float | None) -> Mesh:
@@ -179,18 +180,27 @@ def _priced_on(mesh: Mesh, grad_overlap: float | None, bucket_bytes: float | Non
 
 
 def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, pipeline, recompute, residency, offload,
-                  optimizer, precision, time_limit) -> Plan:
-    """The Plan a hand-written configuration describes: the planner with every family fixed."""
+                  optimizer, precision, time_limit):
+    """The Plan a hand-written configuration describes (the planner with every family fixed, as
+    `autopar.plan` with these options makes it), and the capture of one microbatch it was made on."""
     pipe = _pipeline_option(pipeline)
     if pins and pipe:
         k = mesh.axis_index(pipe["axis"])
         pins = {n: (tuple(p[:k]) + ("R",) + tuple(p[k:]) if len(p) == mesh.ndim - 1 else tuple(p))
                 for n, p in pins.items()}
     modes = {None: "none", False: "none", True: "full"}
-    return make(model, args, mesh, example_kwargs=kwargs, memory_budget=math.inf, pins=dict(pins) if pins else None,
-                batch_axes=batch_axes, optimizer=optimizer, time_limit=time_limit, progress=False, symbolic=False,
-                recompute=modes.get(recompute, recompute), residency=residency or "keep",
-                offload=offload or "none", precision=precision, pipeline=pipe)
+    opts = PlanOptions(math.inf, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
+                       optimizer=optimizer, time_limit=time_limit, progress=False, symbolic=False,
+                       recompute=modes.get(recompute, recompute), residency=residency or "keep",
+                       offload=offload or "none", precision=precision, pipeline=pipe)
+    m = pipe["microbatches"] if pipe else 1
+    cap = capture(model, *microbatch(args, kwargs, m))       # captured once: planned and priced on it
+    infos = annotate(cap.gm)
+    if pipe:
+        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe, captured={m: (cap, infos)})
+    else:
+        plan = plan_captured(cap, mesh, opts, source=(model, args, kwargs))
+    return plan, cap, infos
 
 
 def _pipeline_option(pipeline: Pipeline | Mapping | None) -> dict | None:

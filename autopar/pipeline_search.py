@@ -34,9 +34,10 @@ log = logging.getLogger("autopar")
 
 
 def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
-                    fixed: Mapping) -> Plan:
+                    fixed: Mapping, captured: dict[int, tuple] | None = None) -> Plan:
     """The fastest plan, pipelined or not, whose every pipeline rank fits the budget; `fixed`: the
-    pipeline keys the user gave (the rest are chosen)."""
+    pipeline keys the user gave (the rest are chosen); `captured`: microbatch count -> (capture of one
+    microbatch, its annotations) made already (filled with those the search makes)."""
     t0 = time.perf_counter()
     _check(fixed, mesh)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
@@ -48,7 +49,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                               f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
                               f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
                               f"the batch of one pipeline)")
-    captured: dict[int, tuple] = {}
+    captured = {} if captured is None else captured
     stage_opts = replace(opts, symbolic=False)
 
     def solve_at(axis, m):

@@ -218,7 +218,7 @@ def main(argv=None) -> list[dict]:
         pins = every_param(cfg["pins"]) if isinstance(cfg["pins"], tuple) else cfg["pins"]
         plans[name] = autopar.plan(model, batch, mesh, pins=pins, batch_axes=cfg["batch_axes"],
                                    residency=cfg.get("residency", "auto"), memory_budget=float("inf"))
-        ests[name] = estimate(model, batch, mesh, plans[name], bucket_bytes=0, grad_overlap=0.0)
+        ests[name] = estimate(model, batch, mesh, plans[name])
     runs: dict[str, list] = {name: [] for name in PLANS}
     try:
         pool = get_pool(4)

@@ -43,7 +43,7 @@ def _est(profile, plan_kw):
     torch_model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
     batch = gpt_inputs(batch=8, seq=16, vocab=64)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=profile)
-    return estimate(torch_model, batch, mesh, plan_kw, batch_axes=("dp", "tp"), bucket_bytes=0, grad_overlap=0.0)
+    return estimate(torch_model, batch, mesh, plan_kw, batch_axes=("dp", "tp"))
 
 
 def test_estimate_charges_each_measured_overhead():

