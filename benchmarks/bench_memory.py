@@ -11,6 +11,7 @@ block (`dataclasses.replace(plan, recompute=..., residency=..., offload=...)`):
   keep/regather  ZeRO-3 weights whose gathered copies are kept to the backward / gathered again
   act-host       activations saved by the blocks moved to the host pool
   opt-host       the blocks' fp32 master weights and AdamW state in the host pool, stepped there
+  grad-host      the blocks' gradients moved to the host pool as they are made, back for their update
 
 Each trains 3 AdamW steps next to one process (the worst relative difference of loss, gradients
 and parameters is printed: the decisions must not change the numbers) and the third step is
@@ -42,7 +43,8 @@ def variants(layers: int) -> tuple[dict, dict]:
     dp = {"none": {}, "recompute-full": {"recompute": {b: "full" for b in blocks}},
           "recompute-selective": {"recompute": {b: "selective" for b in blocks}},
           "act-host": {"offload": {f"activations:{b}": "host" for b in blocks}},
-          "opt-host": {"offload": {f"optimizer:{b}": "host" for b in blocks}}}
+          "opt-host": {"offload": {f"optimizer:{b}": "host" for b in blocks}},
+          "grad-host": {"offload": {f"gradients:{b}": "host" for b in blocks}}}
     zero3 = {"zero3-keep": {}, "zero3-regather": {"residency": {f"{b}.{w}.weight": "regather"
                                                                  for b in blocks for w in LINEARS}}}
     return dp, zero3
