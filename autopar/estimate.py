@@ -137,7 +137,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     plan: a `Plan` (priced as planned: give none of pipeline=, recompute=, residency=, offload=), a dict
       of pins, or None (autopar chooses the layouts; the other families are fixed as given).
     batch_axes: mesh axes over which inputs arrive split on dim 0 (data parallelism).
-    pipeline: `Pipeline(...)` or the planner's dict (axis, stages, microbatches, schedule, virtual_stages).
+    pipeline: `Pipeline(...)` or the planner's dict (axis, stages, microbatches, schedule, virtual_stages;
+      keys left out are chosen by the planner).
     recompute: "none" (default; False), "selective", or "full" (True) for every layer.
     residency: "keep" (default) or "regather" for every gathered parameter; offload: "none" (default),
       "host" or "disk".
@@ -193,14 +194,16 @@ def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, pipeline, r
                        optimizer=optimizer, time_limit=time_limit, progress=False, symbolic=False,
                        recompute=modes.get(recompute, recompute), residency=residency or "keep",
                        offload=offload or "none", precision=precision, pipeline=pipe)
-    m = pipe["microbatches"] if pipe else 1
-    cap = capture(model, *microbatch(args, kwargs, m))       # captured once: planned and priced on it
-    infos = annotate(cap.gm)
-    if pipe:
-        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe, captured={m: (cap, infos)})
+    m = pipe.get("microbatches") if pipe else 1
+    captured = {}                  # captured once per microbatch count: planned and priced on it
+    if m:
+        cap = capture(model, *microbatch(args, kwargs, m))
+        captured[m] = (cap, annotate(cap.gm))
+    if pipe:       # a pipeline given in part: the planner chooses the keys not given
+        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe, captured=captured)
     else:
-        plan = plan_captured(cap, mesh, opts, source=(model, args, kwargs))
-    return plan, cap, infos
+        plan = plan_captured(captured[1][0], mesh, opts, source=(model, args, kwargs))
+    return (plan, *captured[plan.pipeline.microbatches])
 
 
 def _pipeline_option(pipeline: Pipeline | Mapping | None) -> dict | None:
