@@ -130,7 +130,8 @@ def train_variant(model, inputs, mesh, plan, compare=True):
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
     predicted = autopar.estimate(ref, inputs, mesh, plan)      # the planner's price of these decisions
     worst.update(seen, decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
-                 predicted_peak=predicted.peak_memory_bytes, predicted_host=predicted_tier(ref, inputs, mesh, plan),
+                 predicted_peak=predicted.peak_memory_bytes, predicted_state=predicted.param_state_bytes,
+                 predicted_host=predicted_tier(ref, inputs, mesh, plan),
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
                  gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
