@@ -46,20 +46,19 @@ def test_gradients_on_the_host_leave_the_device_as_predicted(dp):
         assert out["peak_device"] < none["peak_device"] and out["predicted_peak"] < none["predicted_peak"]
 
 
-def test_the_planner_offers_gradients_to_the_host():
-    """offload="host" puts every gradient on the host with the optimizer state; the plan file keeps the
-    decision, and the evaluator prices it: the state after the backward holds no gradient, the host
-    holds them, the step pays their trips."""
+def test_the_planner_moves_gradients_to_the_host_when_the_budget_needs_it():
+    """offload="auto": under a tight budget the planner moves gradients to the host (the plan file keeps
+    the decision, the evaluator prices it within the budget); a fixed offload="host" keeps its meaning
+    (activations and optimizer state), gradients stay on the device."""
     import autopar
     from memory_checks import gpt
     model, inputs = gpt()
+    n = sum(p.numel() for p in model.parameters())
     mesh = autopar.Mesh((1,), ("dp",), device="cpu", host_memory=2**30)
-    kept = autopar.plan(model, inputs, mesh, offload="none", recompute="none", symbolic=False)
-    moved = autopar.plan(model, inputs, mesh, offload="host", recompute="none", symbolic=False)
-    assert moved.offload["gradients:blocks.0"] == moved.offload["gradients:blocks.1"] == "host"
-    assert autopar.Plan.from_json(moved.to_json()).offload == moved.offload
-    grads = 4 * sum(p.numel() for p in model.parameters())          # fp32 gradients, one device
-    state = 16 * sum(p.numel() for p in model.parameters())
-    assert kept.estimate.param_state_bytes == state
-    assert moved.estimate.param_state_bytes == state - grads - 8 * sum(p.numel() for p in model.parameters())
-    assert moved.estimate.family_s["offload"] > 0
+    plan = autopar.plan(model, inputs, mesh, memory_budget=9 * n, symbolic=False)
+    grads = {k: v for k, v in plan.offload.items() if k.startswith("gradients:")}
+    assert "host" in grads.values(), plan.offload
+    assert plan.estimate.peak_memory_bytes <= 9 * n and plan.estimate.family_s["offload"] > 0
+    assert autopar.Plan.from_json(plan.to_json()).offload == plan.offload
+    fixed = autopar.plan(model, inputs, mesh, offload="host", recompute="none", symbolic=False)
+    assert {v for k, v in fixed.offload.items() if k.startswith("gradients:")} == {"device"}

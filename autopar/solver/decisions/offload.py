@@ -10,7 +10,8 @@
   sends the gradient out and the updated parameter back over the host link and pays the
   host's optimizer rate; from disk the state is also read and written once per step. The host
   also holds every offloaded gradient in fp32 while it steps (`HOST_STEP_GRAD_ITEMSIZE`).
-* "gradients:<layer or parameter>" (host only): the parameter's gradient moves to the host pool as
+* "gradients:<layer or parameter>" (host only; chosen under offload="auto", a fixed setting leaves
+  gradients on the device): the parameter's gradient moves to the host pool as
   it is made in the backward (`runtime/grad_offload.py`: a post-accumulate-grad hook; its reduction
   over the data axes runs alone in the backward, not in a bucket, so that it is final there) and
   comes back to the device one parameter at a time inside the optimizer step (ZeRO-Offload's
@@ -67,7 +68,9 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
         fam.groups.append(Group(key, "offload", TIERS, tuple(members), allowed))
         if allowed != (0,):
             optimizer(problem, fam, key, names, allowed)
-        grads = tuple(t for t in allowed if t != DISK) or (0,)       # no disk tier for gradients
+        # gradients leave the device where the planner chooses it (offload="auto"; host only): a fixed
+        # setting keeps its meaning for activations and optimizer state, and `.grad` stays where it was
+        grads = (0, HOST) if setting == "auto" and HOST in allowed else (0,)
         with_grads = [n for n in names if problem.decisions[n].grad_bytes and any(problem.decisions[n].grad_bytes)]
         if gradients and with_grads:
             key = f"offload:gradients:{owner}"
