@@ -34,7 +34,7 @@ from .plan import Estimate, Scaling
 from .solver.decisions import add_families
 from .solver.families import Expr
 from .solver.evaluate import evaluate, recorded_options
-from .solver.problem import Problem, build_problem, chosen_edges, edge_legs
+from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 
 __all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]
 
@@ -68,6 +68,11 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
         for _, rc in edge_legs(sp, c):
             for ax, nbytes in zip(problem.mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax].append(nbytes)
+    for node in cap.gm.graph.nodes:         # collectives an op runs inside itself, as planner.communication
+        d = sp.decisions.get(node.name)
+        if d is not None and d.kind == "op":
+            for *_, sent, ax in op_exchanges(sp, node, d.strategies[one[d.leader]], metas):
+                per_axis[ax].append(sent)
     return Scaling(batch=sym.batch, seq=sym.seq, fixed=sym.fixed, compute_s=str(ev.compute_s), comm_s=str(ev.comm_s),
                    other_s=str(other), state_bytes=str(ev.state_bytes.to_expr()),
                    memory_points=tuple(str(p.to_expr()) for p in _undominated(points, sym)),

@@ -303,13 +303,17 @@ def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, moe
     return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * moe_load + paired
 
 
-def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
+def op_exchanges(problem: Problem, node: fx.Node, s: Strategy, metas: Mapping | None = None):
     """(phase, "<collective>@<axis>", seconds, bytes one device sends, axis) of the collectives an op
     runs inside itself under s, as `op_cost` prices them (the plan lists them on the op): an
-    expert-parallel MoE layer's all-to-alls, a vocab-split op's all-reduces."""
+    expert-parallel MoE layer's all-to-alls, a vocab-split op's all-reduces. metas: node name ->
+    TensorMeta to price with instead of the graph's (the symbolic sizes of `scaling.py`)."""
     mesh, out = problem.mesh, []
+
+    def meta(n: fx.Node):
+        return metas[n.name] if metas is not None else tensor_meta(n.meta.get("val"))[0]
     if op_name(node.target) in VOCAB_REDUCES:
-        ins = [tensor_meta(a.meta.get("val"))[0] for a in tensor_inputs(node)]
+        ins = [meta(a) for a in tensor_inputs(node)]
         for op, n, link, rows, a in vocab_reductions(node, s, ins, mesh):
             launch = mesh.profile.kernel_overhead + mesh.profile.collective_overhead
             times = vocab_reduce_times(op, rows, n, link, launch)
@@ -319,8 +323,7 @@ def op_exchanges(problem: Problem, node: fx.Node, s: Strategy):
         return out
     if op_name(node.target) != MOE_OP:
         return []
-    metas = tensor_meta(node.meta.get("val"))
-    for a, n, link, routed_b in moe_exchange(metas[0], node.args[1], s, mesh.shape, mesh.links):
+    for a, n, link, routed_b in moe_exchange(meta(node), node.args[1], s, mesh.shape, mesh.links):
         ax = mesh.axis_names[a]
         xf, xb = expert_exchange_times(routed_b, n, link, problem.moe_load,
                                        mesh.profile.kernel_overhead + mesh.profile.collective_overhead)
