@@ -15,7 +15,8 @@
   is missing is Megatron-SP's fused all-gather/reduce-scatter pairs around each GEMM as one
   decision (issue 13). Prints both step times, memory per device, planning wall time and peak RSS.
 * table1: each row of Megatron's Table 1 (DESIGN.md section 4, A100) as a mesh (dp, pp, tp) or
-  (dp, tp) of that row's sizes: Megatron's (TP, PP, DP) with its pipeline, and the planner's choice
+  (dp, tp) of that row's sizes: Megatron's (TP, PP, DP) with its pipeline and full recomputation
+  (2021's runs, `examples/sc21/run_table_1.sh`), and the planner's choice
   with `pipeline=`, both priced by the evaluator. Full-depth models: slow on a 2-core machine.
 
 The model is bench_megatron's MegatronGPT (Megatron's layer: fused head-interleaved QKV, explicit
@@ -74,12 +75,13 @@ def _plan(model, inputs, mesh, **kw):
     return plan, time.perf_counter() - t0
 
 
-def compare(hidden, heads, layers, batch, mesh, megatron_pipe, chosen_pipe, label) -> list[dict]:
+def compare(hidden, heads, layers, batch, mesh, megatron_pipe, chosen_pipe, label, recompute) -> list[dict]:
+    """recompute: Megatron's ("selective" in the 2022 GPT-3 runs, "full" in 2021's Table 1)."""
     model, inputs = _model(hidden, heads, layers, batch)
     flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
     fixed = dict(pipeline=megatron_pipe) if megatron_pipe else dict(pipeline=False)
     out = [_priced(f"{label} autopar", flops, mesh, model, inputs, pipeline=chosen_pipe),
-           _priced(f"{label} Megatron-LM", flops, mesh, model, inputs, pins=_pins(mesh), recompute="selective",
+           _priced(f"{label} Megatron-LM", flops, mesh, model, inputs, pins=_pins(mesh), recompute=recompute,
                    residency="keep", offload="none", **fixed)]
     steps = [r.get("step_s") for r in out]
     print(json.dumps({"benchmark": f"pipeline {label}", "autopar_step_s": steps[0], "megatron_step_s": steps[1],
@@ -110,7 +112,8 @@ def main(argv=None) -> list[dict]:
         chosen = json.loads(a.pipeline) if a.pipeline else {"axis": "pp"}
         megatron = dict(axis="pp", stages=8, microbatches=GPT3["batch"] // 16, schedule="interleaved",
                         virtual_stages=MEGATRON_VIRTUAL)
-        return compare(GPT3["hidden"], GPT3["heads"], GPT3["layers"], GPT3["batch"], mesh, megatron, chosen, "gpt3-175b")
+        return compare(GPT3["hidden"], GPT3["heads"], GPT3["layers"], GPT3["batch"], mesh, megatron, chosen, "gpt3-175b",
+                       "selective")
     out = []
     for i in (int(x) for x in a.rows.split(",")):
         params_b, heads, hidden, layers, tp, pp, gpus, batch, _published, mbs, virtual, _ddp = ROWS[i]
@@ -123,7 +126,8 @@ def main(argv=None) -> list[dict]:
         else:
             mesh = autopar.Mesh((dp, tp), ("dp", "tp"), device="a100")
             megatron, chosen = None, json.loads(a.pipeline) if a.pipeline else {}
-        out += compare(hidden, heads, layers, batch, mesh, megatron, chosen, f"table1 {params_b}B TP{tp} PP{pp} DP{dp}")
+        out += compare(hidden, heads, layers, batch, mesh, megatron, chosen, f"table1 {params_b}B TP{tp} PP{pp} DP{dp}",
+                       "full")
     return out
 
 
