@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..compat import at_backward_end, flat_group, set_group_timeout
+from ..cost_model.comm import bucketed_reduction
 from .faults import watch_of
 from .reshard import Reshard
 
@@ -60,28 +61,11 @@ class SyncKind:
 
 def sync_kind(grad: DTensor, stored: tuple) -> SyncKind | None:
     """The bucketed reduction taking `grad` to the stored layout, or None if it has none (nothing to
-    reduce, or a move a bucket does not do: see the module docstring)."""
-    reduce, scatter = [], None
-    for a, (g, t) in enumerate(zip(grad.placements, stored)):
-        if g == t:
-            continue
-        if not (isinstance(g, Partial) and g.reduce_op == "sum"):
-            return None
-        if isinstance(t, Replicate):
-            reduce.append(a)
-        elif isinstance(t, Shard) and scatter is None:
-            scatter = (a, t.dim)
-        else:
-            return None
-    if scatter is not None:
-        a, d = scatter
-        n = grad.device_mesh.size(a)
-        local = grad.to_local()
-        if reduce or local.shape[d] % n or any(isinstance(t, Shard) and t.dim == d for i, t in enumerate(stored)
-                                                 if i != a):
-            return None
-        return SyncKind((a,), d, local.dtype)
-    return SyncKind(tuple(reduce), None, grad.to_local().dtype) if reduce else None
+    reduce, or a move a bucket does not do): `cost_model.comm.bucketed_reduction`, the rule the
+    evaluator prices by."""
+    local = grad.to_local()
+    how = bucketed_reduction(grad.placements, stored, local.shape, grad.device_mesh.shape)
+    return None if how is None else SyncKind(how[0], how[1], local.dtype)
 
 
 @dataclass(slots=True)
