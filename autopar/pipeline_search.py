@@ -52,7 +52,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     captured = {} if captured is None else captured
     stage_opts = replace(opts, symbolic=False)
 
-    def solve_at(axis, m):
+    def solve_at(axis, m, scale):
         if m not in captured:
             cap = capture(model, *microbatch(args, kwargs, m))
             captured[m] = (cap, annotate(cap.gm))
@@ -61,7 +61,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         problem = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
         try:
-            result = solve(per_step_view(problem, m), budget * stages, opts.time_limit)
+            result = solve(per_step_view(problem, m), budget * stages * scale, opts.time_limit)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None

@@ -190,23 +190,42 @@ class Chosen:
     evaluation: Evaluation
 
 
-SolveAt = Callable[[str | None, int], tuple[Problem, dict, dict, object] | None]
+SolveAt = Callable[[str | None, int, float], tuple[Problem, dict, dict, object] | None]
+TIGHTEN_ROUNDS = 2       # re-solves of one (axis, microbatches) whose every pipeline overflowed its ranks
+TIGHTEN_MARGIN = 0.95    # each aims the whole-model budget this much below the overflow seen
 
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float) -> tuple[Chosen | None, float]:
     """The fastest candidate whose every pipeline rank fits `budget` (None if none does) and the
-    least peak memory seen. `solve_at(axis, microbatches)` -> (problem of one microbatch on the mesh
-    without `axis`, its layout choice, its family options, the captured graph): called once per
-    (axis, microbatches); None when nothing fits."""
-    solved: dict = {}
+    least peak memory seen. `solve_at(axis, microbatches, scale)` -> (problem of one microbatch on the
+    mesh without `axis`, its layout choice, its family options, the captured graph), the ILP's
+    whole-model budget scaled by `scale`; None when nothing fits. The whole-model budget only
+    approximates the ranks' (a rank holds 1/stages of the parameters and several microbatches in
+    flight): where no pipeline of an (axis, microbatches) fits its ranks, that ILP is solved again
+    with the budget lowered by the overflow, at most TIGHTEN_ROUNDS times."""
     best, least = None, math.inf
-    for cand in cands:
-        key = (cand.axis, cand.microbatches)
-        if key not in solved:
-            solved[key] = solve_at(cand.axis, cand.microbatches)
-        if solved[key] is None:          # no plan of this microbatch fits even the relaxed budget
-            continue
-        problem, choice, options, graph = solved[key]
+    for key in dict.fromkeys((c.axis, c.microbatches) for c in cands):
+        group = [c for c in cands if (c.axis, c.microbatches) == key]
+        scale = 1.0
+        for _ in range(1 + TIGHTEN_ROUNDS):
+            solved = solve_at(key[0], key[1], scale)
+            if solved is None:          # no plan of this microbatch fits even the relaxed budget
+                break
+            found, low = _best_of(mesh, group, solved, budget)
+            least = min(least, low)
+            if found is not None:
+                if best is None or found.evaluation.step_s < best.evaluation.step_s * (1 - 1e-12):
+                    best = found
+                break
+            scale *= TIGHTEN_MARGIN * budget / low
+    return best, least
+
+
+def _best_of(mesh, group: list[Candidate], solved, budget: float) -> tuple[Chosen | None, float]:
+    """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak."""
+    problem, choice, options, graph = solved
+    best, least = None, math.inf
+    for cand in group:
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
