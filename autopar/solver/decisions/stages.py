@@ -217,6 +217,8 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
                 if best is None or found.evaluation.step_s < best.evaluation.step_s * (1 - 1e-12):
                     best = found
                 break
+            if not math.isfinite(low):      # nothing was priced: a lower budget changes nothing
+                break
             scale *= TIGHTEN_MARGIN * budget / low
     return best, least
 
