@@ -19,17 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import AutoparError
-from ..passes.layers import layer_key
 from .offload import HostPool, host_scope
-from .optimizer import check_keys
-
-
-def gradient_tier(offload: dict[str, str], names: list[str]) -> str:
-    """The tier of the gradient of a parameter known by `names` (its FQN and aliases)."""
-    for key in [f"gradients:{n}" for n in names] + [f"gradients:{layer_key(n)}" for n in names if layer_key(n)]:
-        if key in offload:
-            return offload[key]
-    return "device"
+from .optimizer import check_keys, offload_tier
 
 
 class GradOffload:
@@ -46,7 +37,7 @@ class GradOffload:
         if disk:
             raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': gradients go to 'host' or stay on 'device'")
         self.pool = pool
-        self.params = {names[k][0]: p for k, p in params.items() if gradient_tier(offload, names[k]) == "host"}
+        self.params = {names[k][0]: p for k, p in params.items() if offload_tier(offload, "gradients", names[k]) == "host"}
         self.aliases = {n for k, p in params.items() if names[k][0] in self.params for n in names[k]}
         self.host: dict[str, torch.Tensor] = {}          # FQN -> the local gradient shard, on the host
         for fqn, p in self.params.items():

@@ -46,9 +46,10 @@ class _Master:
     master: torch.Tensor               # fp32 copy of its local shard, in the tier
 
 
-def optimizer_tier(offload: dict[str, str], names: list[str]) -> str:
-    """The tier of a parameter known by `names` (its FQN and aliases), from plan.offload."""
-    for key in [f"optimizer:{n}" for n in names] + [f"optimizer:{layer_key(n)}" for n in names if layer_key(n)]:
+def offload_tier(offload: dict[str, str], what: str, names: list[str]) -> str:
+    """The tier plan.offload gives `what` ("optimizer", "gradients") of a parameter known by `names`
+    (its FQN and aliases): its own key, else its layer's, else "device"."""
+    for key in [f"{what}:{n}" for n in names] + [f"{what}:{layer_key(n)}" for n in names if layer_key(n)]:
         if key in offload:
             return offload[key]
     return "device"
@@ -71,7 +72,7 @@ class PlannedOptimizer:
         direct: list[torch.nn.Parameter] = []
         self._masters: dict[str, list[_Master]] = {}
         for key, p in params.items():
-            tier = optimizer_tier(offload, names[key])
+            tier = offload_tier(offload, "optimizer", names[key])
             if tier == "device" and p.dtype not in _LOW_PRECISION:
                 direct.append(p)
             else:
