@@ -3,7 +3,7 @@
 * On 4 CPU ranks over `Mesh((4,), ("cp",))`, a GPT (causal SDPA, learned positions) and a Hugging
   Face Llama (rotary positions, GQA, the causal mask materialised by export) with their inputs
   pinned split on the sequence and their attention pinned "ring", "ulysses" or "allgather_kv"
-  train 3 AdamW steps like one process (loss, gradients, parameters within 1e-5), and the plan's
+  train 2 AdamW steps like one process (loss, gradients, parameters within 1e-5), and the plan's
   attention nodes carry those labels.
 * A pin that is neither a placement nor a strategy label is an error naming it.
 """

@@ -1,6 +1,6 @@
 """Expert parallelism (issue 18): a Hugging Face MoE model's experts op pinned ("expert_parallel",)
 on 4 CPU ranks, inputs split on the batch, trains like one process (loss, gradients, parameters
-after 3 AdamW steps within 1e-4) with its token-slots dispatched and combined by all-to-all."""
+after 2 AdamW steps within 1e-4) with its token-slots dispatched and combined by all-to-all."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """Real models (examples/zoo.py): Hugging Face transformers and hand-written PyTorch models.
 
 * Each trains on 4 gloo ranks over a (2, 2) mesh exactly like one process: loss, every
-  gradient, parameters after 3 AdamW steps and buffers (fp32, 1e-5 relative; MoE 1e-4).
+  gradient, parameters after 2 AdamW steps and buffers (fp32, 1e-5 relative; MoE 1e-4).
 * At full width (two layers, meta device) each plans on an (8, 8) H100 mesh with no op left
   to the replicate fallback (full depth: benchmarks/bench_models.py).
 * BatchNorm's statistics are synchronized over batch-split axes or kept whole as the cost

@@ -1,6 +1,6 @@
 """Distributed training equals single-process training (real gloo ranks, fp32).
 
-Loss, every gradient, and every parameter after 3 AdamW steps, on 1-, 2- and 3-axis meshes,
+Loss, every gradient, and every parameter after 2 AdamW steps, on 1-, 2- and 3-axis meshes,
 with the solver's own plan and with plans forced to tensor-parallel and 2-D sharding so that
 every rewrite path runs.
 """

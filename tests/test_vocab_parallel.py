@@ -2,7 +2,7 @@
 
 * On 4 CPU ranks, a GPT (tied embedding and head) with its embedding, head and loss pinned to the
   vocab-parallel layouts (the table split on rows, the head column-parallel, the loss on logits split
-  on the classes) trains 3 AdamW steps like one process (loss, gradients, parameters within 1e-4);
+  on the classes) trains 2 AdamW steps like one process (loss, gradients, parameters within 1e-4);
   the plan never gathers the logits and labels those nodes "vocab_parallel". Also on a (dp, tp) mesh,
   for a Hugging Face Llama (its loss ignores the last position), for a GPT whose loss is
   log_softmax + nll_loss, and with the vocabulary split over two axes.

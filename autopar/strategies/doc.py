@@ -89,7 +89,7 @@ def render(captured=None) -> str:
              "## Models",
              "",
              "Each trains on 4 CPU ranks over a (2, 2) mesh and matches single-process training (loss, all",
-             "gradients, parameters after 3 AdamW steps, buffers: `tests/test_models.py`); the Hugging Face",
+             "gradients, parameters after 2 AdamW steps, buffers: `tests/test_models.py`); the Hugging Face",
              "ones also plan at full size on the meta device over an (8, 8) mesh (`benchmarks/bench_models.py`).",
              "Ops are those of the small configs' graphs; every option shown is checked for exactness on",
              "them by `tests/test_rules.py` (sharded execution simulated and compared with the whole op).",
