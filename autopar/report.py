@@ -1,6 +1,7 @@
 """`plan.report()`: what was sharded how, what it costs, and what the solver did."""
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -18,6 +19,35 @@ def _ms(s: float) -> str:
 
 def _lay(layout) -> str:
     return "(" + ", ".join(layout) + ")"
+
+
+_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.|$)")      # a layer index inside a dotted path: "layers.12.fc"
+
+
+def collapse(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Rows (name, rest) with names differing in one layer index only and the same rest, as one row
+    whose name lists the indices: ("layers.3.fc.weight", "(R, S(0))") for layers 0-31 becomes
+    ("layers.{0-31}.fc.weight", "(R, S(0))"). Order: each group where its first row was."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for name, rest in rows:
+        m = _INDEX.search(name)
+        key = (name if m is None else name[:m.start()] + "{}" + name[m.end():], rest)
+        groups.setdefault(key, []).append(-1 if m is None else int(m.group(1)))
+    out = []
+    for (pattern, rest), idx in groups.items():
+        name = pattern if idx == [-1] else pattern.replace("{}", str(idx[0]) if len(idx) == 1 else _ranges(idx), 1)
+        out.append((name, rest))
+    return out
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "{0-2,5}"."""
+    parts, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "{" + ",".join(parts) + "}"
 
 
 def _groups(plan: Plan):
@@ -54,13 +84,15 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
     lines += _pipeline_lines(plan)
     lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]
     # parameters, grouped by module
-    lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "):")
-    for fqn, layout in plan.placements.items():
-        lines.append(f"  {fqn:<48} {_lay(layout)}")
+    lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "; repeated layers alike "
+                 "in one row):")
+    lines += [f"  {fqn:<48} {lay}" for fqn, lay in collapse([(f, _lay(v)) for f, v in plan.placements.items()])]
     lines.append("")
     lines.append("Layers (ops grouped by the module they come from; layout of the group's output; strategy "
-                 "per mesh axis of its heaviest op; collectives on the way in, forward + backward):")
+                 "per mesh axis of its heaviest op; collectives on the way in, forward + backward; repeated layers "
+                 "alike in one row, figures per layer):")
     lines.append(f"  {'module':<26} {'ops':>4} {'compute':>10}  {'output':<16} {'strategy':<22} collectives")
+    rows = []
     for module, group in _groups(plan):
         heavy = max(group, key=lambda n: n.compute_s)
         coll: dict[str, float] = defaultdict(float)
@@ -69,8 +101,9 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
                 coll[c.kind] += c.seconds
         colls = ", ".join(f"{k} {_ms(v)}" for k, v in coll.items())
         tag = " [replicated: no rule]" if any(n.fallback for n in group) else ""
-        lines.append(f"  {module[:26]:<26} {len(group):>4} {_ms(sum(n.compute_s for n in group)):>10}  "
-                     f"{_lay(group[-1].output):<16} {'/'.join(heavy.labels)[:22]:<22} {colls}{tag}")
+        rows.append((module, f"{len(group):>4} {_ms(sum(n.compute_s for n in group)):>10}  "
+                             f"{_lay(group[-1].output):<16} {'/'.join(heavy.labels)[:22]:<22} {colls}{tag}"))
+    lines += [f"  {module[:26]:<26} {rest}" for module, rest in collapse(rows)]
     if detail:
         lines.append("")
         lines.append("Ops (layout of output; strategy per axis; collectives on the way in):")
@@ -99,7 +132,8 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
     if plan.indivisible:
         lines.append(f"Parameters replicated over an axis because no dim of theirs divides by its size "
                      f"({len(plan.indivisible)}; choose sizes divisible by the axis to split them): "
-                     + ", ".join(plan.indivisible))
+                     + ", ".join(a + b for a, b in collapse([(f[:f.find(" ")], f[f.find(" "):]) if " " in f
+                                                            else (f, "") for f in plan.indivisible])))
     if plan.fallbacks:
         lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
     else:

@@ -131,7 +131,8 @@ MEGATRON_PINS = {
     "layers.*.attn.proj.weight": ("R", "S(1)"), "layers.*.attn.proj.bias": ("R", "R"),
     "layers.*.fc.weight": ("R", "S(0)"), "layers.*.fc.bias": ("R", "S(0)"),
     "layers.*.fc2.weight": ("R", "S(1)"), "layers.*.fc2.bias": ("R", "R"),
-    "layers.*.ln*": ("R", "R"), "ln_f.*": ("R", "R"), "wpe.weight": ("R", "R"), "wte.weight": ("R", "R"),
+    "layers.*.ln*": ("R", "R"), "ln_f.*": ("R", "R"), "wpe.weight": ("R", "R"),
+    "wte.weight": ("R", "S(0)"),     # VocabParallelEmbedding; the tied output layer and the loss vocab-parallel too
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -198,6 +199,10 @@ def test_report_says_which_parameters_no_axis_could_split():
     assert "layers.0.weight [6, 6]: no dim divisible by tp=4" in plan.indivisible
     assert "head.bias [6]: no dim divisible by tp=4" in plan.indivisible
     assert "no dim of theirs divides" in plan.report() and "layers.0.weight [6, 6]" in plan.report()
+    deep = autopar.plan(MLP(d_in=6, hidden=6, d_out=6, depth=3), (torch.randn(8, 6),), autopar.Mesh((4,), ("tp",)))
+    text = deep.report()        # repeated layers alike: one row, their indices listed
+    assert "layers.{0-2}.weight [6, 6]: no dim divisible by tp=4" in text and "layers.1.weight" not in text
+    assert re.search(r"\n  layers\.\{0-2\}\.weight +\(R\)\n", text), text
     even = autopar.plan(MLP(d_in=8, hidden=8, d_out=8, depth=1), (torch.randn(8, 8),), autopar.Mesh((4,), ("tp",)))
     assert even.indivisible == [] and "no dim of theirs divides" not in even.report()
 
