@@ -1,7 +1,7 @@
 """The planner's pipelines against Megatron-LM's published configurations, both priced by the one evaluator.
 
     python benchmarks/bench_pipeline.py gpt3 [--pipeline '{"axis": "pp"}']
-    python benchmarks/bench_pipeline.py table1 [--rows 0,1] [--pipeline '{}']
+    python benchmarks/bench_pipeline.py table1 [--rows 0,1] [--pipeline '{}'] [--only autopar|megatron]
 
 * gpt3: GPT-3 175B (96 layers, hidden 12,288, 96 heads, vocabulary 51,200, sequence 2,048, bf16,
   AdamW) at global batch 1,536 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")`. The planner plans
@@ -75,14 +75,17 @@ def _plan(model, inputs, mesh, **kw):
     return plan, time.perf_counter() - t0
 
 
-def compare(hidden, heads, layers, batch, mesh, megatron_pipe, chosen_pipe, label, recompute) -> list[dict]:
-    """recompute: Megatron's ("selective" in the 2022 GPT-3 runs, "full" in 2021's Table 1)."""
+def compare(hidden, heads, layers, batch, mesh, megatron_pipe, chosen_pipe, label, recompute,
+            sides=("autopar", "megatron")) -> list[dict]:
+    """recompute: Megatron's ("selective" in the 2022 GPT-3 runs, "full" in 2021's Table 1); sides: which
+    of the two to price (the ratio is printed when both are)."""
     model, inputs = _model(hidden, heads, layers, batch)
     flops = megatron_flops(batch, SEQ, layers, hidden, VOCAB)
     fixed = dict(pipeline=megatron_pipe) if megatron_pipe else dict(pipeline=False)
-    out = [_priced(f"{label} autopar", flops, mesh, model, inputs, pipeline=chosen_pipe),
+    out = [_priced(f"{label} autopar", flops, mesh, model, inputs, pipeline=chosen_pipe) if "autopar" in sides
+           else {},
            _priced(f"{label} Megatron-LM", flops, mesh, model, inputs, pins=_pins(mesh), recompute=recompute,
-                   residency="keep", offload="none", **fixed)]
+                   residency="keep", offload="none", **fixed) if "megatron" in sides else {}]
     steps = [r.get("step_s") for r in out]
     print(json.dumps({"benchmark": f"pipeline {label}", "autopar_step_s": steps[0], "megatron_step_s": steps[1],
                       "autopar_over_megatron": round(steps[0] / steps[1], 3) if all(steps) else None}), flush=True)
@@ -106,14 +109,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("what", choices=("gpt3", "table1"))
     ap.add_argument("--rows", default="0", help="table1: comma-separated row indices")
     ap.add_argument("--pipeline", default=None, help="the planner's pipeline= (JSON); default: the pp axis given")
+    ap.add_argument("--only", choices=("autopar", "megatron"), default=None, help="price one side only")
     a = ap.parse_args(argv)
+    sides = (a.only,) if a.only else ("autopar", "megatron")
     if a.what == "gpt3":
         mesh = autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")
         chosen = json.loads(a.pipeline) if a.pipeline else {"axis": "pp"}
         megatron = dict(axis="pp", stages=8, microbatches=GPT3["batch"] // 16, schedule="interleaved",
                         virtual_stages=MEGATRON_VIRTUAL)
         return compare(GPT3["hidden"], GPT3["heads"], GPT3["layers"], GPT3["batch"], mesh, megatron, chosen, "gpt3-175b",
-                       "selective")
+                       "selective", sides)
     out = []
     for i in (int(x) for x in a.rows.split(",")):
         params_b, heads, hidden, layers, tp, pp, gpus, batch, _published, mbs, virtual, _ddp = ROWS[i]
@@ -127,7 +132,7 @@ def main(argv=None) -> list[dict]:
             mesh = autopar.Mesh((dp, tp), ("dp", "tp"), device="a100")
             megatron, chosen = None, json.loads(a.pipeline) if a.pipeline else {}
         out += compare(hidden, heads, layers, batch, mesh, megatron, chosen, f"table1 {params_b}B TP{tp} PP{pp} DP{dp}",
-                       "full")
+                       "full", sides)
     return out
 
 
