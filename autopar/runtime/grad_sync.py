@@ -59,12 +59,11 @@ class SyncKind:
         return f"{what} over {'+'.join(str(names[a]) for a in self.axes)}"
 
 
-def sync_kind(grad: DTensor, stored: tuple) -> SyncKind | None:
-    """The bucketed reduction taking `grad` to the stored layout, or None if it has none (nothing to
-    reduce, or a move a bucket does not do): `cost_model.comm.bucketed_reduction`, the rule the
-    evaluator prices by."""
-    local = grad.to_local()
-    how = bucketed_reduction(grad.placements, stored, local.shape, grad.device_mesh.shape)
+def sync_kind(placements: tuple, stored: tuple, local: torch.Tensor, mesh_shape) -> SyncKind | None:
+    """The bucketed reduction taking a gradient in `placements` (this rank's part: `local`) to the
+    stored layout, or None if it has none (nothing to reduce, or a move a bucket does not do):
+    `cost_model.comm.bucketed_reduction`, the rule the evaluator prices by."""
+    how = bucketed_reduction(placements, stored, local.shape, mesh_shape)
     return None if how is None else SyncKind(how[0], how[1], local.dtype)
 
 
@@ -108,6 +107,7 @@ class GradSync:
         last backward: one reduction per step, as the evaluator prices a pipeline's gradient sync."""
         self.module, self.mesh, self.bucket_bytes, self.deferred = module, device_mesh, bucket_bytes, deferred
         self._groups: dict[tuple[int, ...], object] = {}
+        self._kinds: dict[tuple, SyncKind | None] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self.reset()
@@ -121,15 +121,20 @@ class GradSync:
         self._armed = False
 
     # -- in the backward ---------------------------------------------------------------------
-    def take(self, name: str, uses: int, grad: DTensor, stored: tuple) -> bool:
-        """Take one of `uses` partial gradients of parameter `name` into the buckets; False: the
-        caller reduces it itself."""
-        kind = sync_kind(grad, stored)
+    def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
+        """`sync_kind`, remembered: a parameter edge's layouts and shapes are the same every step."""
+        key = (tuple(placements), tuple(stored), tuple(local.shape), local.dtype)
+        if key not in self._kinds:
+            self._kinds[key] = sync_kind(*key[:2], local, self.mesh.shape)
+        return self._kinds[key]
+
+    def take(self, name: str, uses: int, kind: SyncKind | None, local: torch.Tensor) -> bool:
+        """Take one of `uses` partial gradients of parameter `name` (this rank's part `local`, to be
+        reduced as `kind` says) into the buckets; False: the caller reduces it itself."""
         entry = self._pending.get(name)
         if kind is None or name in self.alone or name in self._done or (entry is not None and entry[0] != kind):
             return False
         if self.deferred:
-            local = grad.to_local()
             if entry is None:
                 self._pending[name] = [kind, local.clone(), 0]
             else:
@@ -138,7 +143,6 @@ class GradSync:
         if not self._armed:
             at_backward_end(self.finish)
             self._armed = True
-        local = grad.to_local()
         if entry is None:
             entry = self._pending[name] = [kind, local, 0]
         else:
@@ -215,8 +219,10 @@ class ParamGrad:
     name: str
     uses: int
 
-    def take(self, grad: DTensor, stored: tuple) -> bool:
-        return self.sync.take(self.name, self.uses, grad, stored)
+    def take(self, placements: tuple, stored: tuple, local: torch.Tensor) -> bool:
+        """Hand over this rank's part `local` of a gradient in layout `placements`, for the parameter
+        stored in `stored`; False: not bucketed, the caller reduces it itself."""
+        return self.sync.take(self.name, self.uses, self.sync.kind(placements, stored, local), local)
 
 
 def attach(gm: fx.GraphModule, sync: GradSync, param_of: dict[str, str]) -> None:

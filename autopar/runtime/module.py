@@ -26,6 +26,7 @@ from ..plan import Plan
 from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
+from .fastpath import direct_calls, fuse_param_edges
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
@@ -118,12 +119,16 @@ class DistributedModule(torch.nn.Module):
 
     def _build(self, cap: Captured) -> torch.nn.Module:
         """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
-        its gradient reductions bucketed (grad_sync.py), its memory decisions applied."""
+        its gradient reductions bucketed (grad_sync.py), its no-op wrappers trimmed (fastpath.py), its
+        memory decisions applied."""
         a = self._autopar
         graph = rewrite(cap, a["plan"], a["mesh"])
         rng.attach(graph, self._rng)
         attach(graph, self._grad_sync, self._param_of)
-        return apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
+        fuse_param_edges(graph, cap, a["plan"], self._param_of)
+        graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
+        direct_calls(graph)
+        return graph
 
     def _program(self, args, kwargs, leaves):
         """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan

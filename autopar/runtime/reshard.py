@@ -72,8 +72,10 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        if ctx.sync is not None and ctx.sync.take(grad, ctx.src):
-            return None, None, None          # a gradient bucket reduces it (grad_sync.py)
+        if ctx.sync is not None:
+            local = grad.to_local()
+            if ctx.sync.take(grad.placements, ctx.src, local):
+                return None, None, None          # a gradient bucket reduces it (grad_sync.py)
         return to_layout(grad, grad_layout(ctx.src)), None, None
 
 
