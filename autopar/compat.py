@@ -23,6 +23,10 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `at_backward_end(fn)`: run fn when the current backward pass ends (autograd engine's
   queue_callback, as DDP and FSDP2 wait for their gradient reductions);
   `flat_group(device_mesh, axes)`: one process group over several mesh axes (DeviceMesh._flatten).
+* `dtensor_like(local, like)`: a DTensor holding `local` with the spec (mesh, placements, global
+  shape and stride) of `like`, without `DTensor.from_local`'s autograd node and spec building: a
+  reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
+  and `_spec`).
 """
 from __future__ import annotations
 
@@ -80,3 +84,9 @@ def flat_group(device_mesh, axes: tuple[int, ...]):
         return device_mesh.get_group(axes[0])
     names = device_mesh.mesh_dim_names
     return device_mesh[tuple(names[a] for a in axes)]._flatten().get_group()
+
+
+def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
+    """A DTensor over `local` (same shape as `like`'s local tensor) with `like`'s spec; no autograd."""
+    from torch.distributed.tensor import DTensor
+    return DTensor(local, like._spec, requires_grad=False)

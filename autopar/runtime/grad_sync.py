@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ..compat import at_backward_end, flat_group, set_group_timeout
+from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
 from ..cost_model.comm import bucketed_reduction
 from .faults import watch_of
 from .reshard import Reshard
@@ -205,8 +205,7 @@ class GradSync:
 
 def _write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
     if p.grad is None:
-        p.grad = DTensor.from_local(reduced, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                    stride=p.stride())
+        p.grad = dtensor_like(reduced, p)
     else:
         p.grad.to_local().add_(reduced.view_as(p.grad.to_local()))
 

@@ -2,8 +2,11 @@
 
 `dmodel.optimizer(torch.optim.AdamW, lr=1e-3)` builds one torch optimizer per place:
 
-* "direct": fp32 parameters whose optimizer tier is "device": the optimizer runs on the parameters
-  themselves (DTensor shards), as `torch.optim.AdamW(dmodel.parameters())` would;
+* "direct": fp32 parameters whose optimizer tier is "device": the optimizer updates the parameters
+  in place, as `torch.optim.AdamW(dmodel.parameters())` would, but steps their local shards (the
+  DTensors' own storage, each given its gradient's local part for the step): the same arithmetic
+  on the same shards with none of DTensor's per-op dispatch (about 8 ops per parameter per step);
+  its state is plain local tensors, like the other tiers';
 * "device": 16-bit parameters on "device": an fp32 master copy of each shard on the device; the
   optimizer steps the master with the gradient cast to fp32, and the parameter receives the
   master rounded to its dtype (mixed precision: 2 + 4 master + 8 state (+ 2 gradient) bytes per
@@ -78,8 +81,9 @@ class PlannedOptimizer:
             else:
                 self._masters.setdefault(tier, []).append(_Master(names[key][0], p, self._new_master(p, tier)))
         self._inner: dict[str, torch.optim.Optimizer] = {}
+        self._direct = [(p, _local_now(p)) for p in direct]     # (parameter, the shard the optimizer steps)
         if direct:
-            self._inner["direct"] = cls(direct, **kwargs)
+            self._inner["direct"] = cls([local for _, local in self._direct], **kwargs)
         for tier, ms in self._masters.items():
             self._inner[tier] = cls([m.master for m in ms], **kwargs)
         self._placed: set[int] = set()     # storages of state tensors already in their tier
@@ -125,24 +129,38 @@ class PlannedOptimizer:
             self._step_direct(grads)
 
     def _step_direct(self, grads) -> None:
-        """The in-place step; a gradient on the host (grad_offload.py) comes back for its own parameter's
-        update only (torch's optimizers skip parameters without a gradient), so the device holds one
-        of them at a time."""
+        """The in-place step on local shards; a gradient on the host (grad_offload.py) comes back for its
+        own parameter's update only (torch's optimizers skip parameters without a gradient), so the
+        device holds one of them at a time."""
         opt = self._inner["direct"]
-        away = [p for g in opt.param_groups for p in g["params"] if grads is not None and grads.has(p)]
+        self._rebind(opt)
+        away = [(p, local) for p, local in self._direct if grads is not None and grads.has(p)]
+        stepped = [(p, local) for p, local in self._direct if local is not p]   # DTensors: lend the gradient
+        for p, local in stepped:
+            local.grad = None if p.grad is None else _local(p.grad)
         opt.step()
-        if not away:
-            return
-        kept = {p: p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None}
-        for p in kept:
-            p.grad = None
-        for p in away:
-            p.grad = grads.back(p)
-            if p.grad is not None:
+        for p, local in stepped:
+            local.grad = None
+        for p, local in away:
+            g = grads.back(p)
+            if g is not None:
+                local.grad = _local(g)
                 opt.step()
-                p.grad = None
-        for p, g in kept.items():
-            p.grad = g
+                local.grad = None
+
+    def _rebind(self, opt: torch.optim.Optimizer) -> None:
+        """Follow a parameter whose local shard was replaced since the last step (state moves with it)."""
+        for i, (p, local) in enumerate(self._direct):
+            if local is p:
+                continue
+            now = _local_now(p)
+            if now.data_ptr() == local.data_ptr() and now.shape == local.shape:
+                continue
+            if local in opt.state:
+                opt.state[now] = opt.state.pop(local)
+            for g in opt.param_groups:
+                g["params"] = [now if q is local else q for q in g["params"]]
+            self._direct[i] = (p, now)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._mem.grads is not None:
@@ -203,6 +221,13 @@ class PlannedOptimizer:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_now(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (a leaf sharing its storage; a fresh view of it where torch
+    marks a parameter's local tensor as a parameter too); a plain tensor as is."""
+    with torch.no_grad():
+        return _local(p)
 
 
 def check_keys(offload: dict[str, str], fqns: list[str], kind: str = "optimizer") -> None:
