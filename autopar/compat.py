@@ -26,7 +26,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `dtensor_like(local, like)`: a DTensor holding `local` with the spec (mesh, placements, global
   shape and stride) of `like`, without `DTensor.from_local`'s autograd node and spec building: a
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
-  and `_spec`).
+  and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
+  `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
 """
 from __future__ import annotations
 
@@ -90,3 +91,8 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
     """A DTensor over `local` (same shape as `like`'s local tensor) with `like`'s spec; no autograd."""
     from torch.distributed.tensor import DTensor
     return DTensor(local, like._spec, requires_grad=False)
+
+
+def local_tensor(dt) -> torch.Tensor:
+    """The local tensor object held by DTensor `dt` (no view made)."""
+    return dt._local_tensor

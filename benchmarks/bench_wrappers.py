@@ -12,6 +12,8 @@ A GPT of 4 layers, hidden 256, 8 heads, sequence 128, vocabulary 512, global bat
   tp2       Megatron layouts over "tp" (column q/k/v/fc, row proj/fc2; the batch whole), against
             `parallelize_module` with ColwiseParallel / RowwiseParallel on the same linears
 
+autopar's side trains with `dmodel.optimizer(torch.optim.AdamW)` (the documented way), the
+reference with `torch.optim.AdamW` over its module's parameters (default settings on both sides).
 Both sides live in the same ranks and run alternately, one step each (the order flips every
 step), each step timed barrier to barrier, the slowest rank's time; the ratio is autopar's median
 over the reference's, steps after the warm-up. The CPU ratio is the same for the ranks' CPU time
@@ -156,7 +158,7 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
     ours_in = mesh.local_batch(batch, (axis,)) if what != "tp" else batch
     ref = reference(what, model, init_device_mesh("cpu", (world,), mesh_dim_names=(axis,)))
     ref_in = ours_in
-    sides = {"autopar": (dmodel, ours_in, torch.optim.AdamW(dmodel.parameters(), lr=1e-3)),
+    sides = {"autopar": (dmodel, ours_in, dmodel.optimizer(torch.optim.AdamW, lr=1e-3)),
              "torch": (ref, ref_in, torch.optim.AdamW(ref.parameters(), lr=1e-3))}
     times = {k: [] for k in sides}
     cpu = {k: [] for k in sides}
@@ -195,6 +197,8 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
                 step(name)
             counts[name] = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     local_ops = sum(bool(getattr(m, "local_out", False)) for m in dmodel.graph_module.modules())
+    local_ops += sum(n.op == "call_function" for g in dmodel.graph_module.modules() if isinstance(g, torch.fx.GraphModule)
+                     for n in g.graph.nodes)
     return {"times": times, "cpu": cpu, "losses": losses, "aten": counts, "local_ops": local_ops}
 
 

@@ -5,7 +5,13 @@ The rewrite states every layout change explicitly: a `Reshard` after every param
 DTensor built for every gradient). Where the layouts are fixed by the plan, most of that is
 known to be a no-op before the first step. Here, per program (not per step):
 
-* a parameter's edge whose `Reshard` keeps the stored layout (data parallelism's replicated
+* a parameter all of whose edges keep its stored layout, each into a `LocalOp` sending the gradient
+  back in one layout (every weight of data parallelism; a Megatron weight used in its own shard),
+  is fed to the program as its local shard itself: an autograd leaf sharing the shard's storage
+  (`LeafParams`), its edges removed. Autograd accumulates its gradient in C++ (the uses of a tied
+  weight summed there too) and one post-accumulate hook per parameter and backward hands it to the
+  gradient buckets, as DDP's hooks do: no Python at all per parameter in the forward;
+* a parameter's other edges whose `Reshard` keeps the stored layout (data parallelism's replicated
   weights, a Megatron weight used in its own shard) and whose one consumer is a `LocalOp`
   becomes a `ParamEdge`: one autograd node that hands the consumer the parameter's local shard,
   and in the backward hands the local gradient straight to the gradient buckets (grad_sync.py),
@@ -24,26 +30,30 @@ printable as the plan's program.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import pytree
+from ..compat import local_tensor, pytree
 from ..passes.capture import Captured
 from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, parse_layout
 from ..plan import Plan
 from . import rng
 from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
+from .grad_sync import GradSync, ParamGrad, write_grad
 from .reshard import Reshard, to_layout
 
 
 class _ParamEdge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: DTensor, edge: "ParamEdge"):  # type: ignore[override]
-        ctx.edge, ctx.meta = edge, (p.device_mesh, p.shape, p.stride())
+        ctx.edge = edge
+        if edge.meta is None:
+            edge.meta = (p.device_mesh, p.shape, p.stride())
         local = p.to_local()
         return local.view_as(local)
 
@@ -52,7 +62,7 @@ class _ParamEdge(torch.autograd.Function):
         edge = ctx.edge
         if edge.sync is not None and edge.sync.take(edge.grad_layout, edge.layout, grad):
             return None, None            # a gradient bucket reduces it (grad_sync.py)
-        mesh, shape, stride = ctx.meta
+        mesh, shape, stride = edge.meta
         whole = DTensor.from_local(grad.contiguous(), mesh, edge.grad_layout, run_check=False, shape=shape,
                                    stride=stride)
         return to_layout(whole, edge.layout), None
@@ -67,6 +77,7 @@ class ParamEdge(Reshard):
         super().__init__(layout)
         self.grad_layout = tuple(grad_layout)
         self.sync = sync
+        self.meta = None           # (mesh, global shape, stride) of the parameter, from its first call
 
     def forward(self, x):
         return _ParamEdge.apply(x, self) if isinstance(x, DTensor) else x
@@ -75,25 +86,90 @@ class ParamEdge(Reshard):
         return f"{', '.join(layout_str(self.layout))} (local; gradient {', '.join(layout_str(self.grad_layout))})"
 
 
-def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: dict[str, str]) -> int:
-    """Turn every eligible parameter `Reshard` of `gm` into a `ParamEdge` (module docstring); after
-    `grad_sync.attach` (its link is kept). Returns how many."""
+@dataclass(frozen=True, slots=True)
+class LeafParam:
+    """A parameter its program takes as its local shard (module docstring): stored and used in
+    `layout`, its gradient arriving in `grad_layout`."""
+    fqn: str
+    layout: tuple[Placement, ...]
+    grad_layout: tuple[Placement, ...]
+
+
+def _fusable(gm: fx.GraphModule, node: fx.Node, stored_of, captured) -> tuple | None:
+    """(layout, gradient layout) of a parameter `Reshard` node that keeps the stored layout into one
+    `LocalOp` slot; None otherwise."""
+    mod = gm.get_submodule(node.target) if node.op == "call_module" else None
+    if type(mod) is not Reshard or len(node.users) != 1 or stored_of(node.args[0].name) != mod.layout:
+        return None
+    user = next(iter(node.users))
+    consumer = gm.get_submodule(user.target) if user.op == "call_module" else None
+    slot = _tensor_slot(user, node, captured.get(user.meta.get("autopar_node")))
+    if type(consumer) is not LocalOp or slot is None:
+        return None
+    return mod.layout, consumer.grad_layouts[slot]
+
+
+def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: dict[str, str],
+                     alone: frozenset[str] = frozenset()) -> dict[str, LeafParam]:
+    """Trim the parameter edges of `gm` (module docstring), after `grad_sync.attach`. Returns the
+    placeholders now fed local shards (`LeafParams.value`): placeholder name -> `LeafParam`.
+    `alone`: parameters whose gradient must reach `.grad` through autograd (grad_offload.py)."""
     captured = {n.name: n for n in cap.gm.graph.nodes}
-    fused = 0
-    for node in gm.graph.nodes:
-        mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        src = node.args[0] if node.args else None
-        if type(mod) is not Reshard or not isinstance(src, fx.Node) or src.name not in param_of or len(node.users) != 1:
+
+    def stored_of(placeholder: str) -> tuple:
+        fqn = param_of[placeholder]
+        return parse_layout(plan.placements.get(fqn, tuple("R" for _ in plan.mesh["axis_names"])))
+
+    leaves: dict[str, LeafParam] = {}
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in param_of]:
+        edges = {u: _fusable(gm, u, stored_of, captured) for u in ph.users}
+        kinds = set(edges.values())
+        if param_of[ph.name] not in alone and edges and None not in kinds and len(kinds) == 1:
+            layout, grad = kinds.pop()
+            leaves[ph.name] = LeafParam(param_of[ph.name], layout, grad)
+            for u in edges:
+                u.replace_all_uses_with(ph)
+                gm.graph.erase_node(u)
             continue
-        stored = parse_layout(plan.placements.get(param_of[src.name], tuple("R" for _ in mod.layout)))
-        user = next(iter(node.users))
-        consumer = gm.get_submodule(user.target) if user.op == "call_module" else None
-        slot = _tensor_slot(user, node, captured.get(user.meta.get("autopar_node")))
-        if stored != mod.layout or type(consumer) is not LocalOp or slot is None:
-            continue
-        gm.add_submodule(node.target, ParamEdge(mod.layout, consumer.grad_layouts[slot], mod.sync))
-        fused += 1
-    return fused
+        for u, fused in edges.items():
+            if fused is not None:
+                gm.add_submodule(u.target, ParamEdge(fused[0], fused[1], gm.get_submodule(u.target).sync))
+    if leaves:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return leaves
+
+
+class LeafParams:
+    """Per module: each `LeafParam`'s local shard as an autograd leaf (sharing the DTensor parameter's
+    storage: the optimizer's updates are its values), with the hook that hands its gradient to the
+    module's buckets, or, where they do not take it, reduces it to `.grad` as the `Reshard` would."""
+
+    def __init__(self, sync: GradSync):
+        self.sync = sync
+        self._made: dict[str, tuple] = {}     # fqn -> (parameter, leaf, the parameter's local tensor then)
+
+    def value(self, p: torch.nn.Parameter, spec: LeafParam) -> torch.Tensor:
+        """The leaf for parameter `p` (made again if `p` or its local tensor was replaced)."""
+        made = self._made.get(spec.fqn)
+        if made is not None and made[0] is p and made[2] is local_tensor(p):
+            return made[1]
+        with torch.no_grad():
+            local = p.to_local()
+        leaf = local.detach().requires_grad_(p.requires_grad)
+        link = ParamGrad(self.sync, spec.fqn, 1)     # autograd sums the uses before the hook
+
+        def hook(t: torch.Tensor, p=p, spec=spec, link=link) -> None:
+            grad, t.grad = t.grad, None
+            if not link.take(spec.grad_layout, spec.layout, grad):
+                whole = DTensor.from_local(grad.contiguous(), p.device_mesh, spec.grad_layout, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                write_grad(p, to_layout(whole, spec.layout).to_local())
+
+        if leaf.requires_grad:
+            leaf.register_post_accumulate_grad_hook(hook)
+        self._made[spec.fqn] = (p, leaf, local_tensor(p))
+        return leaf
 
 
 def _tensor_slot(user: fx.Node, node: fx.Node, captured: fx.Node | None) -> int | None:
@@ -114,13 +190,13 @@ def _tensor_slot(user: fx.Node, node: fx.Node, captured: fx.Node | None) -> int 
     return slots[0] if len(slots) == 1 else None
 
 
-def direct_calls(gm: fx.GraphModule) -> int:
+def direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str] = frozenset()) -> int:
     """Every eligible `LocalOp` of `gm` and of the graphs inside it (regions) as a plain call of its
-    op (module docstring). Returns how many."""
+    op (module docstring); `local_inputs`: placeholders fed plain local tensors. Returns how many."""
     done = 0
     for sub in list(gm.modules()):
         if isinstance(sub, fx.GraphModule):
-            done += _direct_calls(sub)
+            done += _direct_calls(sub, local_inputs)
     return done
 
 
@@ -129,8 +205,9 @@ def _plain(mod) -> bool:
             and mod.target not in EXCHANGE and mod.target not in LOCALIZE)
 
 
-def _direct_calls(gm: fx.GraphModule) -> int:
-    local: set[fx.Node] = set()        # nodes whose value is a plain local tensor at run time
+def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
+    # nodes whose value is a plain local tensor at run time
+    local: set[fx.Node] = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in local_inputs}
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None

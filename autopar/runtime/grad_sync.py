@@ -199,11 +199,12 @@ class GradSync:
                         b.work.wait()
                 n = math.prod(self.mesh.size(a) for a in b.kind.axes)
                 for name, reduced in b.results(n):
-                    _write_grad(params[name], reduced)
+                    write_grad(params[name], reduced)
         self.reset()
 
 
-def _write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+    """`reduced` (this rank's part, in the parameter's layout) into `p.grad`: set, or added as autograd would."""
     if p.grad is None:
         p.grad = dtensor_like(reduced, p)
     else:

@@ -51,6 +51,7 @@ class MemoryRuntime:
     resident: frozenset[int] = frozenset()      # storages of parameters and buffers (this forward)
     regathers: bool = False                     # some copy is regathered: route the whole forward
     outer: SavedTensors | None = None           # the router around the whole forward, if any
+    routes: bool = False                        # some saved-tensor router runs (outer, or a layer's)
     grads: GradOffload | None = None            # gradients moved to the host as they are made
     notes: list[str] = field(default_factory=list)
 
@@ -114,10 +115,13 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
             if note not in rt.notes:
                 rt.notes.append(note)
                 log.warning(note)
+        if mode == "none":
+            rt.routes = True
         return LayerRegion(layer, body, mode, routers[tier].hooks if tier != "device" else None)
 
     gm = group_layers(gm, make_region)
     rt.outer = routers["device"] if rt.regathers else None
+    rt.routes = rt.routes or rt.outer is not None
     return gm
 
 

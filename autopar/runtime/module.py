@@ -26,7 +26,7 @@ from ..plan import Plan
 from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
-from .fastpath import direct_calls, fuse_param_edges
+from .fastpath import LeafParams, direct_calls, fuse_param_edges
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
@@ -99,13 +99,14 @@ class DistributedModule(torch.nn.Module):
         if any(k.startswith("gradients:") and v != "device" for k, v in plan.offload.items()):
             self._memory.grads = GradOffload(self, plan.offload, self._memory.pool)
             self._grad_sync.alone = frozenset(self._memory.grads.aliases)
-        self._graph = self._build(cap)
+        self._leaves = LeafParams(self._grad_sync)
         batch_axes = plan.options.get("batch_axes") or []
         self._input_layout = tuple(Shard(0) if n in batch_axes else Replicate() for n in plan.mesh["axis_names"])
         # inputs the plan keeps in another layout than they arrive in (a pinned sequence split): each
         # rank takes its part of the input it was given (no communication)
         self._kept_as = {n.name: parse_layout(n.output) for n in plan.nodes if n.executor == "input"}
         self._n_batch = math.prod(n for n, ax in zip(device_mesh.shape, plan.mesh["axis_names"]) if ax in batch_axes)
+        self._graph = self._build(cap)
         self._autopar["programs"][_key(input_shapes_of(cap))] = (cap, self._graph)
 
     @property
@@ -125,10 +126,29 @@ class DistributedModule(torch.nn.Module):
         graph = rewrite(cap, a["plan"], a["mesh"])
         rng.attach(graph, self._rng)
         attach(graph, self._grad_sync, self._param_of)
-        fuse_param_edges(graph, cap, a["plan"], self._param_of)
+        leaves = fuse_param_edges(graph, cap, a["plan"], self._param_of, self._grad_sync.alone)
         graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
-        direct_calls(graph)
+        direct_calls(graph, frozenset(leaves))
+        graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
+        graph.feeds = self._feeds(cap, leaves)
         return graph
+
+    def _feeds(self, cap: Captured, local: dict) -> list:
+        """Per placeholder of a program, `feed(leaves)` -> its value this call (`input_value`), with
+        the lookups that are the same every call done once: a parameter is its owner's attribute."""
+        feeds = []
+        for name, slot in cap.inputs.items():
+            if slot.kind == "param":
+                path, _, attr = str(slot.target).rpartition(".")
+                owner = self.get_submodule(path)
+                if name in local:
+                    feeds.append(lambda leaves, o=owner, a=attr, spec=local[name]: self._leaves.value(getattr(o, a), spec))
+                else:
+                    feeds.append(lambda leaves, o=owner, a=attr: getattr(o, a))
+            else:
+                feeds.append(lambda leaves, slot=slot, kept=self._kept_as.get(name), cap=cap:
+                             input_value(self, cap, slot, leaves, self._input_layout, kept))
+        return feeds
 
     def _program(self, args, kwargs, leaves):
         """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
@@ -152,10 +172,10 @@ class DistributedModule(torch.nn.Module):
         self._grad_sync.reset()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
-        values = [input_value(self, cap, slot, leaves, self._input_layout, self._kept_as.get(name))
-                  for name, slot in cap.inputs.items()]
+        values = [feed(leaves) for feed in graph.feeds]
         mem = self._memory
-        mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
+        if mem.routes:       # saved-tensor routers run: they keep what lives anyway where it is
+            mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
             outs = graph(*values)
         return split_outputs(cap, outs, buffers=self)
@@ -182,10 +202,10 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
     """What feeds one placeholder of the rank graph: the module's parameter or buffer (whole), a
     lifted constant (whole), or user input `leaves[i]` in `input_layout` (whole if 0-dim), moved to
     the layout the plan keeps it in (`kept_as`, a pinned input: each rank takes its part)."""
-    mesh = module._autopar["mesh"]
-    whole = tuple(Replicate() for _ in mesh.shape)
     if slot.kind == "param":
         return module.get_parameter(slot.target)
+    mesh = module._autopar["mesh"]
+    whole = tuple(Replicate() for _ in range(mesh.ndim))
     if slot.kind == "buffer":
         return DTensor.from_local(module.get_buffer(slot.target), mesh, whole, run_check=False)
     if slot.kind == "constant":
