@@ -17,7 +17,7 @@
 3. `autopar.estimate` prices each plan (one microbatch; gradient sync in buckets as the runtime
    runs it, runtime/grad_sync.py; the profile's runtime_op_overhead per
    node of the rank's graph, collective_overhead per collective, optimizer_param_overhead per
-   parameter); the plan then trains on 4 forked gloo ranks (AdamW); the median step (forward,
+   parameter); the plan then trains on 4 forked gloo ranks (AdamW, `dmodel.optimizer`); the median step (forward,
    backward, optimizer; barrier to barrier; the slowest rank's time) is the measurement, as
    calibration takes medians too. Plans are measured `--rounds` times round-robin (plan A, B, C,
    D, A, B, ...) so a change of load hits every plan alike; the measurement is the median over
@@ -101,7 +101,7 @@ def _train(rank, world_size, plan, profile_path, steps):
     if batch_axes:
         local = mesh.local_batch(batch, batch_axes)
     dmodel = autopar.autoparallelize(model, mesh, batch, plan=plan)
-    opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)
+    opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-3)
     times = []
     for step in range(steps + 2):          # two warm-up steps
         dist.barrier()

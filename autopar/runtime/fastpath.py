@@ -161,7 +161,9 @@ class LeafParams:
 
         def hook(t: torch.Tensor, p=p, spec=spec, link=link) -> None:
             grad, t.grad = t.grad, None
-            if not link.take(spec.grad_layout, spec.layout, grad):
+            if spec.grad_layout == spec.layout:      # already the stored layout: nothing to reduce
+                write_grad(p, grad)
+            elif not link.take(spec.grad_layout, spec.layout, grad):
                 whole = DTensor.from_local(grad.contiguous(), p.device_mesh, spec.grad_layout, run_check=False,
                                            shape=p.shape, stride=p.stride())
                 write_grad(p, to_layout(whole, spec.layout).to_local())
