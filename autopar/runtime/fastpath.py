@@ -11,14 +11,14 @@ known to be a no-op before the first step. Here, per program (not per step):
   (`LeafParams`), its edges removed. Autograd accumulates its gradient in C++ (the uses of a tied
   weight summed there too) and one post-accumulate hook per parameter and backward hands it to the
   gradient buckets, as DDP's hooks do: no Python at all per parameter in the forward;
-* a parameter's other edges whose `Reshard` keeps the stored layout (data parallelism's replicated
-  weights, a Megatron weight used in its own shard) and whose one consumer is a `LocalOp`
+* an edge of any other parameter whose `Reshard` keeps the stored layout and whose one consumer is
+  a `LocalOp` (a parameter also gathered elsewhere, or sending gradients back in two layouts)
   becomes a `ParamEdge`: one autograd node that hands the consumer the parameter's local shard,
   and in the backward hands the local gradient straight to the gradient buckets (grad_sync.py),
   with no DTensor made on the way. A gradient the buckets do not take is reduced as the
   `Reshard` would (the same DTensor redistribution), so results are those of the explicit graph.
 * a `LocalOp` that would only call its op (no dropout, no exchange, no shard-dependent argument),
-  whose tensor inputs all arrive as local tensors (from a `ParamEdge` or another such op) and whose
+  whose tensor inputs all arrive as local tensors (a leaf, a `ParamEdge`, another such op) and whose
   result is handed on local (`local_out`), becomes a plain call of the op in the generated code,
   its shape argument already the local shape: no module call, no argument flattening per step.
   Regions (regions.py) are trimmed inside too.
@@ -43,8 +43,8 @@ from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, parse_layout
 from ..plan import Plan
 from . import rng
-from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
 from .grad_sync import GradSync, ParamGrad, write_grad
+from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
 from .reshard import Reshard, to_layout
 
 

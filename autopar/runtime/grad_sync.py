@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
 
 from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
 from ..cost_model.comm import bucketed_reduction
