@@ -18,7 +18,8 @@ person can read them):
 * `offload`: "activations:<layer>" (tensors the layer saves for the backward),
   "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
   step) -> "device" | "host" | "disk" (`TIERS`), or "gradients:<layer or parameter FQN>" (the
-  gradients, moved out as they are made) -> "device" | "host".
+  gradients, moved out as they are made) or "parameters:<layer or parameter FQN>" (the stored
+  local shards, brought to the device for each use) -> "device" | "host".
 A layer or parameter missing from a dict takes the first mode ("none", "keep", "device").
 
 `pipeline` (`PipelinePlan`) says how the layer sequence is cut into pipeline stages over one mesh
@@ -40,7 +41,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RESIDENCY_MODES = ("keep", "regather")
 ACTIVATIONS = "activations:"     # residency keys of gathered activations: "activations:<layer or node>"
 TIERS = ("device", "host", "disk")
-OFFLOAD_CLASSES = ("activations", "optimizer", "gradients")
+OFFLOAD_CLASSES = ("activations", "optimizer", "gradients", "parameters")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 PIPELINE_KEYS = ("axis", "stages", "virtual_stages", "microbatches", "schedule")   # the `pipeline=` option's
 

@@ -33,6 +33,7 @@ from ..passes.layers import layer_key, module_path
 from ..placement import gathers, parse_layout
 from ..plan import ACTIVATIONS, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
 from .grad_offload import GradOffload
+from .param_offload import insert_fetches
 from .offload import DiskStore, HostPool, OffloadedTensor
 from .regather import GatherCopy, GatheredCopies, RegatheredCopy
 from .regions import LayerRegion, group_layers, node_layers
@@ -53,6 +54,8 @@ class MemoryRuntime:
     outer: SavedTensors | None = None           # the router around the whole forward, if any
     routes: bool = False                        # some saved-tensor router runs (outer, or a layer's)
     grads: GradOffload | None = None            # gradients moved to the host as they are made
+    params_on_host: frozenset[str] = frozenset()    # parameter FQNs stored in the pool (param_offload.py)
+    device: torch.device | str = "cpu"          # where the fetched parameters go
     notes: list[str] = field(default_factory=list)
 
     def disk_store(self) -> DiskStore:
@@ -100,7 +103,8 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     param_of: placeholder name -> canonical parameter FQN."""
     activations = {k.split(":", 1)[1]: v for k, v in plan.offload.items() if k.startswith("activations:")}
     _check(plan, gm, param_of, activations)
-    rt.regathers = "regather" in plan.residency.values()
+    fetched = insert_fetches(gm, param_of, rt.params_on_host, torch.device(rt.device), rt.copies)
+    rt.regathers = "regather" in plan.residency.values() or fetched
     if rt.regathers or any(v != "device" for v in activations.values()):
         _gather_copies(gm, plan, param_of, rt)
     routers = {tier: SavedTensors(rt, tier) for tier in TIERS}

@@ -27,6 +27,7 @@ from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
 from .fastpath import LeafParams, direct_calls, fuse_param_edges
+from .param_offload import host_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
@@ -94,6 +95,11 @@ class DistributedModule(torch.nn.Module):
         self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
+        if any(k.startswith("parameters:") and v != "device" for k, v in plan.offload.items()):
+            on_host = host_parameters(self, plan.offload, self._memory.pool)
+            for fqn, param in on_host.items():
+                _set_path(self, fqn, param, "param")
+            self._memory.device, self._memory.params_on_host = _device(device_mesh), frozenset(on_host)
         self._rng = rng.RngState.agreed()
         self._grad_sync = GradSync(self, device_mesh, grad_bucket_bytes)
         if any(k.startswith("gradients:") and v != "device" for k, v in plan.offload.items()):

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..passes.layers import layer_key, module_path
 from .checkpoint import run_recomputed
+from .param_offload import FetchParam
 from .regather import GatherCopy
 from .reshard import Reshard
 
@@ -33,7 +34,7 @@ def node_layers(gm: fx.GraphModule) -> dict[fx.Node, str | None]:
     for node in reversed(gm.graph.nodes):
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), (Reshard, GatherCopy)):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), (Reshard, GatherCopy, FetchParam)):
             consumers = {out.get(u) for u in node.users}
             out[node] = consumers.pop() if len(consumers) == 1 else None
         else:

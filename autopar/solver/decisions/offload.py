@@ -20,6 +20,9 @@
   the gradient alone costs more than in a bucket; freed from the point it is made through the
   step's end; held on the host. With the optimizer also on the host the gradient comes back and
   goes out again for the host step (one family's price does not depend on another's choice).
+* "parameters:<layer or parameter FQN>" (host only; like gradients, chosen under offload="auto"):
+  the stored local shards live on the host and come to the device for each use, forward and
+  backward (`runtime/param_offload.py`; ZeRO-Infinity / FSDP CPU offload of the parameters).
 The tiers' capacities are per device (`DeviceProfile.host_memory_capacity`, `disk_capacity`);
 a tier with none is not offered.
 """
@@ -78,6 +81,12 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
                                                                  for m in members), grads))
             if grads != (0,):
                 gradients_out(problem, fam, key, with_grads)
+            # parameters likewise (offload="auto", host only): a fixed setting leaves them on the device
+            key = f"offload:parameters:{owner}"
+            fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "parameters:", 1)
+                                                                 for m in members), grads))
+            if grads != (0,):
+                parameters_out(problem, fam, key, with_grads)
     return fam
 
 
@@ -132,6 +141,31 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
             fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
             fam.held.append(Held(held, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
             fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
+
+
+def parameters_out(problem: Problem, fam: Families, key: str, names) -> None:
+    """The stored local shard (state bytes less gradient and optimizer parts) lives on the host and is
+    off the device from its last use in the forward to the backward of that use, and after the backward
+    of its first use (`runtime/param_offload.py` fetches it per use; the backward fetches it again); the
+    optimizer steps the host copy in place. Priced: two copies in per step (forward, backward), each
+    with its latency, synchronously (no prefetch on a copy stream: the runtime copies when the op runs)."""
+    host, live = problem.mesh.profile.host_link, problem.live
+    for n in names:
+        d = problem.decisions[n]
+        uses = [e.dst_pos for e in problem.edges if e.src == n]
+        if not uses:
+            continue
+        first, last = min(uses), max(uses)
+        param = Expr(((n, tuple(s - o - g for s, o, g in zip(d.state_bytes, d.opt_bytes, d.grad_bytes))),))
+        # priced as on the device before its first use and in the optimizer step (the runtime has it on
+        # the host then: an over-estimate), so that the terms are not read as optimizer state freed from
+        # the step's start (after < 0) or a gradient sent out (until >= step_end) by the evaluator
+        for after, until in ((last, live.backward_of(last) - 1), (live.backward_of(first), live.step_end - 1)):
+            if until > after:
+                fam.freed.append(Freed(param, ((key, HOST),), after, until, f"parameter {d.fqn}", f"param:{n}"))
+        moves = param.scaled(2.0 / host.bandwidth) + Expr(const=2.0 * host.latency)
+        fam.costs.append(Cost(moves, (key, HOST), 1.0, f"parameter {d.fqn} from the host, forward and backward"))
+        fam.held.append(Held(param, (key, HOST), "host", 1.0, f"parameter {d.fqn}"))
 
 
 def gradients_out(problem: Problem, fam: Families, key: str, names) -> None:

@@ -1,0 +1,100 @@
+"""Parameters on the host: `plan.offload["parameters:<layer or parameter FQN>"] == "host"`.
+
+The parameter's stored local shard lives in the module's `HostPool` (ZeRO-Infinity's / FSDP's CPU
+offload of the sharded parameters). Each use brings it to the device and lets it go again:
+
+* forward: a `FetchParam` graph op after the parameter's placeholder copies the shard to the device
+  (`to(copy=True)`: differentiable, so the gradient flows back to the host parameter and is
+  accumulated there, in the host pool's storage);
+* the device copy is recorded in the `GatheredCopies` registry as "regather" with the host shard
+  as its source, so the saved-tensor router (memory.py) keeps only the host shard for the backward
+  and brings a device copy back when the backward unpacks it (`RegatheredCopy.load`); the forward's
+  copy is freed once the forward no longer uses it;
+* a parameter the plan also gathers (a `GatherCopy` after the fetch) is re-gathered in the backward
+  from the host shard, the same collective as in the forward.
+
+Why our own graph op and not FSDP2's `CPUOffloadPolicy`: that policy runs only inside
+`fully_shard`'s parameter groups (its all-gather copies the host shards in) and steps the
+optimizer on the host for every offloaded parameter; here the fetch is one more op of the rank
+graph, the residency and optimizer tier stay separate decisions, and the copies are tracked by the
+same saved-tensor machinery as re-gathered copies. The optimizer step updates the host shard in
+place (`dmodel.optimizer`); on a CPU mesh host and device are the same RAM and the pool is what
+tells them apart (offload.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from ..errors import AutoparError
+from .offload import HostPool
+from .optimizer import check_keys, offload_tier
+from .regather import GatheredCopies
+
+
+def host_parameters(module: torch.nn.Module, offload: dict[str, str], pool: HostPool) -> dict[str, torch.nn.Parameter]:
+    """FQN (every alias) -> a parameter whose local shard is a `pool` copy of the module's, for the
+    parameters the plan puts on the host; the caller registers them in place of the old ones."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+        params[id(p)] = p
+    check_keys(offload, [n for ns in names.values() for n in ns], "parameters")
+    disk = sorted(k for k, v in offload.items() if k.startswith("parameters:") and v == "disk")
+    if disk:
+        raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': parameters go to 'host' or stay on 'device'")
+    moved: dict[str, torch.nn.Parameter] = {}
+    for k, p in params.items():
+        if offload_tier(offload, "parameters", names[k]) != "host":
+            continue
+        with torch.no_grad():
+            if isinstance(p, DTensor):
+                host = DTensor.from_local(pool.put(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+            else:
+                host = pool.put(p)
+        q = torch.nn.Parameter(host, requires_grad=p.requires_grad)
+        moved.update({n: q for n in names[k]})
+    return moved
+
+
+class FetchParam(torch.nn.Module):
+    """Graph op: `w = self.fetch_w(p_w)`: a device copy of a host parameter (see module docstring)."""
+
+    def __init__(self, key: str, device: torch.device, copies: GatheredCopies):
+        super().__init__()
+        self.key, self.device = key, device
+        self._copies = [copies]          # in a list: not a submodule
+
+    def forward(self, p: DTensor) -> DTensor:
+        local = p.to_local().to(self.device, copy=True)
+        y = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        self._copies[0].add(y, p, tuple(p.placements), "regather")
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.key} from the host"
+
+
+def insert_fetches(gm: fx.GraphModule, param_of: dict[str, str], on_host: frozenset[str], device: torch.device,
+                   copies: GatheredCopies) -> bool:
+    """A `FetchParam` before the first use of each placeholder of a host parameter, feeding all its users; any inserted?"""
+    done = False
+    for node in list(gm.graph.nodes):
+        fqn = param_of.get(node.name) if node.op == "placeholder" else None
+        if fqn not in on_host:
+            continue
+        target = f"fetch_{node.name}"
+        gm.add_submodule(target, FetchParam(fqn, device, copies))
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first = min(node.users, key=order.__getitem__)
+        # just before its first use, so that the forward's device copy lives only while it is used
+        with gm.graph.inserting_before(first):
+            fetch = gm.graph.call_module(target, (node,))
+        node.replace_all_uses_with(fetch, delete_user_cb=lambda u: u is not fetch)
+        done = True
+    if done:
+        gm.recompile()
+    return done
