@@ -110,10 +110,11 @@ def _fusable(gm: fx.GraphModule, node: fx.Node, stored_of, captured) -> tuple | 
 
 
 def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: dict[str, str],
-                     alone: frozenset[str] = frozenset()) -> dict[str, LeafParam]:
+                     alone: frozenset[str] = frozenset(), skip: frozenset[str] = frozenset()) -> dict[str, LeafParam]:
     """Trim the parameter edges of `gm` (module docstring), after `grad_sync.attach`. Returns the
     placeholders now fed local shards (`LeafParams.value`): placeholder name -> `LeafParam`.
-    `alone`: parameters whose gradient must reach `.grad` through autograd (grad_offload.py)."""
+    `alone`: parameters whose gradient must reach `.grad` through autograd (grad_offload.py);
+    `skip`: parameters whose edges stay as they are (fetched from the host: param_offload.py)."""
     captured = {n.name: n for n in cap.gm.graph.nodes}
 
     def stored_of(placeholder: str) -> tuple:
@@ -121,7 +122,8 @@ def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: di
         return parse_layout(plan.placements.get(fqn, tuple("R" for _ in plan.mesh["axis_names"])))
 
     leaves: dict[str, LeafParam] = {}
-    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in param_of]:
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in param_of
+               and param_of[n.name] not in skip]:
         edges = {u: _fusable(gm, u, stored_of, captured) for u in ph.users}
         kinds = set(edges.values())
         if param_of[ph.name] not in alone and edges and None not in kinds and len(kinds) == 1:

@@ -132,7 +132,8 @@ class DistributedModule(torch.nn.Module):
         graph = rewrite(cap, a["plan"], a["mesh"])
         rng.attach(graph, self._rng)
         attach(graph, self._grad_sync, self._param_of)
-        leaves = fuse_param_edges(graph, cap, a["plan"], self._param_of, self._grad_sync.alone)
+        leaves = fuse_param_edges(graph, cap, a["plan"], self._param_of, self._grad_sync.alone,
+                                  self._memory.params_on_host)
         graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
         direct_calls(graph, frozenset(leaves))
         graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
