@@ -81,11 +81,14 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
                                                                  for m in members), grads))
             if grads != (0,):
                 gradients_out(problem, fam, key, with_grads)
-            # parameters likewise (offload="auto", host only): a fixed setting leaves them on the device
+            # parameters likewise (offload="auto", host only): a fixed setting leaves them on the device.
+            # Offered on CPU meshes only: on CUDA the executor's backward fetch would hand the op the
+            # host shard, and the gradient would accumulate on the host (runtime/param_offload.py)
             key = f"offload:parameters:{owner}"
+            on_cpu = problem.mesh.profile.device_type == "cpu"
             fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "parameters:", 1)
-                                                                 for m in members), grads))
-            if grads != (0,):
+                                                                 for m in members), grads if on_cpu else (0,)))
+            if grads != (0,) and on_cpu:
                 parameters_out(problem, fam, key, with_grads)
     return fam
 
