@@ -67,8 +67,10 @@ LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small
 # The joint model multiplies each gated term's layout columns by the option columns (McCormick products):
 # from a layout model of this many columns on it is not built and the alternation's plan is the answer
 # (Llama-3-8B on (8, 8): 66k layout columns, a joint model of 176k columns that HiGHS did not solve in
+# a minute; GPT-3 175B's pipeline stage on (16, 8): 17k layout columns, a joint model of 50k columns and
+# 104k rows whose first solve took HiGHS 13 s and which found no plan better than the alternation's in
 # a minute; the 4-block test models: a few hundred columns, joint optimum in well under a second).
-JOINT_MAX_COLUMNS = 20_000
+JOINT_MAX_COLUMNS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +93,14 @@ class StrategyILP:
     and tables share one y."""
 
     def __init__(self, problem: Problem, memory_budget: float, *, choice: Mapping[str, int] | None = None,
-                 options: Mapping[str, int] | None = None):
+                 options: Mapping[str, int] | None = None, shared: dict | None = None):
         """`choice` (leader -> strategy): the layouts are fixed, only family options are decided (a
         small model); `options` (group -> option): the family options are fixed, only layouts are
-        decided (no products of layout and option variables). Neither: the joint model."""
+        decided (no products of layout and option variables). Neither: the joint model. `shared`: a
+        dict the caller keeps for every model of this problem with the same `choice` (their layout
+        columns are the same): what depends on those columns alone is worked out once."""
         p = self.p = problem
+        self.shared = {} if shared is None else shared
         self.budget = memory_budget
         self.m = Mip()
         self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
@@ -199,10 +204,13 @@ class StrategyILP:
                     coef[v] = coef.get(v, 0.0) + scale * vals[i]
 
     def set_objective(self) -> None:
-        coef: dict = {}
-        self._node_terms(coef, "compute_s", self.p.decisions)
-        for k, e in enumerate(self.p.edges):
-            self.add_edge_terms(coef, k, e.cost)
+        if "objective" not in self.shared:       # the layouts' part: compute and resharding seconds
+            coef: dict = {}
+            self._node_terms(coef, "compute_s", self.p.decisions)
+            for k, e in enumerate(self.p.edges):
+                self.add_edge_terms(coef, k, e.cost)
+            self.shared["objective"] = coef
+        coef = dict(self.shared["objective"])
         self.terms.objective_terms(coef)
         for j, c in coef.items():
             self.m.cost[j] += c
