@@ -350,10 +350,12 @@ def known_gap(gap: float) -> float:
 
 def most_sharded(p: Problem) -> dict[str, int]:
     """Every decision at its smallest-memory strategy."""
+    members: dict[str, list] = {}
+    for d in p.decisions.values():
+        members.setdefault(d.leader, []).append(d)
     choice = {}
     for l in p.leaders:
-        members = [d for d in p.decisions.values() if d.leader == l]
-        mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
+        mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members[l]) for i in range(p.n_choices(l))]
         choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
     return choice
 
