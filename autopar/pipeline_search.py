@@ -51,6 +51,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                               f"the batch of one pipeline)")
     captured = {} if captured is None else captured
     stage_opts = replace(opts, symbolic=False)
+    problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
 
     def solve_at(axis, m, scale):
         if m not in captured:
@@ -59,7 +60,9 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         cap, infos = captured[m]
         sub = mesh.stage_mesh(axis)
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
-        problem = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
+        if (axis, m) not in problems:
+            problems[axis, m] = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
+        problem = problems[axis, m]
         try:
             result = solve(per_step_view(problem, m), budget * stages * scale, opts.time_limit)
         except InfeasibleError as e:

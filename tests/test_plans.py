@@ -143,7 +143,7 @@ def test_peak_memory_comes_from_liveness():
 def test_collective_output_counts_while_its_consumer_runs():
     """A resharded copy the consumer does not keep (here: the batch-split output gathered whole
     for the caller) is a temporary: it adds its bytes at the consumer's liveness point only."""
-    from autopar.solver.evaluate import memory_points
+    from autopar.solver.memory_timeline import memory_points
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     n = 1024                   # rows: the activations, not the weights, set the peak
     cap = capture(model, (torch.randn(n, 64),))

@@ -38,7 +38,8 @@ from ..passes.layers import layer_key
 from ..plan import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
-from .problem import Problem
+from .memory_timeline import act_bytes, grouped_member_sums, memory_points, prefix_sums, window_sums
+from .problem import Problem, picked_edges
 
 # Zero-bubble schedules split each backward into the input gradient and the weight gradient; for a
 # matrix multiplication the two are GEMMs of equal FLOPs, so half of the backward of an op that
@@ -134,7 +135,8 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
     freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
     positions = problem.live.positions
-    points = [pt - ssum(b for f, b in freed if f.after < t <= f.until) for pt, t in zip(points, positions)]
+    gone = window_sums(positions, ((f.after, f.until, b) for f, b in freed))
+    points = [pt - g for pt, g in zip(points, gone)]
     tiers: dict[str, float] = {}
     for h in fam.held:
         if on.get(h.gate[0]) == h.gate[1]:
@@ -227,52 +229,6 @@ def node_modules(p: Problem, choice: Mapping[str, int]):
             t = p.decisions[e.dst].strategies[choice[p.decisions[e.dst].leader]]
             yield e.dst, int(reshards_edge(src.kind, tuple(src.strategies[choice[src.leader]].output),
                                            tuple(t.inputs[e.slot])))
-
-
-def picked_edges(p: Problem, choice: Mapping[str, int]):
-    """(edge, source class, destination class) of every edge under `choice`."""
-    for e in p.edges:
-        a = e.a_of[choice[p.decisions[e.src].leader]]
-        b = 0 if e.dst == "output" else e.b_of[choice[p.decisions[e.dst].leader]]
-        yield e, a, b
-
-
-def memory_points(p: Problem, choice: Mapping[str, int]):
-    """(training state bytes, total bytes at each liveness point of the step) under a layout
-    choice, before any family frees anything (`cost_model.memory`: forward and backward points).
-    No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
-    forward's points count the state less them, a backward point the parameter gradients made so
-    far and the activation gradients in flight; the state in full is the memory after the backward."""
-    live = p.live
-    picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
-                    key=lambda x: x[0])
-    state = ssum(d.state_bytes[choice[d.leader]] for d in p.decisions.values())
-    grads = sorted(((p.grad_since(n), d.grad_bytes[choice[d.leader]]) for n, d in p.decisions.items()
-                    if d.grad_bytes), key=lambda x: x[0])
-    fwd_state = state - ssum(b for _, b in grads)
-    copies, copy_at = _prefix([b for _, b, _ in picked]), [pos for pos, _, _ in picked]
-    made, made_at = _prefix([b for _, b in grads]), [since for since, _ in grads]
-    temps: dict = {}
-    for pos, _, t in picked:
-        temps[pos] = temps.get(pos, 0.0) + t
-    points = []
-    for owners, flight, where in zip(live.points, live.grads or [()] * len(live.points), live.positions):
-        acts = ssum(act_bytes(p, n, choice) for n in (*owners, *flight))
-        total = fwd_state + acts + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
-        points.append(total + made[bisect_right(made_at, where)] if where > live.last else total)
-    return state, points
-
-
-def _prefix(values) -> list:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
-def act_bytes(p: Problem, name: str, choice: Mapping[str, int]):
-    d = p.decisions[name]
-    return d.act_bytes[choice[d.leader]]
 
 
 def effective_options(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int]) -> dict[str, int]:
@@ -503,10 +459,10 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     rank = lambda c: c % p  # noqa: E731
     last = pipe.stages * pipe.virtual_stages - 1
     positions, n_pts = live.positions, len(live.positions)
-    acts = [[0.0] * n_pts for _ in range(p)]
-    for t, (owners, flight) in enumerate(zip(live.points, live.grads or [()] * n_pts)):
-        for n in (*owners, *flight):
-            acts[rank(chunk_of[n])][t] += act_bytes(problem, n, choice)
+    size, rank_of = (lambda n: act_bytes(problem, n, choice)), (lambda n: rank(chunk_of[n]))  # noqa: E731
+    owned = grouped_member_sums(live.points, size, rank_of, p)
+    moving = grouped_member_sums(live.grads, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
+    acts = [[a + b for a, b in zip(o, m)] for o, m in zip(owned, moving)]
     copies: list[list] = [[] for _ in range(p)]
     for e, a, b in picked_edges(problem, choice):
         r = rank(last if e.dst == "output" else chunk_of[e.dst])
@@ -523,17 +479,17 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     for r in range(p):
         cs = sorted(copies[r], key=lambda x: x[0])
-        kept, kept_at = _prefix([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
+        kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
         temps: dict = {}
         for pos, _, tmp in cs:
             temps[pos] = temps.get(pos, 0.0) + tmp
         ms = sorted(made[r], key=lambda x: x[0])
-        grown, grown_at = _prefix([b for _, b in ms]), [since for since, _ in ms]
-        mine = [(f, b) for f, b, q in freed if q == r]
+        grown, grown_at = prefix_sums([b for _, b in ms]), [since for since, _ in ms]
+        gone = window_sums(positions, ((f.after, f.until, b) for f, b, q in freed if q == r))
         one = []
         for t, where in enumerate(positions):
             x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
-            x -= sum(b for f, b in mine if f.after < where <= f.until)
+            x -= gone[t]
             one.append(x + grown[bisect_right(grown_at, where)] if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0

@@ -90,6 +90,7 @@ class _Models:
     def __init__(self, problem, budget: float):
         self.problem, self.budget = problem, budget
         self.built: dict[tuple, object] = {}
+        self.shared: dict = {}           # what the models' common layout columns determine (`StrategyILP`)
         self.binding: dict[int, int] = {}
         self.n_cols = self.n_rows = 0
 
@@ -97,7 +98,7 @@ class _Models:
         from .ilp import StrategyILP
         key = tuple(sorted(options.items()))
         if key not in self.built:
-            model = StrategyILP(self.problem, self.budget, options=options)
+            model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared)
             model.build()
             model.add_memory_rows(self.binding)
             self.built[key] = model

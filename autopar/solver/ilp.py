@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 from ..errors import InfeasibleError
 from .evaluate import evaluate
 from .ilp_terms import FamilyTerms
+from .memory_rows import GIB, MemoryRows
 from .mip import INF, Defined, Mip, MipResult
 from .problem import Problem
 
-GIB = float(2**30)
 # HiGHS and CBC accept a MIP row within 1e-6 of its bound (their MIP feasibility tolerance); memory
 # rows are in GiB, so a plan up to ~1.07 kB over the budget could pass. The budget rows are
 # tightened by twice that, and `min_memory` adds it, so a budget of `min_memory_bytes` fits.
@@ -67,8 +67,10 @@ LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small
 # The joint model multiplies each gated term's layout columns by the option columns (McCormick products):
 # from a layout model of this many columns on it is not built and the alternation's plan is the answer
 # (Llama-3-8B on (8, 8): 66k layout columns, a joint model of 176k columns that HiGHS did not solve in
+# a minute; GPT-3 175B's pipeline stage on (16, 8): 17k layout columns, a joint model of 50k columns and
+# 104k rows whose first solve took HiGHS 13 s and which found no plan better than the alternation's in
 # a minute; the 4-block test models: a few hundred columns, joint optimum in well under a second).
-JOINT_MAX_COLUMNS = 20_000
+JOINT_MAX_COLUMNS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +93,14 @@ class StrategyILP:
     and tables share one y."""
 
     def __init__(self, problem: Problem, memory_budget: float, *, choice: Mapping[str, int] | None = None,
-                 options: Mapping[str, int] | None = None):
+                 options: Mapping[str, int] | None = None, shared: dict | None = None):
         """`choice` (leader -> strategy): the layouts are fixed, only family options are decided (a
         small model); `options` (group -> option): the family options are fixed, only layouts are
-        decided (no products of layout and option variables). Neither: the joint model."""
+        decided (no products of layout and option variables). Neither: the joint model. `shared`: a
+        dict the caller keeps for every model of this problem with the same `choice` (their layout
+        columns are the same): what depends on those columns alone is worked out once."""
         p = self.p = problem
+        self.shared = {} if shared is None else shared
         self.budget = memory_budget
         self.m = Mip()
         self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
@@ -112,7 +117,7 @@ class StrategyILP:
         self.add_one_choice()
         self.add_edges()
         self.terms = FamilyTerms(self, options)
-        self.memory: dict[int, dict[int, float]] = {}   # (D) rows by point, in GiB (added lazily)
+        self.memory: MemoryRows | None = None           # (D) rows by point, in GiB (added lazily)
         self.memory_added: dict[int, int] = {}          # point -> its row in the model
 
     def var(self, leader: str) -> dict[int, int]:
@@ -171,6 +176,12 @@ class StrategyILP:
 
     def add_edge_terms(self, coef: dict, k: int, table: list[list[float]], scale: float = 1.0) -> None:
         """coef += scale * sum_{a,b} table[a][b] [edge k's source picks a and its consumer b]."""
+        for v, c in self.edge_coefs(k, table):
+            coef[v] = coef.get(v, 0.0) + scale * c
+
+    def edge_coefs(self, k: int, table: list[list[float]]):
+        """(column, coefficient) of table's nonzero entries on edge k's variables (y, or the x of the
+        side it is linear in)."""
         e, key = self.p.edges[k], self.group_of[k]
         if key in self.y:
             terms = ((v, table[a][b]) for (a, b), v in self.y[key].items())
@@ -182,9 +193,7 @@ class StrategyILP:
                 terms = ((v, table[e.a_of[i]][fixed]) for i, v in self.x[key[0]].items())
             else:
                 terms = ((v, table[fixed][e.b_of[j]]) for j, v in self.x[key[1]].items())
-        for v, c in terms:
-            if c:
-                coef[v] = coef.get(v, 0.0) + scale * c
+        return ((v, c) for v, c in terms if c)
 
     def _node_terms(self, coef: dict, field: str, names, scale: float = 1.0) -> None:
         for name in names:
@@ -195,91 +204,16 @@ class StrategyILP:
                     coef[v] = coef.get(v, 0.0) + scale * vals[i]
 
     def set_objective(self) -> None:
-        coef: dict = {}
-        self._node_terms(coef, "compute_s", self.p.decisions)
-        for k, e in enumerate(self.p.edges):
-            self.add_edge_terms(coef, k, e.cost)
+        if "objective" not in self.shared:       # the layouts' part: compute and resharding seconds
+            coef: dict = {}
+            self._node_terms(coef, "compute_s", self.p.decisions)
+            for k, e in enumerate(self.p.edges):
+                self.add_edge_terms(coef, k, e.cost)
+            self.shared["objective"] = coef
+        coef = dict(self.shared["objective"])
         self.terms.objective_terms(coef)
         for j, c in coef.items():
             self.m.cost[j] += c
-
-    def memory_rows(self) -> list[dict[int, float]]:
-        """Per-device memory at every liveness point, forward and backward (`cost_model.memory`), and
-        after the backward, in GiB (rows in bytes, 1e9-1e11 next to 0/1 variables, trip the solver's
-        tolerances). Built in one sweep over the points in timeline order: between neighbours only
-        the activations and gradients that appear or go, the copies kept for backwards not yet run,
-        and the parameter gradients made, change."""
-        p, live = self.p, self.p.live
-        params = [n for n, d in p.decisions.items() if d.kind == "param"]
-        whole: dict = {}                 # after the backward: every gradient exists, no activation
-        self._node_terms(whole, "state_bytes", params)
-        for z, n in self.terms.freed_throughout(live.step_end).items():   # optimizer state, gradients offloaded
-            whole[z] = whole.get(z, 0.0) - n * GIB
-        state: dict = {}                 # in the forward: no gradient yet (zero_grad sets them to None)
-        self._node_terms(state, "state_bytes", params)
-        self._node_terms(state, "grad_bytes", params, -1.0)
-        if not live.points:
-            return [{v: c / GIB for v, c in whole.items()}]
-        acts: dict = {}
-        owners: set[str] = set()
-        flight: set[str] = set()
-        kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
-        made = sorted((p.grad_since(n), n) for n in params if p.decisions[n].grad_bytes)
-        copies: dict = {}
-        grads: dict = {}
-        temps_at: dict[int, list[int]] = {}
-        for k, e in enumerate(p.edges):
-            if e.temp and any(any(row) for row in e.temp):
-                temps_at.setdefault(e.dst_pos, []).append(k)
-        nk = nm = 0
-        rows = []
-        freed = self.terms.freed_at(live.positions)
-        grads_at = live.grads or [()] * len(live.points)
-        for members, inflight, where, frees in zip(live.points, grads_at, live.positions, freed):
-            for before, now in ((owners, set(members)), (flight, set(inflight))):
-                self._add_nodes(acts, before - now, -1.0)
-                self._add_nodes(acts, now - before, 1.0)
-            owners, flight = set(members), set(inflight)
-            reach = live.mirror(where)
-            while nk < len(kept) and kept[nk][0] <= reach:      # copies made in the forward ...
-                self._copy_terms(copies, kept[nk][1], 1.0)
-                nk += 1
-            while nk > 0 and kept[nk - 1][0] > reach:          # ... and freed after their backward
-                nk -= 1
-                self._copy_terms(copies, kept[nk][1], -1.0)
-            while where > live.last and nm < len(made) and made[nm][0] <= where:
-                self._node_terms(grads, "grad_bytes", [made[nm][1]])
-                nm += 1
-            temps: dict = {}
-            for k in temps_at.get(where, ()):
-                uv = self.temp_bytes.get(self.group_of[k])
-                if uv is None:
-                    self.add_edge_terms(temps, k, p.edges[k].temp)
-                else:
-                    temps[uv] = temps.get(uv, 0.0) + GIB    # u is in GiB already
-            total = dict(state)
-            for part in (acts, copies, temps, grads):
-                for v, c in part.items():
-                    total[v] = total.get(v, 0.0) + c
-            for z, n in frees.items():
-                total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
-            rows.append(total)
-        rows.append(whole)
-        return [{v: c / GIB for v, c in row.items() if abs(c) > 1e-6} for row in rows]
-
-    def _copy_terms(self, coef: dict, k: int, sign: float) -> None:
-        kv = self.copy_bytes.get(self.group_of[k])
-        if kv is None:
-            self.add_edge_terms(coef, k, self.p.edges[k].saved, sign)
-        else:
-            coef[kv] = coef.get(kv, 0.0) + sign * GIB    # k is in GiB already
-
-    def _add_nodes(self, coef: dict, names, sign: float) -> None:
-        for name in sorted(names):
-            d = self.p.decisions[name]
-            for i, v in self.var(d.leader).items():
-                if d.act_bytes[i]:
-                    coef[v] = coef.get(v, 0.0) + sign * d.act_bytes[i]
 
     # (D) and (L)
     def add_memory(self) -> None:
@@ -287,17 +221,20 @@ class StrategyILP:
         self.terms.add_tiers({"host": prof.host_memory_capacity, "disk": prof.disk_capacity})
         if self.budget == INF:
             return
-        self.memory = dict(enumerate(self.memory_rows()))
+        self.memory = MemoryRows(self)
         if len(self.memory) < LAZY_FROM:
-            self.add_memory_rows(self.memory)
+            self.add_memory_rows(range(len(self.memory)))
 
     def add_memory_rows(self, points) -> None:
         """Add the memory rows (D) of these points (all of a small model's; those another model of
-        the same problem found binding) unless added already."""
+        the same problem found binding), in this order, unless added already."""
+        if self.memory is None:
+            return
         cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
-        for t in points:
-            if t in self.memory and t not in self.memory_added:
-                self.memory_added[t] = self.m.add_row(self.memory[t], -INF, cap)
+        new = [t for t in points if 0 <= t < len(self.memory) and t not in self.memory_added]
+        rows = self.memory.rows(new)
+        for t in new:
+            self.memory_added[t] = self.m.add_row(rows[t], -INF, cap)
 
     def build(self) -> None:
         self.add_memory()
@@ -317,8 +254,10 @@ class StrategyILP:
             r = m.solve(limit, start, what, relax)
             if r.values is None:
                 return r
+            if self.memory is None:
+                return r
             cap = (self.budget - FEASIBILITY_SLACK_BYTES) / GIB
-            over = sorted(((sum(c * r.values[j] for j, c in row.items()) - cap, t) for t, row in self.memory.items()
+            over = sorted(((v - cap, t) for t, v in enumerate(self.memory.values(r.values))
                            if t not in self.memory_added), reverse=True)
             over = [t for v, t in over if v > ROW_TOLERANCE]
             if not over:
@@ -411,10 +350,12 @@ def known_gap(gap: float) -> float:
 
 def most_sharded(p: Problem) -> dict[str, int]:
     """Every decision at its smallest-memory strategy."""
+    members: dict[str, list] = {}
+    for d in p.decisions.values():
+        members.setdefault(d.leader, []).append(d)
     choice = {}
     for l in p.leaders:
-        members = [d for d in p.decisions.values() if d.leader == l]
-        mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members) for i in range(p.n_choices(l))]
+        mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members[l]) for i in range(p.n_choices(l))]
         choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
     return choice
 
@@ -431,7 +372,8 @@ def least_memory(problem: Problem) -> tuple[tuple[dict[str, int], dict[str, int]
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.m.add_col(0, INF)
     ilp.m.cost[z] = 1.0
-    for row in ilp.memory_rows():
+    rows = MemoryRows(ilp)
+    for row in rows.rows(range(len(rows))).values():
         ilp.m.add_row({**row, z: -1.0}, -INF, 0.0)
     r = ilp.m.solve(None)
     plan = ilp.assignment(r.values)

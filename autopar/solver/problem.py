@@ -165,6 +165,14 @@ def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured,
         yield ChosenEdge(e, meta, a, b, gb, grad_layout_out(a))
 
 
+def picked_edges(p: Problem, choice: Mapping[str, int]):
+    """(edge, source class, destination class) of every edge under `choice`."""
+    for e in p.edges:
+        a = e.a_of[choice[p.decisions[e.src].leader]]
+        b = 0 if e.dst == "output" else e.b_of[choice[p.decisions[e.dst].leader]]
+        yield e, a, b
+
+
 def edge_legs(problem: Problem, c: ChosenEdge):
     """(phase, ReshardCost) of an edge under a plan: the forward reshard, and the gradient's way
     back for a floating-point tensor that is not an input."""

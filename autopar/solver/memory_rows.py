@@ -1,0 +1,132 @@
+"""The strategy ILP's memory rows (D), kept as one sweep over the liveness points (`ilp.py`).
+
+Row t is the per-device memory at liveness point t, forward or backward (`cost_model.memory`), in
+GiB (rows in bytes, 1e9-1e11 next to 0/1 variables, trip the solver's tolerances); the last row is
+the memory after the backward. Between neighbouring points only the activations and gradients
+that appear or go, the copies kept for backwards not yet run and the parameter gradients made
+change, so the rows are stored as those changes (events) per point: writing every row out costs
+points x row length (on Llama-3-8B over 64 devices 2,249 rows of thousands of terms, most of the
+build). The solver needs few of them (they are added lazily, `StrategyILP.solve_lazy`): `rows`
+writes out those asked for, replaying the events in one pass, with the same coefficients in the
+same order as a full write-out; `values` prices every row at a solution from the events alone.
+"""
+from __future__ import annotations
+
+GIB = float(2**30)
+DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
+ACTS, COPIES, GRADS = range(3)      # the carried parts of a row, summed in this order (temps between)
+
+
+class MemoryRows:
+    def __init__(self, ilp):
+        p, live = ilp.p, ilp.p.live
+        self.ilp = ilp
+        params = [n for n, d in p.decisions.items() if d.kind == "param"]
+        self.whole: dict = {}            # after the backward: every gradient exists, no activation
+        ilp._node_terms(self.whole, "state_bytes", params)
+        for z, n in ilp.terms.freed_throughout(live.step_end).items():   # optimizer state, gradients offloaded
+            self.whole[z] = self.whole.get(z, 0.0) - n * GIB
+        self.state: dict = {}            # in the forward: no gradient yet (zero_grad sets them to None)
+        ilp._node_terms(self.state, "state_bytes", params)
+        ilp._node_terms(self.state, "grad_bytes", params, -1.0)
+        self.n = len(live.points)
+        self._coefs: dict = {}
+        self.events: list[list[tuple]] = []      # per point: (part, sign, ((column, bytes), ...)) in order
+        self.temps: list[list[tuple]] = []       # per point: (column, bytes) of copies alive only there
+        self.frees = ilp.terms.freed_at(live.positions) if self.n else []   # per point: z -> items freed
+        self._sweep(params)
+
+    def __len__(self) -> int:
+        return self.n + 1
+
+    def _sweep(self, params) -> None:
+        p, live, ilp = self.ilp.p, self.ilp.p.live, self.ilp
+        kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
+        made = sorted((p.grad_since(n), n) for n in params if p.decisions[n].grad_bytes)
+        temps_at: dict[int, list[int]] = {}
+        for k, e in enumerate(p.edges):
+            if e.temp and any(any(row) for row in e.temp):
+                temps_at.setdefault(e.dst_pos, []).append(k)
+        owners: set[str] = set()
+        flight: set[str] = set()
+        nk = nm = 0
+        for members, inflight, where in zip(live.points, live.grads or [()] * self.n, live.positions):
+            ev: list[tuple] = []
+            for before, now in ((owners, set(members)), (flight, set(inflight))):
+                ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(before - now)]
+                ev += [(ACTS, 1.0, self._node(n, "act_bytes")) for n in sorted(now - before)]
+            owners, flight = set(members), set(inflight)
+            reach = live.mirror(where)
+            while nk < len(kept) and kept[nk][0] <= reach:      # copies made in the forward ...
+                ev.append((COPIES, 1.0, self._edge(kept[nk][1], "saved", ilp.copy_bytes)))
+                nk += 1
+            while nk > 0 and kept[nk - 1][0] > reach:          # ... and freed after their backward
+                nk -= 1
+                ev.append((COPIES, -1.0, self._edge(kept[nk][1], "saved", ilp.copy_bytes)))
+            while where > live.last and nm < len(made) and made[nm][0] <= where:
+                ev.append((GRADS, 1.0, self._node(made[nm][1], "grad_bytes")))
+                nm += 1
+            self.events.append(ev)
+            self.temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+
+    def _node(self, name: str, field: str) -> tuple:
+        key = (name, field)
+        if key not in self._coefs:
+            vals = getattr(self.ilp.p.decisions[name], field)
+            self._coefs[key] = tuple((v, vals[i]) for i, v in self.ilp.var(self.ilp.p.decisions[name].leader).items()
+                                     if vals[i])
+        return self._coefs[key]
+
+    def _edge(self, k: int, field: str, named: dict) -> tuple:
+        """Bytes of edge k's copy: its one column (E)/(F) where it has one (in GiB already), else its y/x terms."""
+        key = (k, field)
+        if key not in self._coefs:
+            col = named.get(self.ilp.group_of[k])
+            self._coefs[key] = (((col, GIB),) if col is not None
+                                else tuple(self.ilp.edge_coefs(k, getattr(self.ilp.p.edges[k], field))))
+        return self._coefs[key]
+
+    def rows(self, points) -> dict[int, dict[int, float]]:
+        """Rows of these points (indices into the timeline, `self.n` for after the backward), in GiB."""
+        want = set(points)
+        out: dict[int, dict[int, float]] = {}
+        parts: list[dict] = [{}, {}, {}]
+        for t in range(min(self.n, max(want) + 1) if want else 0):
+            for part, sign, coefs in self.events[t]:
+                d = parts[part]
+                for v, c in coefs:
+                    d[v] = d.get(v, 0.0) + sign * c
+            if t in want:
+                out[t] = self._row(t, parts)
+        if self.n in want:
+            out[self.n] = _in_gib(self.whole)
+        return out
+
+    def _row(self, t: int, parts: list[dict]) -> dict[int, float]:
+        temps: dict = {}
+        for v, c in self.temps[t]:
+            temps[v] = temps.get(v, 0.0) + c
+        total = dict(self.state)
+        for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS]):
+            for v, c in part.items():
+                total[v] = total.get(v, 0.0) + c
+        for z, n in self.frees[t].items():
+            total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
+        return _in_gib(total)
+
+    def values(self, x) -> list[float]:
+        """Every row's left side (GiB) at column values `x`, from the events (to find violated rows)."""
+        def dot(coefs) -> float:
+            return sum(c * x[v] for v, c in coefs)
+        base, run, out = dot(self.state.items()), 0.0, []
+        for t in range(self.n):
+            for _, sign, coefs in self.events[t]:
+                run += sign * dot(coefs)
+            freed = sum(n * x[z] for z, n in self.frees[t].items())
+            out.append((base + run + dot(self.temps[t])) / GIB - freed)
+        out.append(dot(self.whole.items()) / GIB)
+        return out
+
+
+def _in_gib(row: dict) -> dict[int, float]:
+    return {v: c / GIB for v, c in row.items() if abs(c) > DROP_BYTES}
