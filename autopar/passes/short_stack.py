@@ -8,7 +8,10 @@ traced, its parameters swapped for that block's and its input taken from the blo
 what came after the stack reads the last block's results. The copy is exact when a block's
 computation depends only on its own attributes, parameters and inputs (not on its position in
 the stack): blocks 1 and 2 are traced and must give the same graph section (ops, shapes,
-constant arguments, wiring), else the model is traced whole.
+constant arguments, wiring), else the model is traced whole. What this cannot see: code that
+reads a block's index (`layer_idx`, left out of the comparison) and branches on it beyond block 2
+(`if self.layer_idx >= 16`); Hugging Face models keep per-layer kinds in attributes
+(`attention_type`, `sliding_window`), which are compared.
 
 Node names follow fx's namespace as the copies are made (`linear_7` of block 1 becomes the next
 free `linear_N`), so they differ from a whole trace's; every caller of `capture` gets the same
