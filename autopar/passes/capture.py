@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import linecache
+import logging
 import operator
 import os
 import sys
@@ -36,6 +37,9 @@ import torch.fx as fx
 from ..compat import HigherOrderOperator, OpOverload, is_mutable, pytree, sym_hint
 from ..errors import CaptureError
 from .lowering import DECOMPOSITIONS, drop_assertions, exact_mean_losses, experts_as_one_op
+from .short_stack import deep_stack, expand, traced_blocks
+
+_log = logging.getLogger("autopar")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,10 +69,39 @@ def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_shapes=None) -> Captured:
-    """`dynamic_shapes` (torch.export's argument) leaves marked sizes symbolic: see symbolic_shapes.py."""
+    """`dynamic_shapes` (torch.export's argument) leaves marked sizes symbolic: see symbolic_shapes.py.
+    A deep stack of alike blocks is traced three blocks deep and copied (short_stack.py)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)
+    path = deep_stack(model) if dynamic_shapes is None else None
+    if path is None:
+        return _trace(model, args, kwargs, dynamic_shapes)
+    try:
+        with traced_blocks(model, path) as depth:
+            cap = _trace(model, args, kwargs, None)
+    except CaptureError as e:
+        why = f"the short model does not trace ({str(e).splitlines()[0][:200]})"
+    else:
+        cap.param_names = _param_names(model)
+        why = expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn)
+        if why is None:
+            return cap
+    _log.info("capture: tracing all %d blocks of %s.%s: %s", len(model.get_submodule(path)), type(model).__name__,
+              path, why)
+    return _trace(model, args, kwargs, None)
+
+
+def _param_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name (aliases too) -> the first name of its tensor."""
+    canonical, names = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+        names[name] = canonical[id(p)]
+    return names
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes) -> Captured:
     was_training = model.training
     had_forward = "forward" in model.__dict__
     own_forward = model.__dict__.get("forward")
@@ -228,11 +261,7 @@ def _functional_detach(ep) -> None:
 def _from_exported(model: torch.nn.Module, ep) -> Captured:
     gm = ep.graph_module
     sig = ep.graph_signature
-    canonical = {}   # id(param) -> canonical FQN
-    param_names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        canonical.setdefault(id(p), name)
-        param_names[name] = canonical[id(p)]
+    param_names = _param_names(model)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs: dict[str, InputSlot] = {}
     user_i = 0

@@ -105,12 +105,30 @@ def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]]
 
 
 def annotate(gm: fx.GraphModule) -> dict[str, NodeInfo]:
-    return {node.name: annotate_node(node) for node in gm.graph.nodes}
+    flops: dict = {}     # op signature -> FLOPs: a model's repeated layers count each op once
+    return {node.name: annotate_node(node, flops) for node in gm.graph.nodes}
 
 
-def annotate_node(node: fx.Node) -> NodeInfo:
+def annotate_node(node: fx.Node, flops: dict) -> NodeInfo:
+    """A node's shapes, FLOPs and bytes; `flops` caches FLOPs by op signature."""
     out = tensor_meta(node.meta.get("val")) if node.op != "output" else ()
     ins = tensor_inputs(node)
     nbytes = sum(m.nbytes for m in out) + sum(tensor_meta(a.meta["val"])[0].nbytes for a in ins
                                               if node.op == "call_function")
-    return NodeInfo(node.name, out, ins, count_flops(node), float(nbytes))
+    if node.op != "call_function":
+        return NodeInfo(node.name, out, ins, 0.0, float(nbytes))
+    key = _signature(node)
+    if key not in flops:
+        flops[key] = count_flops(node)
+    return NodeInfo(node.name, out, ins, flops[key], float(nbytes))
+
+
+def _signature(node: fx.Node) -> tuple:
+    """What an op's FLOPs depend on: the op, its arguments with each tensor as its shapes and
+    dtypes, any other value a node gives as itself (FlopCounterMode counts from these alone)."""
+    def arg(a):
+        if not isinstance(a, fx.Node):
+            return a
+        val = a.meta.get("val")
+        return ("tensors", metas) if (metas := tensor_meta(val)) else ("value", repr(val))
+    return node.target, repr(pytree.tree_map(arg, (node.args, node.kwargs)))

@@ -8,6 +8,7 @@ axes is split over their product. Combinations that would split a dim unevenly a
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -74,7 +75,14 @@ def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], ou
                     mesh_shape: Sequence[int], rule: OpRule | None = None) -> list[Strategy]:
     """All combinations of per-axis options that split every tensor evenly (and that the op's rule
     admits), in a fixed order. An axis of one device splits nothing: it takes only the options that
-    keep everything whole."""
+    keep everything whole. Enumerated once per signature (options, shapes, mesh, rule): a model's
+    repeated layers ask for the same lists (an 8B model's 2,100 ops have ~100 signatures)."""
+    return list(_strategies(tuple(options), tuple(ins), tuple(outs), tuple(mesh_shape), rule))
+
+
+@functools.lru_cache(maxsize=4096)
+def _strategies(options: tuple[AxisOption, ...], ins: tuple[TensorMeta, ...], outs: tuple[TensorMeta, ...],
+                mesh_shape: tuple[int, ...], rule: OpRule | None) -> tuple[Strategy, ...]:
     whole = [o for o in options if all(isinstance(p, Replicate) for p in (o.output, *o.inputs))] or list(options)
     out = []
     for combo in itertools.product(*[options if n > 1 else whole for n in mesh_shape]):
@@ -84,7 +92,7 @@ def node_strategies(options: Sequence[AxisOption], ins: Sequence[TensorMeta], ou
                 fits(L, m, mesh_shape) for L, m in zip(s.inputs, ins)) and (
                 rule is None or rule.admits is None or rule.admits(s.labels, s.inputs, s.output, ins, outs, mesh_shape, fits)):
             out.append(s)
-    return out
+    return tuple(out)
 
 
 def layout_space(meta: TensorMeta, mesh_shape: Sequence[int]) -> list[Layout]:

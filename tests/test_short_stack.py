@@ -1,0 +1,68 @@
+"""Capturing a deep stack of alike blocks three blocks deep and copying the last gives the graph
+tracing every block gives (up to node names), and the same loss on real weights; a stack whose
+blocks differ is traced whole."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import autopar.passes.capture as capture_module  # noqa: E402
+from autopar.passes.capture import capture  # noqa: E402
+from autopar.passes.layers import module_path  # noqa: E402
+from models import GPT, gpt_inputs  # noqa: E402
+
+
+def _whole(model, args, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(capture_module, "deep_stack", lambda model: None)
+        return capture(model, args)
+
+
+def _canonical(cap) -> list:
+    """The graph with every node named by its position: ops, wiring, shapes, module paths, inputs."""
+    index = {n: i for i, n in enumerate(cap.gm.graph.nodes)}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        return repr(a)
+    return [(n.op, str(n.target) if n.op != "placeholder" else "", arg(n.args), arg(n.kwargs), module_path(n, cap),
+             cap.inputs.get(n.name), tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None)
+            for n in cap.gm.graph.nodes]
+
+
+def _loss(cap, model, args) -> torch.Tensor:
+    feed = []
+    for n in cap.gm.graph.nodes:
+        if n.op == "placeholder":
+            slot = cap.inputs[n.name]
+            feed.append(model.get_parameter(slot.target) if slot.kind == "param" else args[slot.target])
+    return cap.gm(*feed)[0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_deep_stack_captures_as_the_whole_trace(monkeypatch, dropout):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=5, dropout=dropout).train(dropout > 0)
+    args = gpt_inputs(batch=2, seq=16, vocab=64)
+    short, whole = capture(model, args), _whole(model, args, monkeypatch)
+    assert len([n for n in short.gm.graph.nodes if "blocks.4." in module_path(n, short)]) > 10
+    assert _canonical(short) == _canonical(whole)
+    assert short.param_names == whole.param_names and short.outputs == whole.outputs
+    if not dropout:
+        torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)
+
+
+def test_a_stack_whose_blocks_differ_is_traced_whole(monkeypatch):
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=5)
+    model.blocks[4].ln2.eps = 1e-3          # the last block computes with another constant
+    args = gpt_inputs(batch=2, seq=16, vocab=64)
+    assert _canonical(capture(model, args)) == _canonical(_whole(model, args, monkeypatch))
