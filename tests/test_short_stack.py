@@ -66,3 +66,35 @@ def test_a_stack_whose_blocks_differ_is_traced_whole(monkeypatch):
     model.blocks[4].ln2.eps = 1e-3          # the last block computes with another constant
     args = gpt_inputs(batch=2, seq=16, vocab=64)
     assert _canonical(capture(model, args)) == _canonical(_whole(model, args, monkeypatch))
+
+
+class _Indexed(torch.nn.Module):
+    """A block that branches on its own index, past block 2 only."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index, self.lin = index, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.lin(x)
+        return x * 2 if self.index >= 4 else x
+
+
+class _IndexedStack(torch.nn.Module):
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Indexed(i) for i in range(depth))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def test_blocks_that_branch_on_their_index_deep_in_the_stack_are_traced_whole(monkeypatch):
+    """The deepest block is traced (in block 2's place): a branch taken by late blocks only shows."""
+    torch.manual_seed(0)
+    model, args = _IndexedStack(), (torch.randn(4, 8),)
+    short = capture(model, args)
+    assert _canonical(short) == _canonical(_whole(model, args, monkeypatch))
+    torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)

@@ -3,15 +3,16 @@
 Tracing costs about the same for every block (a 32-layer 8B model: ~0.2 s a block of the 6.5 s
 export). A model whose blocks are alike (a ModuleList of 4+ blocks of one class, with the same
 parameter shapes and the same attributes but their index, no hooks, no buffers) is traced with
-its first `TRACED` blocks; the graph of the last traced block is then copied for each block not
-traced, its parameters swapped for that block's and its input taken from the block before, and
-what came after the stack reads the last block's results. The copy is exact when a block's
-computation depends only on its own attributes, parameters and inputs (not on its position in
-the stack): blocks 1 and 2 are traced and must give the same graph section (ops, shapes,
-constant arguments, wiring), else the model is traced whole. What this cannot see: code that
-reads a block's index (`layer_idx`, left out of the comparison) and branches on it beyond block 2
-(`if self.layer_idx >= 16`); Hugging Face models keep per-layer kinds in attributes
-(`attention_type`, `sliding_window`), which are compared.
+its first two blocks and its last one (in block 2's place); the graph of the last traced block is
+then copied for each block not traced, its parameters swapped for that block's and its input taken
+from the block before, and what came after the stack reads the last block's results. The copy is
+exact when a block's computation depends only on its own attributes, parameters and inputs (not on
+its position in the stack): block 1 and the deepest block are traced and must give the same graph
+section (ops, shapes, constant arguments, wiring), else the model is traced whole. What this cannot
+see: code that reads a block's index (`layer_idx`, left out of the comparison) and branches on it
+for some middle blocks only (`if 10 <= self.layer_idx < 20`; a threshold such as `>= 16` differs at
+the ends and is seen); Hugging Face models keep per-layer kinds in attributes (`attention_type`,
+`sliding_window`), which are compared.
 
 Node names follow fx's namespace as the copies are made (`linear_7` of block 1 becomes the next
 free `linear_N`), so they differ from a whole trace's; every caller of `capture` gets the same
@@ -74,11 +75,14 @@ def _description(block: torch.nn.Module) -> tuple[tuple, dict] | None:
 
 @contextlib.contextmanager
 def traced_blocks(model: torch.nn.Module, path: str):
-    """The model with its stack cut to the first `TRACED` blocks (restored after)."""
+    """The model with its stack cut to its first `TRACED - 1` blocks and its last (restored after); the
+    last runs in the place of block `TRACED - 1` (its parameters named so in the trace)."""
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     full = getattr(parent, name)
-    setattr(parent, name, torch.nn.ModuleList(list(full)[:TRACED]))
+    # the last traced one is the stack's deepest block: what it computes, checked equal to block 1's,
+    # stands for every block between (their index attributes span both ends)
+    setattr(parent, name, torch.nn.ModuleList(list(full)[:TRACED - 1] + [full[-1]]))
     try:
         yield len(full)
     finally:
@@ -180,7 +184,7 @@ def _check(sections, params, inputs: dict, gm: fx.GraphModule) -> str | None:
     if any(u not in early and order[u] > span[-1] for n in early for u in n.users):
         return "the ops after the stack read a block other than the last"
     sigs = [_wiring(sections[i], sections[i - 1], params[i]) for i in (TRACED - 2, TRACED - 1)]
-    return None if sigs[0] == sigs[1] else "blocks 1 and 2 trace to different graphs"
+    return None if sigs[0] == sigs[1] else "block 1 and the deepest block trace to different graphs"
 
 
 def _wiring(section: list[fx.Node], prev: list[fx.Node], params: list[fx.Node]) -> tuple:
