@@ -57,6 +57,8 @@ def test_a_deep_stack_captures_as_the_whole_trace(monkeypatch, dropout):
     assert len([n for n in short.gm.graph.nodes if "blocks.4." in module_path(n, short)]) > 10
     assert _canonical(short) == _canonical(whole)
     assert short.param_names == whole.param_names and short.outputs == whole.outputs
+    # inputs listed in the program's argument order, as a whole trace lists them
+    assert list(short.inputs) == [n.name for n in short.gm.graph.nodes if n.op == "placeholder"]
     if not dropout:
         torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)
 

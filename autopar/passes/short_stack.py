@@ -115,6 +115,12 @@ def expand(cap: Captured, path: str, depth: int, is_param: Callable[[str], bool]
     for n in sections[last]:      # what comes after the stack reads the deepest block
         for u in [u for u in n.users if u not in tail and u not in made]:
             u.replace_input_with(n, block[tail[n]])
+    # `cap.inputs` in the graph's placeholder order, as capture gives it (callers feed the program
+    # positionally in that order)
+    order = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    slots = {k: inputs[k] for k in order}
+    inputs.clear()
+    inputs.update(slots)
     gm.recompile()
     return None
 
