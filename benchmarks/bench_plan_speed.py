@@ -9,8 +9,9 @@
 * llama3-70b: the Llama-3-70B config (80 layers, hidden 8192, ffn 28672, 64 heads, 8 KV heads),
   bf16, as torchtitan trains it on 256 H100: FSDP 32 x TP 8, local batch 8 x 8192 (global 256).
 * gpt3-175b: GPT-3 175B (96 layers, hidden 12288, 96 heads; examples/models.py), bf16, global
-  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")`, without pipeline
-  decisions (issue 12); target (with them): 30 s and 4 GiB RSS.
+  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with `pipeline={"axis": "pp"}`
+  (stages, microbatches, schedule chosen by the pipeline search, issue 12) and the memory
+  families; target: 30 s and 4 GiB RSS.
 * gpt3-175b-stage: what the pipeline search (issue 12) solves per candidate: GPT-3 175B's 96
   linked layers on the (16, 8) data x tensor sub-mesh of one pipeline stage, at one microbatch
   (Megatron's micro-batch size 1 per data-parallel rank: 16 x 2048); target: a few seconds.
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
+from autopar.pipeline_search import search_pipeline  # noqa: E402
 from autopar.planner import PlanOptions, make_plan  # noqa: E402
 from autopar.solver.mip import solver_seconds  # noqa: E402
 from models import GPT  # noqa: E402
@@ -70,7 +72,7 @@ def _gpt3(batch: int, mesh):
 
 
 def gpt3_175b():
-    return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100"))
+    return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")) + ({"axis": "pp"},)
 
 
 def gpt3_175b_stage():
@@ -117,13 +119,16 @@ def main(argv=None) -> dict:
             subprocess.run([sys.executable, __file__, "--model", name, "--time-limit", str(a.time_limit)]
                            + ["--no-symbolic"] * a.no_symbolic, check=False)
         return {}
-    model, args, kwargs, mesh = MODELS[a.model]()
+    model, args, kwargs, mesh, *pipe = MODELS[a.model]()
+    pipe = pipe[0] if pipe else None          # a pipeline to search (issue 12's family), or none
     phases = Phases()
-    opts = PlanOptions(time_limit=a.time_limit, progress=False, symbolic=not a.no_symbolic, on_phase=phases)
+    opts = PlanOptions(time_limit=a.time_limit, progress=False, symbolic=not a.no_symbolic, on_phase=phases,
+                       pipeline=pipe)
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = make_plan(model, args, kwargs, mesh, opts)
+        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe) if pipe else make_plan(model, args, kwargs, mesh,
+                                                                                               opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {"bench": f"plan speed {a.model}", "mesh": mesh.shape, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
            "phases_s": phases.seconds, "phases_cpu_s": phases.cpu,
@@ -132,6 +137,8 @@ def main(argv=None) -> dict:
            "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,
            "solver": plan.solver.solver, "status": plan.solver.status,
            "step_time_s": round(plan.estimate.step_time_s, 4),
+           "pipeline": [plan.pipeline.axis, plan.pipeline.stages, plan.pipeline.virtual_stages,
+                        plan.pipeline.microbatches, plan.pipeline.schedule],
            "peak_memory_gib": round(plan.estimate.peak_memory_bytes / 2**30, 2),
            "memory_decisions": sorted({v for d in (plan.recompute, plan.residency, plan.offload) for v in d.values()})}
     print(json.dumps(out), flush=True)
