@@ -171,8 +171,8 @@ def test_pipeline_arithmetic():
 
 
 # -- Megatron-LM Table 1, first row (the full table: benchmarks/bench_megatron.py) ---------------------
-# The target is every row within 15% and a median within 7% (docs/cost_model.md). Row 1 (1.7B, +12.1%
-# priced by the evaluator at its 24 layers) is inside 15% (the residual of the small models, see the
+# The target is every row within 15% and a median within 7% (docs/cost_model.md). Row 1 (1.7B,
+# +11.9% priced by the evaluator at its 24 layers) is inside 15% (the residual of the small models, see the
 # doc), so its test holds it where it is: a change of 2 points either way fails it. The pipelined rows
 # take a minute each at their depth on this machine: the benchmark runs them.
 def test_megatron_row_is_priced_with_megatrons_own_flop_count():
