@@ -26,6 +26,7 @@ from .cost_model.memory import OPTIMIZER_STATE_COPIES
 from .errors import PlanMismatchError
 from .passes.layers import layer_key, layer_of
 from .plan import NodePlan, Plan
+from .report import index_ranges
 from .svg_plots import layout_grid, line_chart, stacked_bars
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer state", "activations")
@@ -154,15 +155,6 @@ def _scaling(plan: Plan) -> str:
 _INDEX = re.compile(r"^(.*?)\.(\d+)\.(.*)$")
 
 
-def _ranges(idx: list[int]) -> str:
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
-
-
 def collapse_layers(placements: dict[str, tuple[str, ...]]) -> list[tuple[str, tuple[str, ...]]]:
     """(name, layout) rows where parameters of repeated layers with equal layouts share one row:
     'model.layers.[0-31].mlp.up_proj.weight'."""
@@ -173,7 +165,7 @@ def collapse_layers(placements: dict[str, tuple[str, ...]]) -> list[tuple[str, t
         groups.setdefault(key, []).append(where[1] if where and where[2] else -1)
     rows = []
     for (head, rest, lay), idx in groups.items():
-        rows.append((f"{head}.[{_ranges(idx)}].{rest}" if rest is not None and len(idx) > 1 else
+        rows.append((f"{head}.[{index_ranges(idx)}].{rest}" if rest is not None and len(idx) > 1 else
                      f"{head}.{idx[0]}.{rest}" if rest is not None else head, lay))
     return rows
 

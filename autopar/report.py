@@ -35,19 +35,19 @@ def collapse(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
         groups.setdefault(key, []).append(-1 if m is None else int(m.group(1)))
     out = []
     for (pattern, rest), idx in groups.items():
-        name = pattern if idx == [-1] else pattern.replace("{}", str(idx[0]) if len(idx) == 1 else _ranges(idx), 1)
+        name = pattern if idx == [-1] else pattern.replace("{}", str(idx[0]) if len(idx) == 1 else "{" + index_ranges(idx) + "}", 1)
         out.append((name, rest))
     return out
 
 
-def _ranges(idx: list[int]) -> str:
-    """[0, 1, 2, 5] -> "{0-2,5}"."""
+def index_ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
     parts, start = [], idx[0]
     for a, b in zip(idx, idx[1:] + [None]):
         if b != a + 1:
             parts.append(str(start) if start == a else f"{start}-{a}")
             start = b
-    return "{" + ",".join(parts) + "}"
+    return ",".join(parts)
 
 
 def _groups(plan: Plan):

@@ -18,27 +18,18 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..errors import AutoparError
 from .offload import HostPool, host_scope
-from .optimizer import check_keys, offload_tier
+from .optimizer import on_host
 
 
 class GradOffload:
     """The host copies of the offloaded gradients of one module (see module docstring)."""
 
     def __init__(self, module: torch.nn.Module, offload: dict[str, str], pool: HostPool):
-        names: dict[int, list[str]] = {}
-        params: dict[int, torch.nn.Parameter] = {}
-        for fqn, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(fqn)
-            params[id(p)] = p
-        check_keys(offload, [n for ns in names.values() for n in ns], "gradients")
-        disk = sorted(k for k, v in offload.items() if k.startswith("gradients:") and v == "disk")
-        if disk:
-            raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': gradients go to 'host' or stay on 'device'")
         self.pool = pool
-        self.params = {names[k][0]: p for k, p in params.items() if offload_tier(offload, "gradients", names[k]) == "host"}
-        self.aliases = {n for k, p in params.items() if names[k][0] in self.params for n in names[k]}
+        moved = on_host(module, offload, "gradients")
+        self.params = {names[0]: p for names, p in moved}
+        self.aliases = {n for names, _ in moved for n in names}
         self.host: dict[str, torch.Tensor] = {}          # FQN -> the local gradient shard, on the host
         for fqn, p in self.params.items():
             p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._out(fqn, p))

@@ -230,6 +230,21 @@ def _local_now(p: torch.Tensor) -> torch.Tensor:
         return _local(p)
 
 
+def on_host(module: torch.nn.Module, offload: dict[str, str], kind: str) -> list[tuple[list[str], torch.nn.Parameter]]:
+    """(every name, parameter) of each parameter of `module` whose `kind` ("gradients", "parameters")
+    plan.offload puts on the host, after checking the keys; "disk" is refused (host or device only)."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+        params[id(p)] = p
+    check_keys(offload, [n for ns in names.values() for n in ns], kind)
+    disk = sorted(k for k, v in offload.items() if k.startswith(f"{kind}:") and v == "disk")
+    if disk:
+        raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': {kind} go to 'host' or stay on 'device'")
+    return [(names[k], p) for k, p in params.items() if offload_tier(offload, kind, names[k]) == "host"]
+
+
 def check_keys(offload: dict[str, str], fqns: list[str], kind: str = "optimizer") -> None:
     """Every `plan.offload["<kind>:..."]` key names a parameter or layer of this model, with a tier."""
     known = set(fqns) | {layer_key(n) for n in fqns if layer_key(n)}

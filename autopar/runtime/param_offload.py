@@ -27,28 +27,16 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ..errors import AutoparError
 from .offload import HostPool
-from .optimizer import check_keys, offload_tier
+from .optimizer import on_host
 from .regather import GatheredCopies
 
 
 def host_parameters(module: torch.nn.Module, offload: dict[str, str], pool: HostPool) -> dict[str, torch.nn.Parameter]:
     """FQN (every alias) -> a parameter whose local shard is a `pool` copy of the module's, for the
     parameters the plan puts on the host; the caller registers them in place of the old ones."""
-    names: dict[int, list[str]] = {}
-    params: dict[int, torch.nn.Parameter] = {}
-    for fqn, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-        params[id(p)] = p
-    check_keys(offload, [n for ns in names.values() for n in ns], "parameters")
-    disk = sorted(k for k, v in offload.items() if k.startswith("parameters:") and v == "disk")
-    if disk:
-        raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': parameters go to 'host' or stay on 'device'")
     moved: dict[str, torch.nn.Parameter] = {}
-    for k, p in params.items():
-        if offload_tier(offload, "parameters", names[k]) != "host":
-            continue
+    for names, p in on_host(module, offload, "parameters"):
         with torch.no_grad():
             if isinstance(p, DTensor):
                 host = DTensor.from_local(pool.put(p.to_local()), p.device_mesh, p.placements, run_check=False,
@@ -56,7 +44,7 @@ def host_parameters(module: torch.nn.Module, offload: dict[str, str], pool: Host
             else:
                 host = pool.put(p)
         q = torch.nn.Parameter(host, requires_grad=p.requires_grad)
-        moved.update({n: q for n in names[k]})
+        moved.update({n: q for n in names})
     return moved
 
 
