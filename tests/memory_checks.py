@@ -82,7 +82,8 @@ def train_variant(model, inputs, mesh, plan, compare=True):
         gc.collect()
         gc.disable()
         meter = MemoryMeter()
-        meter.track(*dmodel.parameters())
+        for k, p in dmodel.named_parameters():
+            meter.track(p, host=k in dmodel.memory.params_on_host)
         for tier, t in opt.state_tensors():
             if tier != "disk":                       # files are not memory
                 meter.track(t, host=tier == "host")

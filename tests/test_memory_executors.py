@@ -77,14 +77,21 @@ def test_recompute_replays_dropout(rank_pool, dp):
 
 
 def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
+    regather = {"residency": {k: "regather" for k in REGATHERED}}
     results = rank_pool(2).run(run_variants, (2,), ("dp",), ZERO3_PINS,
-                               {"keep": {}, "regather": {"residency": {k: "regather" for k in REGATHERED}}})
+                               {"keep": {}, "regather": regather,
+                                "regather_from_host": {**regather, "offload": each("host", "parameters:")}})
     exact(results, "regather")
+    exact(results, "regather_from_host")
     for r in results:
         assert r["regather"]["gathers"] > 0
         # each regathered weight is whole when gathered (one axis): its fp32 bytes, no longer kept
         whole_bytes = 4 * sum(2 * r["regather"]["local_numel"][k] for k in REGATHERED)
         assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == whole_bytes
+        # gathered from the host: the same copies freed, and the blocks' stored shards off the device too
+        host = r["regather_from_host"]
+        block_bytes = 4 * sum(n for k, n in host["local_numel"].items() if k.startswith("blocks."))
+        assert r["regather"]["fwd_device"] - host["fwd_device"] == block_bytes == host["fwd_host"]
 
 
 def test_the_planners_own_memory_decisions_train_exactly(dp):

@@ -33,7 +33,7 @@ from ..passes.layers import layer_key, module_path
 from ..placement import gathers, parse_layout
 from ..plan import ACTIVATIONS, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
 from .grad_offload import GradOffload
-from .param_offload import insert_fetches
+from .param_offload import FetchParam, insert_fetches
 from .offload import DiskStore, HostPool, OffloadedTensor
 from .regather import GatherCopy, GatheredCopies, RegatheredCopy
 from .regions import LayerRegion, group_layers, node_layers
@@ -138,6 +138,8 @@ def _gather_copies(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt:
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), Reshard):
             continue
         src, mod = node.args[0], gm.get_submodule(node.target)
+        if isinstance(src, fx.Node) and src.op == "call_module" and isinstance(gm.get_submodule(src.target), FetchParam):
+            src = src.args[0]           # a host parameter's device copy: the parameter's residency decides
         fqn = param_of.get(getattr(src, "name", None))
         if fqn is not None and src.op == "placeholder":
             key, residency = fqn, plan.residency.get(fqn, "keep")

@@ -66,6 +66,9 @@ class GatheredCopies:
         ptr = storage.data_ptr()
         if ptr == shard.to_local().untyped_storage().data_ptr() or ptr in self._live:
             return
+        fetched = self._live.get(shard.to_local().untyped_storage().data_ptr())
+        if fetched is not None and fetched[2] == "regather" and fetched[1] == tuple(shard.placements):
+            shard = fetched[0]          # a host parameter's device copy (param_offload.py): gather from the host
         self._live[ptr] = (shard, layout, residency)
         weakref.finalize(storage, self._live.pop, ptr, None)
 
