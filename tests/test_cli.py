@@ -124,7 +124,6 @@ def test_bad_input_exits_2_with_a_message(workdir, argv, message, capsys, monkey
 
 def test_bad_input_from_the_shell(workdir, capsys):
     d, _ = workdir
-    # one axis: on (2, 2) the least-memory MIP behind the message takes 20 s of a 2-core machine
     r = run_autopar("plan", "my_models:small", "--mesh", "4", "--axes", "dp", "--memory-budget", "0.001",
                     "--no-symbolic", cwd=d)
     assert r.returncode == 2 and r.stdout == ""
