@@ -18,8 +18,9 @@ person can read them):
 * `offload`: "activations:<layer>" (tensors the layer saves for the backward),
   "optimizer:<layer or parameter FQN>" (optimizer state, fp32 master weights and the optimizer
   step) -> "device" | "host" | "disk" (`TIERS`), or "gradients:<layer or parameter FQN>" (the
-  gradients, moved out as they are made) or "parameters:<layer or parameter FQN>" (the stored
-  local shards, brought to the device for each use) -> "device" | "host".
+  gradients, moved out as they are made) -> "device" | "host", or "parameters:<layer or parameter
+  FQN>" (the stored local shards, brought to the device for each use; CPU meshes) -> "device" |
+  "host" | "disk".
 A layer or parameter missing from a dict takes the first mode ("none", "keep", "device").
 
 `pipeline` (`PipelinePlan`) says how the layer sequence is cut into pipeline stages over one mesh

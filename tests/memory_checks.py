@@ -83,7 +83,9 @@ def train_variant(model, inputs, mesh, plan, compare=True):
         gc.disable()
         meter = MemoryMeter()
         for k, p in dmodel.named_parameters():
-            meter.track(p, host=k in dmodel.memory.params_on_host)
+            tier = dmodel.memory.params_off_device.get(k, "device")
+            if tier != "disk":                       # files are not memory
+                meter.track(p, host=tier == "host")
         for tier, t in opt.state_tensors():
             if tier != "disk":                       # files are not memory
                 meter.track(t, host=tier == "host")

@@ -1,5 +1,6 @@
-"""Parameters on the host (`plan.offload["parameters:<layer>"] = "host"`): stored in the host pool,
-brought to the device for each use; trained on 2 gloo ranks against one process."""
+"""Parameters off the device (`plan.offload["parameters:<layer>"]` = "host" or "disk"): stored in the
+host pool or in memory-mapped files, brought to the device for each use; trained on 2 gloo ranks
+against one process."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ VARIANTS = {
     "params_host": {"offload": {f"parameters:{b}": "host" for b in BLOCKS}},
     "params_and_opt_host": {"offload": {**{f"parameters:{b}": "host" for b in BLOCKS},
                                         **{f"optimizer:{b}": "host" for b in BLOCKS}}},
+    "params_disk": {"offload": {f"parameters:{b}": "disk" for b in BLOCKS}},
 }
 
 
@@ -36,6 +38,14 @@ def test_parameters_on_the_host_live_in_the_pool(dp):
         assert out["pool_after_step"] == block_params
 
 
+def test_parameters_on_disk_live_in_files_off_the_device(dp):
+    for r in dp:
+        disk, device = r["params_disk"], r["params_host"]
+        n_block_params = sum(1 for k in disk["local_numel"] if k.startswith("blocks."))
+        assert disk["files_after_fwd"] == disk["files_after_bwd"] == n_block_params
+        assert disk["pool_after_step"] == 0 and disk["before_step"] == device["before_step"]
+
+
 def test_the_planner_puts_parameters_on_the_host_when_the_budget_needs_it():
     """offload="auto": a budget below what optimizer, gradient and activation offload reach is met by
     parameters on the host (plan.offload shows it, the evaluator prices it within the budget, the report
@@ -51,3 +61,11 @@ def test_the_planner_puts_parameters_on_the_host_when_the_budget_needs_it():
     assert autopar.Plan.from_json(plan.to_json()).offload == plan.offload
     with pytest.raises(autopar.InfeasibleError):
         autopar.plan(model, inputs, mesh, memory_budget=7 * n, offload="none", symbolic=False)
+    # a disk and no host tier: at the least memory the planner finds, parameters are on disk
+    mesh = autopar.Mesh((1,), ("dp",), device="cpu", host_memory=0, disk=2**30)
+    with pytest.raises(autopar.InfeasibleError) as e:
+        autopar.plan(model, inputs, mesh, memory_budget=1, symbolic=False)
+    least = e.value.min_memory_bytes
+    disk = autopar.plan(model, inputs, mesh, memory_budget=least, symbolic=False)
+    assert "disk" in {v for k, v in disk.offload.items() if k.startswith("parameters:")}, disk.offload
+    assert disk.estimate.peak_memory_bytes <= least

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .offload import HostPool, host_scope
-from .optimizer import on_host
+from .optimizer import offloaded
 
 
 class GradOffload:
@@ -27,9 +27,9 @@ class GradOffload:
 
     def __init__(self, module: torch.nn.Module, offload: dict[str, str], pool: HostPool):
         self.pool = pool
-        moved = on_host(module, offload, "gradients")
-        self.params = {names[0]: p for names, p in moved}
-        self.aliases = {n for names, _ in moved for n in names}
+        moved = offloaded(module, offload, "gradients")
+        self.params = {names[0]: p for names, p, _ in moved}
+        self.aliases = {n for names, _, _ in moved for n in names}
         self.host: dict[str, torch.Tensor] = {}          # FQN -> the local gradient shard, on the host
         for fqn, p in self.params.items():
             p.register_post_accumulate_grad_hook(lambda p, fqn=fqn: self._out(fqn, p))

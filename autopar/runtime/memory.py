@@ -54,7 +54,8 @@ class MemoryRuntime:
     outer: SavedTensors | None = None           # the router around the whole forward, if any
     routes: bool = False                        # some saved-tensor router runs (outer, or a layer's)
     grads: GradOffload | None = None            # gradients moved to the host as they are made
-    params_on_host: frozenset[str] = frozenset()    # parameter FQNs stored in the pool (param_offload.py)
+    params_off_device: dict[str, str] = field(default_factory=dict)   # parameter FQN -> "host" | "disk"
+                                                                      # (param_offload.py)
     device: torch.device | str = "cpu"          # where the fetched parameters go
     notes: list[str] = field(default_factory=list)
 
@@ -103,7 +104,7 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     param_of: placeholder name -> canonical parameter FQN."""
     activations = {k.split(":", 1)[1]: v for k, v in plan.offload.items() if k.startswith("activations:")}
     _check(plan, gm, param_of, activations)
-    fetched = insert_fetches(gm, param_of, rt.params_on_host, torch.device(rt.device), rt.copies)
+    fetched = insert_fetches(gm, param_of, frozenset(rt.params_off_device), torch.device(rt.device), rt.copies)
     rt.regathers = "regather" in plan.residency.values() or fetched
     if rt.regathers or any(v != "device" for v in activations.values()):
         _gather_copies(gm, plan, param_of, rt)

@@ -27,7 +27,7 @@ from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
 from .fastpath import LeafParams, direct_calls, fuse_param_edges
-from .param_offload import host_parameters
+from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
@@ -85,6 +85,11 @@ class DistributedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None,
                  grad_bucket_bytes: float = DDP_BUCKET_BYTES):
         super().__init__()
+        params_off = any(k.startswith("parameters:") and v != "device" for k, v in plan.offload.items())
+        if params_off and device_mesh.device_type != "cpu":        # before any collective
+            raise AutoparError(f"plan.offload puts parameters off the device on a {device_mesh.device_type} mesh; "
+                               f"parameter offload runs on CPU meshes only (the planner offers it there only): set "
+                               f"those 'parameters:...' entries to 'device'")
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
         # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
         self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
@@ -95,11 +100,12 @@ class DistributedModule(torch.nn.Module):
         self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
-        if any(k.startswith("parameters:") and v != "device" for k, v in plan.offload.items()):
-            on_host = host_parameters(self, plan.offload, self._memory.pool)
-            for fqn, param in on_host.items():
+        if params_off:
+            moved = offloaded_parameters(self, plan.offload, self._memory.pool, self._memory.disk_store)
+            for fqn, (param, _) in moved.items():
                 _set_path(self, fqn, param, "param")
-            self._memory.device, self._memory.params_on_host = _device(device_mesh), frozenset(on_host)
+            self._memory.device = _device(device_mesh)
+            self._memory.params_off_device = {fqn: tier for fqn, (_, tier) in moved.items()}
         self._rng = rng.RngState.agreed()
         self._grad_sync = GradSync(self, device_mesh, grad_bucket_bytes)
         if any(k.startswith("gradients:") and v != "device" for k, v in plan.offload.items()):
@@ -133,7 +139,7 @@ class DistributedModule(torch.nn.Module):
         rng.attach(graph, self._rng)
         attach(graph, self._grad_sync, self._param_of)
         leaves = fuse_param_edges(graph, cap, a["plan"], self._param_of, self._grad_sync.alone,
-                                  self._memory.params_on_host)
+                                  frozenset(self._memory.params_off_device))
         graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
         direct_calls(graph, frozenset(leaves))
         graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)

@@ -230,19 +230,23 @@ def _local_now(p: torch.Tensor) -> torch.Tensor:
         return _local(p)
 
 
-def on_host(module: torch.nn.Module, offload: dict[str, str], kind: str) -> list[tuple[list[str], torch.nn.Parameter]]:
-    """(every name, parameter) of each parameter of `module` whose `kind` ("gradients", "parameters")
-    plan.offload puts on the host, after checking the keys; "disk" is refused (host or device only)."""
+def offloaded(module: torch.nn.Module, offload: dict[str, str], kind: str,
+              tiers: tuple[str, ...] = ("host",)) -> list[tuple[list[str], torch.nn.Parameter, str]]:
+    """(every name, parameter, tier) of each parameter of `module` whose `kind` ("gradients",
+    "parameters") plan.offload puts in one of `tiers`, after checking the keys; another tier than
+    "device" or those is refused."""
     names: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(fqn)
         params[id(p)] = p
     check_keys(offload, [n for ns in names.values() for n in ns], kind)
-    disk = sorted(k for k, v in offload.items() if k.startswith(f"{kind}:") and v == "disk")
-    if disk:
-        raise AutoparError(f"plan.offload[{disk[0]!r}] = 'disk': {kind} go to 'host' or stay on 'device'")
-    return [(names[k], p) for k, p in params.items() if offload_tier(offload, kind, names[k]) == "host"]
+    bad = sorted((k, v) for k, v in offload.items() if k.startswith(f"{kind}:") and v not in ("device", *tiers))
+    if bad:
+        raise AutoparError(f"plan.offload[{bad[0][0]!r}] = {bad[0][1]!r}: {kind} go to "
+                           f"{' or '.join(repr(t) for t in tiers)} or stay on 'device'")
+    placed = [(names[k], p, offload_tier(offload, kind, names[k])) for k, p in params.items()]
+    return [(ns, p, tier) for ns, p, tier in placed if tier != "device"]
 
 
 def check_keys(offload: dict[str, str], fqns: list[str], kind: str = "optimizer") -> None:

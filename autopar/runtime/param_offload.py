@@ -1,7 +1,8 @@
-"""Parameters on the host: `plan.offload["parameters:<layer or parameter FQN>"] == "host"`.
+"""Parameters off the device: `plan.offload["parameters:<layer or parameter FQN>"]` is "host" or "disk".
 
-The parameter's stored local shard lives in the module's `HostPool` (ZeRO-Infinity's / FSDP's CPU
-offload of the sharded parameters). Each use brings it to the device and lets it go again:
+The parameter's stored local shard lives in the module's `HostPool` ("host": ZeRO-Infinity's / FSDP's
+CPU offload of the sharded parameters) or in a writable memory-mapped file of its `DiskStore`
+("disk": ZeRO-Infinity's parameters on NVMe). Each use brings it to the device and lets it go again:
 
 * forward: a `FetchParam` graph op after the parameter's placeholder copies the shard to the device
   (`to(copy=True)`: differentiable, so the gradient flows back to the host parameter and is
@@ -17,34 +18,42 @@ Why our own graph op and not FSDP2's `CPUOffloadPolicy`: that policy runs only i
 `fully_shard`'s parameter groups (its all-gather copies the host shards in) and steps the
 optimizer on the host for every offloaded parameter; here the fetch is one more op of the rank
 graph, the residency and optimizer tier stay separate decisions, and the copies are tracked by the
-same saved-tensor machinery as re-gathered copies. The optimizer step updates the host shard in
-place (`dmodel.optimizer`); on a CPU mesh host and device are the same RAM and the pool is what
-tells them apart (offload.py).
+same saved-tensor machinery as re-gathered copies. The optimizer step updates the host shard (or
+the mapped file) in place (`dmodel.optimizer`); on a CPU mesh host and device are the same RAM and
+the pool is what tells them apart (offload.py).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from .offload import HostPool
-from .optimizer import on_host
+from .offload import DiskStore, HostPool
+from .optimizer import offloaded
 from .regather import GatheredCopies
 
 
-def host_parameters(module: torch.nn.Module, offload: dict[str, str], pool: HostPool) -> dict[str, torch.nn.Parameter]:
-    """FQN (every alias) -> a parameter whose local shard is a `pool` copy of the module's, for the
-    parameters the plan puts on the host; the caller registers them in place of the old ones."""
-    moved: dict[str, torch.nn.Parameter] = {}
-    for names, p in on_host(module, offload, "parameters"):
+def offloaded_parameters(module: torch.nn.Module, offload: dict[str, str], pool: HostPool,
+                         disk: Callable[[], DiskStore]) -> dict[str, tuple[torch.nn.Parameter, str]]:
+    """FQN (every alias) -> (a parameter whose local shard is a `pool` copy of the module's, or a mapped
+    file of `disk()`, its tier), for the parameters the plan puts on the host or on disk; the caller
+    registers them in place of the old ones."""
+    moved: dict[str, tuple[torch.nn.Parameter, str]] = {}
+    for names, p, tier in offloaded(module, offload, "parameters", ("host", "disk")):
+        local = p.to_local() if isinstance(p, DTensor) else p
         with torch.no_grad():
-            if isinstance(p, DTensor):
-                host = DTensor.from_local(pool.put(p.to_local()), p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride())
+            if tier == "host":
+                stored = pool.put(local)
             else:
-                host = pool.put(p)
-        q = torch.nn.Parameter(host, requires_grad=p.requires_grad)
-        moved.update({n: q for n in names})
+                stored = disk().mapped(tuple(local.shape), local.dtype)
+                stored.copy_(local)
+            if isinstance(p, DTensor):
+                stored = DTensor.from_local(stored, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+        q = torch.nn.Parameter(stored, requires_grad=p.requires_grad)
+        moved.update({n: (q, tier) for n in names})
     return moved
 
 
@@ -63,16 +72,17 @@ class FetchParam(torch.nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.key} from the host"
+        return f"{self.key} from off the device"
 
 
-def insert_fetches(gm: fx.GraphModule, param_of: dict[str, str], on_host: frozenset[str], device: torch.device,
+def insert_fetches(gm: fx.GraphModule, param_of: dict[str, str], off_device: frozenset[str], device: torch.device,
                    copies: GatheredCopies) -> bool:
-    """A `FetchParam` before the first use of each placeholder of a host parameter, feeding all its users; any inserted?"""
+    """A `FetchParam` before the first use of each placeholder of a parameter off the device, feeding all its
+    users; any inserted?"""
     done = False
     for node in list(gm.graph.nodes):
         fqn = param_of.get(node.name) if node.op == "placeholder" else None
-        if fqn not in on_host:
+        if fqn not in off_device:
             continue
         target = f"fetch_{node.name}"
         gm.add_submodule(target, FetchParam(fqn, device, copies))

@@ -20,9 +20,10 @@
   the gradient alone costs more than in a bucket; freed from the point it is made through the
   step's end; held on the host. With the optimizer also on the host the gradient comes back and
   goes out again for the host step (one family's price does not depend on another's choice).
-* "parameters:<layer or parameter FQN>" (host only; like gradients, chosen under offload="auto"):
-  the stored local shards live on the host and come to the device for each use, forward and
-  backward (`runtime/param_offload.py`; ZeRO-Infinity / FSDP CPU offload of the parameters).
+* "parameters:<layer or parameter FQN>" (host or disk, CPU meshes; like gradients, chosen under
+  offload="auto"): the stored local shards live on the host or in a memory-mapped file and come to
+  the device for each use, forward and backward (`runtime/param_offload.py`; ZeRO-Infinity's
+  parameter offload to CPU memory or NVMe).
 The tiers' capacities are per device (`DeviceProfile.host_memory_capacity`, `disk_capacity`);
 a tier with none is not offered.
 """
@@ -81,15 +82,16 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
                                                                  for m in members), grads))
             if grads != (0,):
                 gradients_out(problem, fam, key, with_grads)
-            # parameters likewise (offload="auto", host only): a fixed setting leaves them on the device.
+            # parameters likewise (offload="auto"; host or disk): a fixed setting leaves them on the device.
             # Offered on CPU meshes only: on CUDA the executor's backward fetch would hand the op the
             # host shard, and the gradient would accumulate on the host (runtime/param_offload.py)
             key = f"offload:parameters:{owner}"
             on_cpu = problem.mesh.profile.device_type == "cpu"
+            tiers = allowed if setting == "auto" and on_cpu else (0,)
             fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "parameters:", 1)
-                                                                 for m in members), grads if on_cpu else (0,)))
-            if grads != (0,) and on_cpu:
-                parameters_out(problem, fam, key, with_grads)
+                                                                 for m in members), tiers))
+            if tiers != (0,):
+                parameters_out(problem, fam, key, with_grads, tiers)
     return fam
 
 
@@ -146,13 +148,14 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
             fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
 
 
-def parameters_out(problem: Problem, fam: Families, key: str, names) -> None:
-    """The stored local shard (state bytes less gradient and optimizer parts) lives on the host and is
-    off the device from its last use in the forward to the backward of that use, and after the backward
-    of its first use (`runtime/param_offload.py` fetches it per use; the backward fetches it again); the
-    optimizer steps the host copy in place. Priced: two copies in per step (forward, backward), each
-    with its latency, synchronously (no prefetch on a copy stream: the runtime copies when the op runs)."""
-    host, live = problem.mesh.profile.host_link, problem.live
+def parameters_out(problem: Problem, fam: Families, key: str, names, tiers) -> None:
+    """The stored local shard (state bytes less gradient and optimizer parts) lives on the host or in a
+    file and is off the device from its last use in the forward to the backward of that use, and after
+    the backward of its first use (`runtime/param_offload.py` fetches it per use; the backward fetches it
+    again); the optimizer steps the stored copy in place. Priced: two copies in per step (forward,
+    backward) over the tier's link, each with its latency, synchronously (no prefetch on a copy stream:
+    the runtime copies when the op runs); from disk also the updated shard written back once per step."""
+    live, disk = problem.live, problem.mesh.profile.disk_link
     for n in names:
         d = problem.decisions[n]
         uses = [e.dst_pos for e in problem.edges if e.src == n]
@@ -160,15 +163,22 @@ def parameters_out(problem: Problem, fam: Families, key: str, names) -> None:
             continue
         first, last = min(uses), max(uses)
         param = Expr(((n, tuple(s - o - g for s, o, g in zip(d.state_bytes, d.opt_bytes, d.grad_bytes))),))
-        # priced as on the device before its first use and in the optimizer step (the runtime has it on
-        # the host then: an over-estimate), so that the terms are not read as optimizer state freed from
+        gates = tuple((key, t) for t in tiers if t)
+        # priced as on the device before its first use and in the optimizer step (the runtime has it off
+        # the device then: an over-estimate), so that the terms are not read as optimizer state freed from
         # the step's start (after < 0) or a gradient sent out (until >= step_end) by the evaluator
         for after, until in ((last, live.backward_of(last) - 1), (live.backward_of(first), live.step_end - 1)):
             if until > after:
-                fam.freed.append(Freed(param, ((key, HOST),), after, until, f"parameter {d.fqn}", f"param:{n}"))
-        moves = param.scaled(2.0 / host.bandwidth) + Expr(const=2.0 * host.latency)
-        fam.costs.append(Cost(moves, (key, HOST), 1.0, f"parameter {d.fqn} from the host, forward and backward"))
-        fam.held.append(Held(param, (key, HOST), "host", 1.0, f"parameter {d.fqn}"))
+                fam.freed.append(Freed(param, gates, after, until, f"parameter {d.fqn}", f"param:{n}"))
+        for t in tiers:
+            if not t:
+                continue
+            link = _link(problem, t)
+            moves = param.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * link.latency)
+            if t == DISK:
+                moves = moves + param.scaled(1.0 / disk.bandwidth) + Expr(const=disk.latency)
+            fam.costs.append(Cost(moves, (key, t), 1.0, f"parameter {d.fqn} from the {TIERS[t]}, forward and backward"))
+            fam.held.append(Held(param, (key, t), TIERS[t], 1.0, f"parameter {d.fqn}"))
 
 
 def gradients_out(problem: Problem, fam: Families, key: str, names) -> None:
