@@ -12,10 +12,13 @@ block (`dataclasses.replace(plan, recompute=..., residency=..., offload=...)`):
   act-host       activations saved by the blocks moved to the host pool
   opt-host       the blocks' fp32 master weights and AdamW state in the host pool, stepped there
   grad-host      the blocks' gradients moved to the host pool as they are made, back for their update
+  param-host     the blocks' stored parameter shards in the host pool, fetched per use
+  param-disk     the same in memory-mapped files (files are not counted as memory)
+  zero3-regather-param-host  ZeRO-3 regather with the stored shards on the host, gathered from there
 
-Each trains 3 AdamW steps next to one process (the worst relative difference of loss, gradients
-and parameters is printed: the decisions must not change the numbers) and the third step is
-measured with `MemoryMeter`: live tensor bytes per rank, counted per storage, device and host
+Each trains 2 AdamW steps next to one process (`dist_checks.STEPS`; the worst relative difference of
+loss, gradients and parameters is printed: the decisions must not change the numbers) and the last
+step is measured with `MemoryMeter`: live tensor bytes per rank, counted per storage, device and host
 apart; the baseline is the parameters and the optimizer state alive before the step.
 Columns: peak device bytes over the step (forward, backward, optimizer) measured, and as the planner
 predicts it for the same decisions (`autopar.estimate` of the plan: the one evaluator), device bytes alive
@@ -44,9 +47,13 @@ def variants(layers: int) -> tuple[dict, dict]:
           "recompute-selective": {"recompute": {b: "selective" for b in blocks}},
           "act-host": {"offload": {f"activations:{b}": "host" for b in blocks}},
           "opt-host": {"offload": {f"optimizer:{b}": "host" for b in blocks}},
-          "grad-host": {"offload": {f"gradients:{b}": "host" for b in blocks}}}
-    zero3 = {"zero3-keep": {}, "zero3-regather": {"residency": {f"{b}.{w}.weight": "regather"
-                                                                 for b in blocks for w in LINEARS}}}
+          "grad-host": {"offload": {f"gradients:{b}": "host" for b in blocks}},
+          "param-host": {"offload": {f"parameters:{b}": "host" for b in blocks}},
+          "param-disk": {"offload": {f"parameters:{b}": "disk" for b in blocks}}}
+    regather = {f"{b}.{w}.weight": "regather" for b in blocks for w in LINEARS}
+    zero3 = {"zero3-keep": {}, "zero3-regather": {"residency": regather},
+             "zero3-regather-param-host": {"residency": regather,
+                                           "offload": {f"parameters:{b}": "host" for b in blocks}}}
     return dp, zero3
 
 
