@@ -45,6 +45,8 @@ RUNS = [
     # issue 14: planning time per phase: HF Llama-3-8B at 64 x 4096 on (8, 8), Llama-3-70B as torchtitan
     # trains it (32 x 8), GPT-3 175B at 1,536 on (16, 8, 8) and one pipeline stage's ILP on (16, 8)
     ["bench_plan_speed.py", "--all"],
+    # issue 14: solving time limits against the best plan found, HF Llama-3-8B on a (4, 4, 4) mesh
+    ["bench_time_limit.py"],
     # issue 18: Mixtral-8x7B at 64 x 4096 on (dp=8, ep=8): expert parallelism vs the experts' older strategies;
     # EP x TP on (dp=8, ep=4, tp=2); EP with a capacity factor of 1.0
     ["bench_moe.py"],
