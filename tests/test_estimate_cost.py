@@ -72,8 +72,10 @@ def test_p2p_broadcast_and_buckets():
     assert broadcast_time(1e9, 1, NV) == 0.0
     one = bucketed_time("all_reduce", 100e6, 8, NV, None, 5e-6)
     assert one == pytest.approx(all_reduce_time(100e6, 8, NV) + 5e-6)
-    four = bucketed_time("all_reduce", 100e6, 8, NV, 25e6, 5e-6)
-    assert four == pytest.approx(4 * (all_reduce_time(25e6, 8, NV) + 5e-6))   # same bytes, 4x the latency
+    five = bucketed_time("all_reduce", 100e6, 8, NV, 25e6, 5e-6)     # DDP's: a first bucket of 1 MiB, then 25 MB
+    first = 2**20
+    assert five == pytest.approx(all_reduce_time(first, 8, NV) + 4 * all_reduce_time((100e6 - first) / 4, 8, NV)
+                                 + 5 * 5e-6)                             # same bytes, 5x the latency
 
 
 def test_backward_factors_per_op():

@@ -49,6 +49,8 @@ all-reduce one launch.
 
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
+As DDP, the first bucket of each kind is small (`first_bucket_bytes`: 1 MiB, or the bucket size if
+less), so that its reduction starts early in the backward; `bucket_count` counts the buckets.
 `bucketed_reduction` says which parameter gradients the runtime reduces in buckets
 (runtime/grad_sync.py): those go to a flat bucket of their kind (collective, group size, link); a
 gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term), and each
@@ -65,12 +67,12 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .profiles import HierarchicalLink, Link
+from .profiles import DDP_FIRST_BUCKET_BYTES, HierarchicalLink, Link
 from .symbolic import ceil_div, smin, to_float
 
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
-           "latency_steps", "bucketed_time", "bucketed_reduction", "GradBucket", "transfer_time",
+           "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
            "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
            "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost"]
 
@@ -154,13 +156,34 @@ def broadcast_time(nbytes: float, n: int, link: AnyLink, algorithm: Algorithm = 
     return nbytes / link.bandwidth + steps * link.latency
 
 
+def first_bucket_bytes(bucket_bytes: float) -> float:
+    """The size at which the first gradient bucket of a kind leaves (runtime/grad_sync.py): DDP's 1 MiB,
+    or `bucket_bytes` if smaller."""
+    return min(DDP_FIRST_BUCKET_BYTES, bucket_bytes)
+
+
+def bucket_count(nbytes: float, bucket_bytes: float | None) -> int:
+    """How many buckets `nbytes` of gradients of one kind fill: a first of `first_bucket_bytes`, then
+    buckets of `bucket_bytes` (None: one bucket)."""
+    if not bucket_bytes:
+        return 1
+    first = first_bucket_bytes(bucket_bytes)
+    return 1 + max(0, math.ceil((nbytes - first) / bucket_bytes))
+
+
 def bucketed_time(kind: Collective, nbytes: float, n: int, link: AnyLink, bucket_bytes: float | None,
                   launch_overhead: float = 0.0, algorithm: Algorithm = "ring") -> float:
-    """`nbytes` of gradients synchronised in buckets of `bucket_bytes` (None: one bucket)."""
+    """`nbytes` of gradients synchronised in buckets (`bucket_count`; None: one bucket): the first
+    holding `first_bucket_bytes`, the rest shared evenly by the others."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    buckets = 1 if not bucket_bytes else max(1, math.ceil(nbytes / bucket_bytes))
-    return buckets * (collective_time(kind, nbytes / buckets, n, link, algorithm) + launch_overhead)
+    buckets = bucket_count(nbytes, bucket_bytes)
+    if buckets == 1:
+        return collective_time(kind, nbytes, n, link, algorithm) + launch_overhead
+    first = first_bucket_bytes(bucket_bytes)
+    rest = (nbytes - first) / (buckets - 1)
+    return (collective_time(kind, first, n, link, algorithm)
+            + (buckets - 1) * collective_time(kind, rest, n, link, algorithm) + buckets * launch_overhead)
 
 
 @dataclass(frozen=True, slots=True)

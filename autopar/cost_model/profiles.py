@@ -25,6 +25,9 @@ __all__ = ["Link", "HierarchicalLink", "DeviceProfile", "load_profile", "save_pr
 PROFILE_DIR = Path(__file__).with_name("profiles")
 # torch DistributedDataParallel's default bucket_cap_mb=25: the default gradient bucket
 DDP_BUCKET_BYTES = 25 * 2**20
+# torch DistributedDataParallel's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB): small,
+# so that the reduction of the last layers' gradients starts early in the backward
+DDP_FIRST_BUCKET_BYTES = 2**20
 PEAK_KEYS = ("float32", "tf32", "bfloat16", "float16")
 # float32 maps to "float32", not "tf32": PyTorch leaves TF32 matmuls off by default
 # (torch.backends.cuda.matmul.allow_tf32 = False), so an fp32 matmul runs at the fp32 rate.

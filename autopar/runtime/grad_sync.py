@@ -11,7 +11,9 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
   parameter's uses (a tied weight has two) and, once the last expected use has arrived, copies it
   into the open bucket of its kind: the same reduction (all-reduce over a set of axes, or a
   reduce-scatter over one axis on one dim) and dtype. A bucket of `bucket_bytes` or more is
-  launched at once (`async_op=True`): it travels while the backward goes on;
+  launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
+  bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
+  gradients leave early in the backward;
 * at the end of the backward (`compat.at_backward_end`, the callback DDP and FSDP2 use) the open
   buckets and any parameter whose uses did not all arrive are launched, every bucket is waited in
   launch order, and each parameter's `.grad` becomes a view of its bucket's reduced buffer (added
@@ -41,7 +43,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
-from ..cost_model.comm import bucketed_reduction
+from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from .faults import watch_of
 from .reshard import Reshard
 
@@ -116,6 +118,7 @@ class GradSync:
         self._pending: dict[str, list] = {}          # name -> [kind, summed local gradient, uses arrived]
         self._open: dict[SyncKind, _Bucket] = {}
         self._sent: list[_Bucket] = []
+        self._kinds_sent: set[SyncKind] = set()     # kinds whose first (small) bucket has left
         self._done: set[str] = set()
         self._armed = False
 
@@ -158,7 +161,7 @@ class GradSync:
         b.names.append(name)
         b.grads.append(local)
         b.nbytes += local.numel() * local.element_size()
-        if b.nbytes >= self.bucket_bytes:
+        if b.nbytes >= (self.bucket_bytes if kind in self._kinds_sent else first_bucket_bytes(self.bucket_bytes)):
             self._launch(self._open.pop(kind))
 
     def _launch(self, b: _Bucket) -> None:
@@ -175,6 +178,7 @@ class GradSync:
             with watch.collective(self._what(b)):
                 b.launch(self._groups[axes], n)
         self._sent.append(b)
+        self._kinds_sent.add(b.kind)
         self.buckets_launched += 1
 
     def _what(self, b: _Bucket) -> str:
