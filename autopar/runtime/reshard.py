@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..placement import layout_str
@@ -47,7 +48,11 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) ->
     # Partial -> other Partial kinds are not needed by any rule; go through Replicate
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
-    y = x.redistribute(x.device_mesh, mid, async_op=async_op) if mid != cur else x
+    y = x
+    if mid != cur:
+        y = None if async_op else _one_collective(x, cur, mid)
+        if y is None:
+            y = x.redistribute(x.device_mesh, mid, async_op=async_op)
     if to_partial:
         local = y.to_local()
         coord = x.device_mesh.get_coordinate()
@@ -60,6 +65,31 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) ->
         # later views, forward or backward, cannot take
         y = DTensor.from_local(local.contiguous(), y.device_mesh, layout, run_check=False)
     return y
+
+
+def _one_collective(x: DTensor, cur: tuple, layout: tuple) -> DTensor | None:
+    """`x` moved to `layout` by one c10d collective, where the move is one of the two a data-parallel
+    step makes (a loss summed over the batch, a gradient reduced): one axis from a partial sum to
+    whole (all-reduce), or from an even shard on dim 0 to whole (all-gather). None otherwise.
+    DTensor's redistribute issues the same collective through its functional-collective layer, at
+    about 0.4 ms more CPU per call (measured on 2 gloo ranks: a scalar all-reduce 650 vs 240 us of
+    CPU; gathering a 1,024-element mask 1,100 vs about 300 us), paid per step on the hot path."""
+    changed = [a for a, (c, t) in enumerate(zip(cur, layout)) if c != t]
+    if len(changed) != 1 or not isinstance(layout[changed[0]], Replicate):
+        return None
+    a = changed[0]
+    src, mesh = cur[a], x.device_mesh
+    local = x.to_local()
+    if isinstance(src, Partial) and src.reduce_op == "sum":
+        out = local.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=mesh.get_group(a))
+    elif (isinstance(src, Shard) and src.dim == 0 and local.ndim and x.shape[0] % mesh.size(a) == 0
+          and not any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(cur) if i != a)):
+        out = local.new_empty((local.shape[0] * mesh.size(a), *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local.contiguous(), group=mesh.get_group(a))
+    else:
+        return None
+    return DTensor.from_local(out, mesh, layout, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:
