@@ -10,7 +10,9 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
 * the Reshard's backward hands the local partial gradient to `GradSync.take`, which sums the
   parameter's uses (a tied weight has two) and, once the last expected use has arrived, copies it
   into the open bucket of its kind: the same reduction (all-reduce over a set of axes, or a
-  reduce-scatter over one axis on one dim) and dtype. A bucket of `bucket_bytes` or more is
+  reduce-scatter over one axis on one dim) and dtype; an all-reduce bucket filled as in the last
+  backward copies each gradient into its buffer as it arrives (DDP's way: the launch does not
+  wait for one large concatenation at the end of the backward). A bucket of `bucket_bytes` or more is
   launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
   bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
   gradients leave early in the backward;
@@ -76,10 +78,30 @@ class _Bucket:
     nbytes: int = 0
     out: torch.Tensor | None = None
     work: object = None
+    # an all-reduce bucket the last backward filled the same way: its buffer, each gradient copied
+    # in as it arrives (as DDP's buckets), so the launch sends at once; None: concatenated at launch
+    flat: torch.Tensor | None = None
+    expect: tuple[str, ...] = ()
+    filled: int = 0
+
+    def add(self, name: str, local: torch.Tensor) -> None:
+        self.names.append(name)
+        self.grads.append(local)
+        self.nbytes += local.numel() * local.element_size()
+        if self.flat is None:
+            return
+        k = local.numel()
+        if len(self.names) > len(self.expect) or self.expect[len(self.names) - 1] != name \
+                or self.filled + k > self.flat.numel():
+            self.flat = None                 # another order than the last backward's
+            return
+        self.flat[self.filled:self.filled + k].view_as(local).copy_(local)
+        self.filled += k
 
     def launch(self, group, n: int) -> None:
         if self.kind.dim is None:
-            self.out = torch.cat([g.reshape(-1) for g in self.grads])
+            complete = self.flat is not None and self.filled == self.flat.numel() and len(self.names) == len(self.expect)
+            self.out = self.flat if complete else torch.cat([g.reshape(-1) for g in self.grads])
             self.work = dist.all_reduce(self.out, group=group, async_op=True)
         else:            # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...]
             chunks = [g.chunk(n, self.kind.dim) for g in self.grads]
@@ -109,6 +131,8 @@ class GradSync:
         self.module, self.mesh, self.bucket_bytes, self.deferred = module, device_mesh, bucket_bytes, deferred
         self._groups: dict[tuple[int, ...], object] = {}
         self._kinds: dict[tuple, SyncKind | None] = {}
+        # (kind, first parameter) -> (parameters, elements) of each all-reduce bucket the last backward sent
+        self._filled: dict[tuple[SyncKind, str], tuple[tuple[str, ...], int]] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self.reset()
@@ -157,10 +181,13 @@ class GradSync:
     def _ready(self, name: str) -> None:
         kind, local, _ = self._pending.pop(name)
         self._done.add(name)
-        b = self._open.setdefault(kind, _Bucket(kind))
-        b.names.append(name)
-        b.grads.append(local)
-        b.nbytes += local.numel() * local.element_size()
+        b = self._open.get(kind)
+        if b is None:
+            b = self._open[kind] = _Bucket(kind)
+            last = self._filled.get((kind, name)) if kind.dim is None else None
+            if last is not None:
+                b.expect, b.flat = last[0], local.new_empty(last[1])
+        b.add(name, local)
         if b.nbytes >= (self.bucket_bytes if kind in self._kinds_sent else first_bucket_bytes(self.bucket_bytes)):
             self._launch(self._open.pop(kind))
 
@@ -179,6 +206,8 @@ class GradSync:
                 b.launch(self._groups[axes], n)
         self._sent.append(b)
         self._kinds_sent.add(b.kind)
+        if b.kind.dim is None:
+            self._filled[(b.kind, b.names[0])] = (tuple(b.names), b.out.numel())
         self.buckets_launched += 1
 
     def _what(self, b: _Bucket) -> str:
