@@ -18,9 +18,6 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `funcol`: torch.distributed._functional_collectives, torch's asynchronous, traceable collectives
   (all_to_all_single, permute_tensor, all_gather_single, reduce_scatter_single); the context-parallel
   attention executor overlaps its ring hops with them, as torch's own ring attention does.
-  `waited(t)`: a tensor an asynchronous collective is still filling (funcol's AsyncCollectiveTensor,
-  the local tensor of an `async_op=True` redistribute) as the plain tensor, after the wait: an op
-  that saves its input for the backward must save that one, not the wrapper.
 * `default_store()`: the job's rendezvous key-value store (torch.distributed's c10d internals);
   `set_group_timeout(group, seconds)`: how long a process group's collectives wait for peers.
 * `at_backward_end(fn)`: run fn when the current backward pass ends (autograd engine's
@@ -48,10 +45,6 @@ __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOpe
 
 def is_mutable(op: OpOverload) -> bool:
     return bool(op._schema.is_mutable)
-
-
-def waited(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def tensor_version(t: torch.Tensor) -> int:

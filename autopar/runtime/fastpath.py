@@ -24,8 +24,10 @@ known to be a no-op before the first step. Here, per program (not per step):
   Regions (regions.py) are trimmed inside too.
 * a `Reshard` whose input derives from the user's inputs alone (no parameter, buffer or random
   draw on the way: a loss's count of non-ignored targets, gathered for its mean) moves to the start
-  of the program with the ops it needs, and is issued asynchronously (waited where its result is
-  first used, at the loss): its collective travels under the forward instead of stopping it.
+  of the program with the ops it needs: its collective runs where the ranks arrive together (just
+  after the last step's gradient wait), not in the middle of the forward, where a rank would wait
+  for the slowest peer's forward. (Issued asynchronously instead, its buffer's lifetime would
+  depend on when the peers arrive: memory measured per step would not be repeatable.)
 
 Why our own pass and not torch.compile: the graph must run op by op without a compiler (CPU
 machines without a C++ toolchain), keep its collectives in autograd's order on every rank, and stay

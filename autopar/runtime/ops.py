@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import pytree, waited
+from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import block_index, layout_str, local_shape
 from . import rng
@@ -70,7 +70,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, grad_layout: tuple):  # type: ignore[override]
         ctx.meta = (x.device_mesh, grad_layout, x.shape, x.stride())
-        local = waited(x.to_local())        # an early reshard's (reshard.Reshard.early): waited at its first use
+        local = x.to_local()
         return local.view_as(local)
 
     @staticmethod

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..compat import local_tensor
 from ..errors import AutoparError
 from ..passes.layers import layer_key
 from ..plan import TIERS
@@ -137,7 +138,7 @@ class PlannedOptimizer:
         away = [(p, local) for p, local in self._direct if grads is not None and grads.has(p)]
         stepped = [(p, local) for p, local in self._direct if local is not p]   # DTensors: lend the gradient
         for p, local in stepped:
-            local.grad = None if p.grad is None else _local(p.grad)
+            local.grad = None if p.grad is None else _held(p.grad)
         opt.step()
         for p, local in stepped:
             local.grad = None
@@ -153,9 +154,10 @@ class PlannedOptimizer:
         for i, (p, local) in enumerate(self._direct):
             if local is p:
                 continue
-            now = _local_now(p)
-            if now.data_ptr() == local.data_ptr() and now.shape == local.shape:
+            held = _held(p)        # checked without a new view per parameter and step
+            if held.data_ptr() == local.data_ptr() and held.shape == local.shape:
                 continue
+            now = _local_now(p)
             if local in opt.state:
                 opt.state[now] = opt.state.pop(local)
             for g in opt.param_groups:
@@ -221,6 +223,12 @@ class PlannedOptimizer:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor a DTensor holds, as it is (no view, no autograd: `to_local()` costs tens of
+    microseconds of Python, per parameter and step); a plain tensor as is."""
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _local_now(p: torch.Tensor) -> torch.Tensor:

@@ -24,35 +24,31 @@ from ..placement import layout_str
 from .faults import watch_of
 
 
-def to_layout(x: DTensor, layout: Sequence[Placement], async_op: bool = False) -> DTensor:
+def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
     """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P; watched
-    (`faults.py`) when the module was built with a collective timeout. async_op: DTensor's
-    collectives issued without waiting (the result's local tensor waits at its first use); not
-    when watched (the watch times the wait)."""
+    (`faults.py`) when the module was built with a collective timeout."""
     layout = tuple(layout)
     cur = tuple(x.placements)
     if cur == layout:
         return x
     watch = watch_of(x.device_mesh)
     if watch is None:
-        return _to_layout(x, cur, layout, async_op)
+        return _to_layout(x, cur, layout)
     axes = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
     changed = ", ".join(str(ax) for ax, c, t in zip(axes, cur, layout) if c != t)
     with watch.collective(f"reshard over {changed}: {layout_str(cur)} -> {layout_str(layout)}, shape {list(x.shape)}"):
         return _to_layout(x, cur, layout)
 
 
-def _to_layout(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) -> DTensor:
+def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     to_partial = [i for i, (c, t) in enumerate(zip(cur, layout)) if isinstance(t, Partial) and c != t]
     mid = tuple(Replicate() if i in to_partial else t for i, t in enumerate(layout))
     # Partial -> other Partial kinds are not needed by any rule; go through Replicate
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
-    y = x
-    if mid != cur:
-        y = None if async_op else _one_collective(x, cur, mid)
-        if y is None:
-            y = x.redistribute(x.device_mesh, mid, async_op=async_op)
+    y = x if mid == cur else _one_collective(x, cur, mid)
+    if y is None:
+        y = x.redistribute(x.device_mesh, mid)
     if to_partial:
         local = y.to_local()
         coord = x.device_mesh.get_coordinate()
@@ -120,8 +116,7 @@ def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
 class Reshard(torch.nn.Module):
     """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring). On a parameter's
     edge, `sync` links it to the module's gradient buckets (grad_sync.attach). `early`: its input
-    comes from the user's inputs alone and it runs at the start of the program
-    (fastpath.early_reshards): issued asynchronously where nothing needs its gradient."""
+    comes from the user's inputs alone and it runs at the start of the program (fastpath.early_reshards)."""
 
     def __init__(self, layout: Sequence[Placement]):
         super().__init__()
@@ -130,11 +125,7 @@ class Reshard(torch.nn.Module):
         self.early = False
 
     def forward(self, x):
-        if not isinstance(x, DTensor):
-            return x
-        if self.early and not x.requires_grad:
-            return to_layout(x, self.layout, async_op=True)
-        return reshard(x, self.layout, self.sync)
+        return reshard(x, self.layout, self.sync) if isinstance(x, DTensor) else x
 
     def extra_repr(self) -> str:
-        return ", ".join(layout_str(self.layout)) + (" (early, async)" if self.early else "")
+        return ", ".join(layout_str(self.layout)) + (" (early)" if self.early else "")
