@@ -134,6 +134,7 @@ class GradSync:
         # (kind, first parameter) -> (parameters, elements) of each all-reduce bucket the last backward sent
         self._filled: dict[tuple[SyncKind, str], tuple[tuple[str, ...], int]] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
+        self.buckets_early = 0                       # of those, launched before the backward ended
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self.reset()
 
@@ -145,6 +146,7 @@ class GradSync:
         self._kinds_sent: set[SyncKind] = set()     # kinds whose first (small) bucket has left
         self._done: set[str] = set()
         self._armed = False
+        self._ending = False
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
@@ -209,6 +211,7 @@ class GradSync:
         if b.kind.dim is None:
             self._filled[(b.kind, b.names[0])] = (tuple(b.names), b.out.numel())
         self.buckets_launched += 1
+        self.buckets_early += not self._ending
 
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
@@ -216,6 +219,7 @@ class GradSync:
 
     def finish(self) -> None:
         """End of the backward: launch what is left, wait for every bucket, write `.grad`."""
+        self._ending = True
         for name in list(self._pending):            # uses that never arrived (an unused output)
             self._ready(name)
         for kind in list(self._open):
