@@ -22,12 +22,6 @@ known to be a no-op before the first step. Here, per program (not per step):
   result is handed on local (`local_out`), becomes a plain call of the op in the generated code,
   its shape argument already the local shape: no module call, no argument flattening per step.
   Regions (regions.py) are trimmed inside too.
-* a `Reshard` whose input derives from the user's inputs alone (no parameter, buffer or random
-  draw on the way: a loss's count of non-ignored targets, gathered for its mean) moves to the start
-  of the program with the ops it needs: its collective runs where the ranks arrive together (just
-  after the last step's gradient wait), not in the middle of the forward, where a rank would wait
-  for the slowest peer's forward. (Issued asynchronously instead, its buffer's lifetime would
-  depend on when the peers arrive: memory measured per step would not be repeatable.)
 
 Why our own pass and not torch.compile: the graph must run op by op without a compiler (CPU
 machines without a C++ toolchain), keep its collectives in autograd's order on every rank, and stay
@@ -43,7 +37,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import OpOverload, is_mutable, local_tensor, pytree
+from ..compat import local_tensor, pytree
 from ..passes.capture import Captured
 from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, parse_layout
@@ -239,53 +233,6 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return done
-
-
-def early_reshards(gm: fx.GraphModule, inputs: frozenset[str]) -> int:
-    """Every `Reshard` of `gm` whose value derives from the placeholders `inputs` (the user's inputs)
-    alone, through ops that draw no random numbers: moved, with those ops in their order, to just
-    after the placeholders, and marked `early` (module docstring). Returns how many."""
-    from_inputs: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if node.name in inputs:
-                from_inputs.add(node)
-        elif node.op in ("call_function", "call_module") and _pure(gm, node) and all(
-                a in from_inputs for a in _tensor_args(node)):
-            from_inputs.add(node)
-    early = [n for n in from_inputs if n.op == "call_module" and type(gm.get_submodule(n.target)) is Reshard]
-    if not early:
-        return 0
-    needed: set[fx.Node] = set()
-    stack = list(early)
-    while stack:
-        n = stack.pop()
-        if n.op != "placeholder" and n not in needed:
-            needed.add(n)
-            stack.extend(_tensor_args(n))
-    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    for node in [n for n in gm.graph.nodes if n in needed]:       # in program order
-        anchor.append(node)
-        anchor = node
-    for node in early:
-        gm.get_submodule(node.target).early = True
-    gm.recompile()
-    return len(early)
-
-
-def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """An op that may run earlier than the program states: no random draw, no side effect."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        if type(mod) is Reshard:
-            return True
-        if type(mod) is not LocalOp:
-            return False
-        target = mod.target
-    else:
-        target = node.target
-    return (isinstance(target, OpOverload) and target not in rng.DROPOUT_OPS
-            and torch.Tag.nondeterministic_seeded not in target.tags and not is_mutable(target))
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:

@@ -115,17 +115,15 @@ def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
 
 class Reshard(torch.nn.Module):
     """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring). On a parameter's
-    edge, `sync` links it to the module's gradient buckets (grad_sync.attach). `early`: its input
-    comes from the user's inputs alone and it runs at the start of the program (fastpath.early_reshards)."""
+    edge, `sync` links it to the module's gradient buckets (grad_sync.attach)."""
 
     def __init__(self, layout: Sequence[Placement]):
         super().__init__()
         self.layout = tuple(layout)
         self.sync = None
-        self.early = False
 
     def forward(self, x):
         return reshard(x, self.layout, self.sync) if isinstance(x, DTensor) else x
 
     def extra_repr(self) -> str:
-        return ", ".join(layout_str(self.layout)) + (" (early)" if self.early else "")
+        return ", ".join(layout_str(self.layout))
