@@ -57,9 +57,14 @@ def saved_plan(model, inputs, mesh, pins):
     return autopar.Plan.from_json(text[0])
 
 
-def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, model_kw=None, compare=True):
+def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, model_kw=None, compare=True,
+                 bucket_bytes=None):
+    """bucket_bytes: the profile's `grad_bucket_bytes` (the runtime's gradient buckets and their price)."""
     model, inputs = gpt(dropout, **(model_kw or {}))
-    mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
+    profile = shard_happy_profile()
+    if bucket_bytes is not None:
+        profile = dataclasses.replace(profile, grad_bucket_bytes=float(bucket_bytes))
+    mesh = autopar.Mesh(mesh_shape, axes, device=profile)
     plan = saved_plan(model, inputs, mesh, pins)
     # only the variant's decisions: the planner's own memory choices cleared
     # only the variant's decisions (the planner's own memory choices cleared); None: the plan as planned

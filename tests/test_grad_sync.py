@@ -131,3 +131,4 @@ def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
     assert cap == DDP_BUCKET_BYTES and grad_bytes > 2**20
     assert launched == bucket_count(grad_bytes, cap) == 2, launched
     assert early >= 1, early
+

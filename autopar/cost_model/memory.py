@@ -29,6 +29,7 @@ The backward of op i holds (a backward point, one per op that has a gradient):
   input gradients among them;
 * the parameters' gradients made so far (`Problem` adds them: a parameter's gradient exists from
   the backward of its last consumer on), and the copies kept for backwards not run yet.
+* the gradient buckets in flight (`buckets_in_flight_bytes`).
 A view's gradient is not counted apart from its base's; gradient reshards in the backward and an
 op's backward-internal temporaries are not counted.
 """
@@ -45,6 +46,20 @@ OPTIMIZER_STATE_COPIES = {"adamw": ADAMW_STATE_COPIES, "adam": ADAMW_STATE_COPIE
 
 
 PRECISIONS = ("auto", "same", "mixed")
+
+# Gradient buckets (runtime/grad_sync.py) hold memory beyond the gradients the backward has made:
+# the open bucket of each kind (an all-reduce bucket's buffer is allocated whole at its first
+# gradient; a reduce-scatter bucket holds its unreduced gradients until it launches) and the
+# reduce-scatters launched and not yet waited, each holding its whole-size input
+# (grad_sync.REDUCE_SCATTERS_IN_FLIGHT = 2). Three buckets' worth at the most.
+BUCKETS_IN_FLIGHT = 3
+
+
+def buckets_in_flight_bytes(bucketed_bytes: float, bucket_bytes: float) -> float:
+    """Bytes the gradient buckets hold in the backward beyond the gradients made, at most:
+    `BUCKETS_IN_FLIGHT` buckets of `bucket_bytes`, never more than the `bucketed_bytes` of
+    gradients that can go into a bucket at all."""
+    return min(float(bucketed_bytes), BUCKETS_IN_FLIGHT * float(bucket_bytes))
 
 
 def is_mixed(param_itemsize: int, precision: str = "auto") -> bool:

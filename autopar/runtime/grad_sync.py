@@ -15,7 +15,11 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
   wait for one large concatenation at the end of the backward). A bucket of `bucket_bytes` or more is
   launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
   bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
-  gradients leave early in the backward;
+  gradients leave early in the backward. A bucket keeps no reference to a gradient it has copied
+  in: the copy is the only one. A reduce-scatter's whole-size input is freed once it is done, and
+  the oldest is waited (its gradients written) when more than `REDUCE_SCATTERS_IN_FLIGHT` are out,
+  as FSDP2 bounds its reduce-scatters: the unreduced gradients of a sharded model never pile up to
+  the end of the backward (`cost_model.memory.BUCKETS_IN_FLIGHT` prices what the buckets hold);
 * at the end of the backward (`compat.at_backward_end`, the callback DDP and FSDP2 use) the open
   buckets and any parameter whose uses did not all arrive are launched, every bucket is waited in
   launch order, and each parameter's `.grad` becomes a view of its bucket's reduced buffer (added
@@ -49,6 +53,8 @@ from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from .faults import watch_of
 from .reshard import Reshard
 
+REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
+
 
 @dataclass(frozen=True, slots=True)
 class SyncKind:
@@ -74,46 +80,63 @@ def sync_kind(placements: tuple, stored: tuple, local: torch.Tensor, mesh_shape)
 class _Bucket:
     kind: SyncKind
     names: list[str] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
+    shapes: list[torch.Size] = field(default_factory=list)
+    # the gradients not yet copied into a flat buffer (this list holds the only references: a
+    # gradient copied in is freed at once, as DDP's bucket views and FSDP2's reduce-scatter input)
+    pieces: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     out: torch.Tensor | None = None
+    send: torch.Tensor | None = None     # a reduce-scatter's input, kept until its wait
     work: object = None
     # an all-reduce bucket the last backward filled the same way: its buffer, each gradient copied
     # in as it arrives (as DDP's buckets), so the launch sends at once; None: concatenated at launch
     flat: torch.Tensor | None = None
     expect: tuple[str, ...] = ()
     filled: int = 0
+    written: bool = False
 
     def add(self, name: str, local: torch.Tensor) -> None:
         self.names.append(name)
-        self.grads.append(local)
+        self.shapes.append(local.shape)
         self.nbytes += local.numel() * local.element_size()
-        if self.flat is None:
-            return
-        k = local.numel()
-        if len(self.names) > len(self.expect) or self.expect[len(self.names) - 1] != name \
-                or self.filled + k > self.flat.numel():
-            self.flat = None                 # another order than the last backward's
-            return
-        self.flat[self.filled:self.filled + k].view_as(local).copy_(local)
-        self.filled += k
+        if self.flat is not None:
+            k = local.numel()
+            if len(self.names) <= len(self.expect) and self.expect[len(self.names) - 1] == name \
+                    and self.filled + k <= self.flat.numel():
+                self.flat[self.filled:self.filled + k].view_as(local).copy_(local)
+                self.filled += k
+                return
+            # another order than the last backward's: what was copied in goes first, as it is
+            self.pieces, self.flat = [self.flat[:self.filled]], None
+        self.pieces.append(local)
 
     def launch(self, group, n: int) -> None:
         if self.kind.dim is None:
             complete = self.flat is not None and self.filled == self.flat.numel() and len(self.names) == len(self.expect)
-            self.out = self.flat if complete else torch.cat([g.reshape(-1) for g in self.grads])
+            self.out = self.flat if complete else torch.cat([g.reshape(-1) for g in self.pieces])
+            self.pieces = []
             self.work = dist.all_reduce(self.out, group=group, async_op=True)
-        else:            # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...]
-            chunks = [g.chunk(n, self.kind.dim) for g in self.grads]
-            flat = torch.cat([c[r].reshape(-1) for r in range(n) for c in chunks])
-            self.out = flat.new_empty(flat.numel() // n)
-            self.work = dist.reduce_scatter_tensor(self.out, flat, group=group, async_op=True)
+            return
+        # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...], copied straight
+        # into one buffer (no per-gradient reshape copy, no concatenation)
+        total = sum(g.numel() for g in self.pieces)
+        self.send = self.pieces[0].new_empty(total)
+        chunks = [g.chunk(n, self.kind.dim) for g in self.pieces]
+        off = 0
+        for r in range(n):
+            for c in chunks:
+                k = c[r].numel()
+                self.send[off:off + k].view(c[r].shape).copy_(c[r])
+                off += k
+        self.pieces = chunks = []
+        self.out = self.send.new_empty(total // n)
+        self.work = dist.reduce_scatter_tensor(self.out, self.send, group=group, async_op=True)
 
     def results(self, n: int):
         """(parameter name, reduced local gradient) after the wait."""
         off = 0
-        for name, g in zip(self.names, self.grads):
-            shape = list(g.shape)
+        for name, shape in zip(self.names, self.shapes):
+            shape = list(shape)
             if self.kind.dim is not None:
                 shape[self.kind.dim] //= n
             k = math.prod(shape)
@@ -147,6 +170,7 @@ class GradSync:
         self._done: set[str] = set()
         self._armed = False
         self._ending = False
+        self._params: dict | None = None            # name -> parameter, looked up once per backward
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
@@ -212,10 +236,31 @@ class GradSync:
             self._filled[(b.kind, b.names[0])] = (tuple(b.names), b.out.numel())
         self.buckets_launched += 1
         self.buckets_early += not self._ending
+        # as FSDP2's: a reduce-scatter's whole-size input is freed once it is done, the oldest waited
+        # when more than REDUCE_SCATTERS_IN_FLIGHT are out (memory: `cost_model.memory.buckets_in_flight_bytes`)
+        scatters = [s for s in self._sent if s.kind.dim is not None and not s.written]
+        for old in scatters[:max(0, len(scatters) - REDUCE_SCATTERS_IN_FLIGHT)]:
+            self._complete(old)
 
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
         return f"gradient bucket: {b.kind.describe(names)} of {len(b.names)} tensors"
+
+    def _complete(self, b: _Bucket) -> None:
+        """Wait for bucket b and write its reduced gradients to `.grad`."""
+        watch = watch_of(self.mesh)
+        if watch is None:
+            b.work.wait()
+        else:
+            with watch.collective(self._what(b)):
+                b.work.wait()
+        if self._params is None:
+            self._params = dict(self.module.named_parameters(remove_duplicate=False))
+        n = math.prod(self.mesh.size(a) for a in b.kind.axes)
+        with torch.no_grad():
+            for name, reduced in b.results(n):
+                write_grad(self._params[name], reduced)
+        b.send, b.written = None, True
 
     def finish(self) -> None:
         """End of the backward: launch what is left, wait for every bucket, write `.grad`."""
@@ -224,18 +269,9 @@ class GradSync:
             self._ready(name)
         for kind in list(self._open):
             self._launch(self._open.pop(kind))
-        watch = watch_of(self.mesh)
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for b in self._sent:
-                if watch is None:
-                    b.work.wait()
-                else:
-                    with watch.collective(self._what(b)):
-                        b.work.wait()
-                n = math.prod(self.mesh.size(a) for a in b.kind.axes)
-                for name, reduced in b.results(n):
-                    write_grad(params[name], reduced)
+        for b in self._sent:
+            if not b.written:
+                self._complete(b)
         self.reset()
 
 

@@ -9,7 +9,7 @@ classes a and destination classes b; liveness points t.
     (B) edge_src[e,a]:     sum_b y[e,a,b] = sum_{i: a_e(i) = a} x[src(e), i]
     (C) edge_dst[e,b]:     sum_a y[e,a,b] = sum_{j: b_e(j) = b} x[dst(e), j]
     (D) memory[t]:         sum_l sum_i (S[l,i] + A_t[l,i]) x[l,i] + sum_{e: pos(dst e) <= t} k[e]
-                           + sum_{e: pos(dst e) = t} u[e]  <= M
+                           + sum_{e: pos(dst e) = t} u[e]  <= M - F_t
     (E) copy_bytes[e]:     k[e] = sum_{a,b} K_e[a,b] y[e,a,b]
     (F) temp_bytes[e]:     u[e] = sum_{a,b} T_e[a,b] y[e,a,b]
         x binary, 0 <= y <= 1, k, u >= 0
@@ -19,7 +19,11 @@ c_e[a,b]: seconds to reshard forward plus to return the gradient; S: parameter, 
 optimizer bytes; A_t: bytes of the activations live at point t; K_e: bytes of the resharded
 copy a consumer keeps for its backward (a weight gathered for use); T_e: bytes of a resharded
 copy it does not keep (a collective's output), alive while the consumer runs; M: the per-device
-budget.
+budget; at the backward's points (D) also holds the gradient buckets' buffers, min(bucketed
+bytes, three buckets) (`cost_model.memory.buckets_in_flight_bytes`): where no layouts bucket more
+than three buckets' worth, the bucketed bytes, linear in y; otherwise F_t, the three buckets, a
+constant (exact once the chosen layouts bucket that much, an upper bound below:
+`memory_rows.MemoryRows._buckets`).
 (B) and (C) make y the product x[src,i] x[dst,j] aggregated over layout classes, which
 linearises the edge cost exactly when x is integral. An edge with one class on either side
 is linear in the other side's x and needs no y. Pins remove choices before the ILP.
@@ -234,7 +238,7 @@ class StrategyILP:
         new = [t for t in points if 0 <= t < len(self.memory) and t not in self.memory_added]
         rows = self.memory.rows(new)
         for t in new:
-            self.memory_added[t] = self.m.add_row(rows[t], -INF, cap)
+            self.memory_added[t] = self.m.add_row(rows[t], -INF, cap - self.memory.fixed[t] / GIB)
 
     def build(self) -> None:
         self.add_memory()
@@ -411,8 +415,8 @@ def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[s
     z = ilp.m.add_col(0, INF)
     ilp.m.cost[z] = 1.0
     rows = MemoryRows(ilp)
-    for row in rows.rows(range(len(rows))).values():
-        ilp.m.add_row({**row, z: -1.0}, -INF, 0.0)
+    for t, row in rows.rows(range(len(rows))).items():
+        ilp.m.add_row({**row, z: -1.0}, -INF, -rows.fixed[t] / GIB)
     r = ilp.m.solve(None)
     plan = ilp.assignment(r.values)
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price

@@ -12,6 +12,10 @@ same order as a full write-out; `values` prices every row at a solution from the
 """
 from __future__ import annotations
 
+import math
+
+from ..cost_model.memory import buckets_in_flight_bytes
+
 GIB = float(2**30)
 DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
 ACTS, COPIES, GRADS = range(3)      # the carried parts of a row, summed in this order (temps between)
@@ -34,6 +38,9 @@ class MemoryRows:
         self.events: list[list[tuple]] = []      # per point: (part, sign, ((column, bytes), ...)) in order
         self.temps: list[list[tuple]] = []       # per point: (column, bytes) of copies alive only there
         self.frees = ilp.terms.freed_at(live.positions) if self.n else []   # per point: z -> items freed
+        self.buckets, fixed = self._buckets()
+        # per point: bytes no column moves (the gradient buckets' buffers in the backward, where constant)
+        self.fixed = [fixed if where > live.last else 0.0 for where in live.positions] + [0.0]
         self._sweep(params)
 
     def __len__(self) -> int:
@@ -68,6 +75,22 @@ class MemoryRows:
                 nm += 1
             self.events.append(ev)
             self.temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+
+    def _buckets(self) -> tuple[tuple, float]:
+        """The gradient buckets' buffers at a backward point, `memory_timeline.bucket_buffers`:
+        min(bucketed bytes, BUCKETS_IN_FLIGHT buckets). Where no layouts can bucket more than that
+        cap, the bucketed bytes themselves ((column, bytes) of every edge's bucketed gradient);
+        otherwise the cap, a constant, which is exact once the chosen layouts bucket that much
+        and an upper bound below (a plan the rows admit fits)."""
+        p, ilp = self.ilp.p, self.ilp
+        cap = buckets_in_flight_bytes(math.inf, p.mesh.profile.grad_bucket_bytes)
+        if p.bucketable > cap:
+            return (), cap
+        coef: dict = {}
+        for k, e in enumerate(p.edges):
+            if e.sync is not None:
+                ilp.add_edge_terms(coef, k, [[s[1] if s is not None else 0.0 for s in row] for row in e.sync])
+        return tuple(coef.items()), 0.0
 
     def _node(self, name: str, field: str) -> tuple:
         key = (name, field)
@@ -107,7 +130,8 @@ class MemoryRows:
         for v, c in self.temps[t]:
             temps[v] = temps.get(v, 0.0) + c
         total = dict(self.state)
-        for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS]):
+        backward = dict(self.buckets) if self.ilp.p.live.positions[t] > self.ilp.p.live.last else {}
+        for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS], backward):
             for v, c in part.items():
                 total[v] = total.get(v, 0.0) + c
         for z, n in self.frees[t].items():
@@ -119,11 +143,13 @@ class MemoryRows:
         def dot(coefs) -> float:
             return sum(c * x[v] for v, c in coefs)
         base, run, out = dot(self.state.items()), 0.0, []
+        buckets, positions, last = dot(self.buckets), self.ilp.p.live.positions, self.ilp.p.live.last
         for t in range(self.n):
             for _, sign, coefs in self.events[t]:
                 run += sign * dot(coefs)
             freed = sum(n * x[z] for z, n in self.frees[t].items())
-            out.append((base + run + dot(self.temps[t])) / GIB - freed)
+            extra = self.fixed[t] + (buckets if positions[t] > last else 0.0)
+            out.append((base + run + dot(self.temps[t]) + extra) / GIB - freed)
         out.append(dot(self.whole.items()) / GIB)
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 
+from ..cost_model.memory import buckets_in_flight_bytes
 from ..cost_model.symbolic import ssum
 from .problem import Problem, picked_edges
 
@@ -21,7 +22,8 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     choice, before any family frees anything (`cost_model.memory`: forward and backward points).
     No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
     forward's points count the state less them, a backward point the parameter gradients made so
-    far and the activation gradients in flight; the state in full is the memory after the backward."""
+    far, the activation gradients in flight and the gradient buckets' buffers (`bucket_buffers`);
+    the state in full is the memory after the backward."""
     live = p.live
     picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
                     key=lambda x: x[0])
@@ -35,13 +37,22 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     for pos, _, t in picked:
         temps[pos] = temps.get(pos, 0.0) + t
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
+    buckets = bucket_buffers(p, choice)
     acts = member_sums(live.points, size)
     flight = member_sums(live.grads, size) if live.grads else [0.0] * len(live.points)
     points = []
     for owned, moving, where in zip(acts, flight, live.positions):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
-        points.append(total + made[bisect_right(made_at, where)] if where > live.last else total)
+        points.append(total + made[bisect_right(made_at, where)] + buckets if where > live.last else total)
     return state, points
+
+
+def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:
+    """Bytes the gradient buckets hold at the backward's points beyond the gradients made
+    (`cost_model.memory.buckets_in_flight_bytes` of the gradients the chosen layouts bucket)."""
+    bucketed = sum(e.sync[a][b][1] for e, a, b in picked_edges(p, choice)
+                   if e.sync is not None and e.sync[a][b] is not None)
+    return buckets_in_flight_bytes(bucketed, p.mesh.profile.grad_bucket_bytes)
 
 
 def member_sums(points: Sequence[Sequence[str]], value: Callable[[str], object]) -> list:

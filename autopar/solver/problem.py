@@ -104,6 +104,9 @@ class Problem:
     # on (a parameter no edge reaches, from the start of the backward)
     grad_from: dict[str, int] = field(default_factory=dict)
     moe_load: float = 1.0     # MoE layers' busiest device's routed slots over the mean (comm.moe_routed_load)
+    # the most gradient bytes the runtime's buckets can take, whatever the layouts (`bucketable_bytes`):
+    # how the ILP bounds the buckets' buffers (`memory_rows.MemoryRows`)
+    bucketable: float = 0.0
 
     def grad_since(self, name: str) -> int:
         """The timeline position from which parameter `name`'s gradient exists."""
@@ -547,7 +550,15 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
     layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
     return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer,
-                   grad_from=grad_from, moe_load=moe_load)
+                   grad_from=grad_from, moe_load=moe_load,
+                   bucketable=bucketable_bytes(edges))
+
+
+def bucketable_bytes(edges: list[EdgeTable]) -> float:
+    """The most gradient bytes the runtime's buckets can take, whatever the layouts: per parameter
+    edge, its largest bucketed gradient."""
+    return sum(max((s[1] for row in e.sync for s in row if s is not None), default=0.0)
+               for e in edges if e.sync is not None)
 
 
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
