@@ -100,11 +100,15 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        if ctx.sync is not None:
-            local = grad.to_local()
-            if ctx.sync.take(grad.placements, ctx.src, local):
-                return None, None, None          # a gradient bucket reduces it (grad_sync.py)
-        return to_layout(grad, grad_layout(ctx.src)), None, None
+        return reduce_grad(grad, ctx.src, ctx.sync), None, None
+
+
+def reduce_grad(grad: DTensor, src: tuple, sync) -> DTensor | None:
+    """The gradient of a reshard from layout `src`: handed to a gradient bucket by `sync` (None
+    returned: grad_sync.py reduces it), or moved back to `src` (partial sums made whole) here."""
+    if sync is not None and sync.take(grad.placements, src, grad.to_local()):
+        return None
+    return to_layout(grad, grad_layout(src))
 
 
 def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
