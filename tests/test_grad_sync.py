@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost_model import Link
 from autopar.cost_model.comm import bucket_count
 from autopar.cost_model.profiles import DDP_BUCKET_BYTES
 from dist_checks import build, rel, shard_happy_profile
@@ -151,6 +152,7 @@ def _gathers_per_pass(rank, world_size, layers):
                         batch_axes=("dp",), residency="regather", recompute="none", offload="none",
                         memory_budget=float("inf"))
     assert set(plan.residency.values()) == {"regather"}
+    plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v for k, v in plan.residency.items()})
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     opt, ref_opt = dmodel.optimizer(torch.optim.SGD, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     local = mesh.local_batch(inputs, ("dp",))
@@ -186,8 +188,9 @@ def _gathers_per_pass(rank, world_size, layers):
     params = dict(dmodel.named_parameters())
     worst = max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
     alone = sorted(m.key for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy")
+    members = {m.key: len(m.members) for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerGather"}
     assert counts[0] == counts[1], counts         # every step alike
-    return counts[0], worst, alone
+    return counts[0], worst, alone, members, plan
 
 
 def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_pool):
@@ -195,7 +198,7 @@ def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_p
     parameters are gathered by one flat all-gather in the forward and one in the backward
     (runtime/layer_gather.py), none of them one by one; training is exact."""
     layers = 3
-    ((fwd, fwd_all), (bwd, bwd_all)), worst, alone = rank_pool(2).run(_gathers_per_pass, layers)[0]
+    ((fwd, fwd_all), (bwd, bwd_all)), worst, alone, members, plan = rank_pool(2).run(_gathers_per_pass, layers)[0]
     assert worst < 1e-4, worst
     assert not [k for k in alone if k.startswith("blocks.")], alone
     blocks = {f"blocks.{i}": 1 for i in range(layers)}
@@ -203,3 +206,22 @@ def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_p
     assert fwd == bwd, (fwd, bwd)                 # every group gathered once again in the backward
     # the rest: gathers outside the blocks (embedding and head), a handful whatever the depth
     assert fwd_all - sum(fwd.values()) <= 4 and bwd_all - sum(bwd.values()) <= 4, (fwd_all, bwd_all)
+
+    # priced as it runs (solver/decisions/residency.py): per unit of launch overhead, re-gathering
+    # rather than keeping costs each flat group one gather in the backward and saves n - 1 of its
+    # n in the forward; the price is per layer, with n the layer's parameters that can gather flat,
+    # and outside the layers per parameter: within one per such parameter and a layer's share
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
+    slow = Link(1e6, 0.0)         # transfers dominate: no layer's price is clipped at zero
+    fam = {}
+    for launch in (1e-4, 2e-4):
+        prof = replace(shard_happy_profile(), intra_node=slow, inter_node=slow, collective_overhead=launch)
+        mesh = autopar.Mesh((2,), ("dp",), device=prof)
+        fam[launch] = (autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh, plan).step_time_s
+                       - autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh,
+                                          replace(plan, residency=dict.fromkeys(plan.residency, "keep"))).step_time_s)
+    ran = sum(2 - n for n in members.values()) + len(alone)
+    outside = sum(n for k, n in members.items() if not k.startswith("blocks.")) + len(alone)
+    priced = (fam[2e-4] - fam[1e-4]) / 1e-4
+    assert abs(priced - ran) <= outside + 1, (priced, ran, members, alone)   # one by one: +39

@@ -36,32 +36,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import at_backward_end
+from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
 from .faults import watch_of
 from .regather import GatherCopy, GatheredCopies
 from .reshard import reduce_grad
-
-
-def flat_axis(stored: Sequence[Placement], layout: Sequence[Placement], shape, mesh_shape) -> int | None:
-    """The mesh axis a flat layer gather takes a parameter over (stored `stored`, used in `layout`,
-    global `shape`): the one axis that changes, from an even `Shard(0)` to `Replicate`, no other axis
-    sharding dim 0. None: gathered on its own (`GatherCopy`)."""
-    changed = [a for a, (s, t) in enumerate(zip(stored, layout)) if s != t]
-    if len(changed) != 1:
-        return None
-    a = changed[0]
-    if not (isinstance(stored[a], Shard) and stored[a].dim == 0 and isinstance(layout[a], Replicate)):
-        return None
-    if not shape or shape[0] % math.prod(mesh_shape[i] for i, p in enumerate(stored) if p == Shard(0)):
-        return None
-    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(stored) if i != a):
-        return None
-    return a
 
 
 class FlatGather:
@@ -236,7 +220,7 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
             continue
         val = src.meta.get("val")
         layer = layer_key(fqn)
-        axis = flat_axis(stored_of(fqn), mod.layout, tuple(val.shape) if val is not None else (), mesh_shape)
+        axis = flat_gather_axis(stored_of(fqn), mod.layout, tuple(val.shape) if val is not None else (), mesh_shape)
         if axis is None or layer in skip_layers:
             continue
         where = layer if layer is not None else f"@{segment}"
