@@ -152,7 +152,9 @@ def _gathers_per_pass(rank, world_size, layers):
                         batch_axes=("dp",), residency="regather", recompute="none", offload="none",
                         memory_budget=float("inf"))
     assert set(plan.residency.values()) == {"regather"}
-    plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v for k, v in plan.residency.items()})
+    # the parameters re-gathered, the activations kept (their re-gather is one by one: not counted here)
+    plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v
+                                    for k, v in plan.residency.items()})
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     opt, ref_opt = dmodel.optimizer(torch.optim.SGD, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     local = mesh.local_batch(inputs, ("dp",))

@@ -234,7 +234,9 @@ def flat_gather_axis(stored: Sequence[Placement], used: Sequence[Placement], sha
     a = changed[0]
     if not (isinstance(stored[a], Shard) and stored[a].dim == 0 and isinstance(used[a], Replicate)):
         return None
-    if not shape or shape[0] % sizes[a] != 0 or any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(stored) if i != a):
+    if not shape or shape[0] % sizes[a] != 0:
+        return None
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(stored) if i != a):
         return None
     return a
 

@@ -29,6 +29,7 @@ The collectives themselves are c10d's (`all_gather_into_tensor`, async work hand
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,11 @@ from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
 from .faults import watch_of
 from .regather import GatherCopy, GatheredCopies
-from .reshard import reduce_grad
+from .fastpath import tensor_args
+from .ops import LocalOp
+from .reshard import reduce_grad, reduce_local_grad
+
+log = logging.getLogger("autopar")
 
 
 class FlatGather:
@@ -141,14 +146,20 @@ class LaunchGather(torch.nn.Module):
 
 class LayerGather(torch.nn.Module):
     """Graph op: `ws = self.gather_x(pending, p_a, p_b, ...)`, then `w_a = ws[0]`, ...: the
-    members' gathered DTensors (their `layouts`), from one flat all-gather over mesh axis `axis`
-    (see module docstring); `syncs`: each member's link to the gradient buckets, or None."""
+    members' gathered tensors (in their `layouts`), from one flat all-gather over mesh axis `axis`
+    (see module docstring); `syncs`: each member's link to the gradient buckets, or None. A member
+    whose one consumer is a `LocalOp` is handed on as its local tensor (no DTensor made, forward or
+    backward, and the consumer can be a direct call: fastpath.py)."""
 
     def __init__(self, key: str, axis: int, layouts: Sequence[tuple], members: Sequence[str],
-                 syncs: Sequence, copies: GatheredCopies, chain: list):
+                 syncs: Sequence, local: Sequence[tuple | None], copies: GatheredCopies, chain: list):
         super().__init__()
         self.key, self.axis, self.layouts, self.members = key, axis, tuple(layouts), tuple(members)
         self.syncs = tuple(syncs)
+        # per member: its one consumer's gradient layout where it is handed on as a plain local tensor
+        # (a `LocalOp`'s input, as fastpath.ParamEdge), else None (a DTensor)
+        self.local = tuple(local)
+        self.meta: list | None = None    # per member: (mesh, global shape, stride), from the first call
         self._copies = [copies]
         self._chain = chain              # this forward's LayerCopy of each LayerGather, in order (shared)
         self.first = False               # the program's first LayerGather: starts a new chain
@@ -176,6 +187,8 @@ class _LayerGather(torch.autograd.Function):
     def forward(ctx, op: LayerGather, pending: Pending, *shards: DTensor):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         ctx.op, ctx.src = op, [tuple(s.placements) for s in shards]
+        if op.meta is None:
+            op.meta = [(s.device_mesh, s.shape, s.stride()) for s in shards]
         buf = pending.wait()
         if op.first:
             op._chain.clear()
@@ -184,9 +197,10 @@ class _LayerGather(torch.autograd.Function):
         op._chain.append(ctx.copy)
         op._copies[0].add_layer(buf, ctx.copy)
         out, off = [], 0
-        for s, lay, k, local in zip(shards, op.layouts, op._flat.numels, locals_):
+        for s, lay, k, local, plain in zip(shards, op.layouts, op._flat.numels, locals_, op.local):
             whole = buf[off:off + op._flat.n * k].view(op._flat.n * local.shape[0], *local.shape[1:])
-            out.append(DTensor.from_local(whole, s.device_mesh, lay, run_check=False, shape=s.shape, stride=s.stride()))
+            out.append(whole if plain is not None else
+                       DTensor.from_local(whole, s.device_mesh, lay, run_check=False, shape=s.shape, stride=s.stride()))
             off += op._flat.n * k
         return tuple(out)
 
@@ -194,8 +208,9 @@ class _LayerGather(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         ctx.copy.release()
         op = ctx.op
-        return (None, None, *(None if g is None else reduce_grad(g, src, sync)
-                              for g, src, sync in zip(grads, ctx.src, op.syncs)))
+        return (None, None, *(None if g is None else reduce_grad(g, src, sync) if plain is None
+                              else reduce_local_grad(g, plain, src, sync, meta)
+                              for g, src, sync, plain, meta in zip(grads, ctx.src, op.syncs, op.local, op.meta)))
 
 
 def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
@@ -206,6 +221,7 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     layout; `skip_layers`: layers left as they are (recomputed or offloaded: regions). Returns how
     many `LayerGather`s were made."""
     groups: dict[tuple, list[fx.Node]] = {}
+    alone: list[str] = []
     segment, last = 0, None          # runs of layers passed: parameters outside the layers group by it
     for node in gm.graph.nodes:
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
@@ -222,15 +238,19 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
         layer = layer_key(fqn)
         axis = flat_gather_axis(stored_of(fqn), mod.layout, tuple(val.shape) if val is not None else (), mesh_shape)
         if axis is None or layer in skip_layers:
+            why = "its layer is recomputed or offloaded" if axis is not None else "not an even dim-0 gather"
+            alone.append(f"{fqn} ({why})")
             continue
         where = layer if layer is not None else f"@{segment}"
         groups.setdefault((where, axis, val.dtype), []).append(node)
+    if alone:
+        log.info("re-gathered one by one, not in their layer's flat gather: %s", "; ".join(alone))
     chain: list = []
     made: list[tuple[list[fx.Node], str]] = []
     for (where, axis, _), nodes in groups.items():
         mods = [gm.get_submodule(n.target) for n in nodes]
         op = LayerGather(where, axis, [m.layout for m in mods], [m.key for m in mods], [m.sync for m in mods],
-                         copies, chain)
+                         [local_consumer(gm, n) for n in nodes], copies, chain)
         name = f"{where.replace('.', '_').replace('@', 'at')}_{axis}"
         gm.add_submodule("gather_" + name, op)
         gm.add_submodule("launch_" + name, LaunchGather(op))
@@ -245,18 +265,31 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
             pending = gm.graph.call_module("launch_" + name, shards)
         with gm.graph.inserting_before(nodes[0]):
             prev = gm.graph.call_module("gather_" + name, (pending, *shards))
+        op = gm.get_submodule("gather_" + name)
+        op.first = i == 0
         for k, n in enumerate(nodes):
             with gm.graph.inserting_before(nodes[0]):
                 item = gm.graph.call_function(_item, (prev, k))
             item.meta = dict(n.meta)
+            item.meta["autopar_local"] = op.local[k] is not None
             n.replace_all_uses_with(item)
         for n in nodes:
             gm.graph.erase_node(n)
-        gm.get_submodule("gather_" + name).first = i == 0
     if made:
         gm.delete_all_unused_submodules()
         gm.recompile()
     return len(made)
+
+
+def local_consumer(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
+    """The gradient layout `node`'s one consumer sends back for it, where that consumer is a
+    `LocalOp` taking it once (it then takes a local tensor as well as a DTensor); else None."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    op = gm.get_submodule(user.target) if user.op == "call_module" else None
+    slots = [k for k, a in enumerate(tensor_args(user)) if a is node]
+    return op.grad_layouts[slots[0]] if type(op) is LocalOp and len(slots) == 1 else None
 
 
 def _item(ws: tuple, k: int):

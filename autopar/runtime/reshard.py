@@ -111,6 +111,16 @@ def reduce_grad(grad: DTensor, src: tuple, sync) -> DTensor | None:
     return to_layout(grad, grad_layout(src))
 
 
+def reduce_local_grad(grad: torch.Tensor, layout: tuple, src: tuple, sync, meta: tuple) -> DTensor | None:
+    """`reduce_grad` of a gradient that arrives as this rank's local part `grad` in `layout`, of a
+    tensor whose (mesh, global shape, stride) is `meta`: no DTensor made when a bucket takes it."""
+    if sync is not None and sync.take(layout, src, grad):
+        return None
+    mesh, shape, stride = meta
+    whole = DTensor.from_local(grad.contiguous(), mesh, layout, run_check=False, shape=shape, stride=stride)
+    return to_layout(whole, grad_layout(src))
+
+
 def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
     """x moved to `layout`, differentiably; `sync` (a `grad_sync.ParamGrad`, on a parameter's edge)
     takes the gradient's reduction into the module's buckets."""
