@@ -61,6 +61,7 @@ def build(problem: Problem, setting: str) -> Families:
         edges.setdefault(rep, []).append((k, mask))
         if member not in names.setdefault(rep, []):
             names[rep].append(member)
+    back = regathered_at(problem, [k for items in edges.values() for k, mask in items if mask is None])
     for rep, items in edges.items():
         key = f"residency:{rep}"
         fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[rep]), allowed))
@@ -70,8 +71,8 @@ def build(problem: Problem, setting: str) -> Families:
         for k, mask in items:
             e = problem.edges[k]
             # freed after the consumer runs, gathered again for its backward
-            fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), problem.live.backward_of(e.dst_pos) - 1,
-                                        masked(e.saved, mask)))
+            fam.freed.append(copy_freed(problem, k, ((key, REGATHER),),
+                                        back.get(k, problem.live.backward_of(e.dst_pos) - 1), masked(e.saved, mask)))
             if mask is None:
                 layers.setdefault(problem.layer.get(e.src) or e.src, []).append(k)
             else:
@@ -80,6 +81,26 @@ def build(problem: Problem, setting: str) -> Families:
         for layer, ks in layers.items():
             fam.costs.append(layer_regather(problem, layer, ks, (key, REGATHER)))
     return fam
+
+
+def regathered_at(problem: Problem, ks: list[int]) -> dict[int, int]:
+    """Parameter edge -> the timeline position after which the backward has its copy again, for
+    the edges of layers gathered flat (runtime/layer_gather.py): the whole layer is gathered when
+    its backward starts (the backward of its last consumer), and launched one layer earlier still,
+    when the next layer's backward gathers (the prefetch); the edges of one layer, alike."""
+    layers: dict[str, list[int]] = {}
+    for k in ks:
+        layer = problem.layer.get(problem.edges[k].src)
+        if layer is not None and problem.edges[k].flat is not None:
+            layers.setdefault(layer, []).append(k)
+    starts = {layer: min(problem.live.backward_of(problem.edges[k].dst_pos) for k in ks)
+              for layer, ks in layers.items()}
+    order = sorted(layers, key=lambda layer: min(problem.edges[k].dst_pos for k in layers[layer]))
+    out = {}
+    for i, layer in enumerate(order):
+        at = starts[order[i + 1]] if i + 1 < len(order) else starts[layer]
+        out.update(dict.fromkeys(layers[layer], at - 1))
+    return out
 
 
 def layer_regather(problem: Problem, layer: str, ks: list[int], gate) -> Cost:
