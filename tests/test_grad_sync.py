@@ -136,19 +136,20 @@ def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
 
 
 
-def _gathers_per_pass(rank, world_size, layers):
+def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), stored=("S(0)",)):
     """Per pass (forward, backward): the all-gathers of each flat layer gather, and all the
     all-gathers of the step; the worst relative gap to one process's loss, gradients and parameters
     over two SGD steps (linear in the gradient: no rounding noise blown up, as Adam's normalisation
     does to analytically-zero gradients); the parameter gathers left one by one in the program. A
-    GPT of `layers` blocks, every parameter stored sharded and re-gathered (FSDP-style)."""
+    GPT of `layers` blocks, every parameter stored as `stored` (sharded over "dp") and re-gathered
+    (FSDP-style), the batch split over "dp"."""
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
     inputs = gpt_inputs(batch=4, seq=16, vocab=64)
     ref = copy.deepcopy(model)
-    mesh = autopar.Mesh((world_size,), ("dp",), device=shard_happy_profile())
-    plan = autopar.plan(model, inputs, mesh, pins={n: ("S(0)",) for n, _ in model.named_parameters()},
+    mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
+    plan = autopar.plan(model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()},
                         batch_axes=("dp",), residency="regather", recompute="none", offload="none",
                         memory_budget=float("inf"))
     assert set(plan.residency.values()) == {"regather"}
@@ -227,3 +228,15 @@ def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_p
     outside = sum(n for k, n in members.items() if not k.startswith("blocks.")) + len(alone)
     priced = (fam[2e-4] - fam[1e-4]) / 1e-4
     assert abs(priced - ran) <= outside + 1, (priced, ran, members, alone)   # one by one: +39
+
+
+def test_regathered_layer_on_a_2d_mesh_gathers_over_its_axis_once_per_pass(rank_pool):
+    """On a (2, 2) ("dp", "tp") mesh, parameters stored split over "dp" (replicated over "tp"):
+    each block's parameters that gather over "dp" alone are one flat all-gather per pass over that
+    axis (the others one by one); training is exact."""
+    ((fwd, _), (bwd, _)), worst, _, members, _ = rank_pool(4).run(
+        _gathers_per_pass, 2, (2, 2), ("dp", "tp"), ("S(0)", "R"))[0]
+    assert worst < 1e-4, worst
+    blocks = {k: n for k, n in fwd.items() if k.startswith("blocks.")}
+    assert blocks and set(blocks.values()) == {1}, (fwd, members)
+    assert fwd == bwd, (fwd, bwd)

@@ -9,7 +9,8 @@ other axes as stored, one dtype) become one `LayerGather`:
 * forward: the members' local shards are copied into one flat buffer and all-gathered with one
   `all_gather_into_tensor` over that axis; the result ([rank][member] chunks) is copied out member
   by member into one buffer holding each member's gathered tensor, contiguous (FSDP2's copy-in /
-  copy-out, `torch.split_with_sizes_copy`); the graph's ops get DTensor views of it. The buffer is
+  copy-out, `torch.split_with_sizes_copy`); the graph's ops get views of it (plain local tensors
+  where the consumer is a `LocalOp`, as fastpath.py's parameter edges; DTensors else). The buffer is
   registered in the `GatheredCopies` registry as one copy, so the saved-tensor hooks (memory.py)
   drop every saved view of it and keep a `RegatheredCopy` of the layer's `LayerCopy` instead; the
   buffer is freed when the forward's last view of it goes;
@@ -21,6 +22,11 @@ other axes as stored, one dtype) become one `LayerGather`:
   `LayerGather`'s own backward, which runs once every op of the layer using these parameters has
   run its backward (autograd's order), then released. Its backward hands each member's gradient to
   the gradient buckets (grad_sync.py) as the `Reshard` would, one after the other.
+
+Parameters of a layer that cannot join its flat gather (another kind of gather, a layer that is
+recomputed or offloaded: its region runs its own gathers) are gathered one by one (`GatherCopy`),
+and logged. Parameters outside the layers group by their run between two layers (the embeddings;
+the final norm and head).
 
 Why our own and not FSDP2's `FSDPParamGroup`: FSDP2 owns the module's parameters (it replaces them
 with its own DTensors and drives its collectives from module hooks); here the parameters are the
@@ -38,16 +44,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import at_backward_end
 from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
 from .faults import watch_of
-from .regather import GatherCopy, GatheredCopies
 from .fastpath import tensor_args
 from .ops import LocalOp
+from .regather import GatherCopy, GatheredCopies
 from .reshard import reduce_grad, reduce_local_grad
 
 log = logging.getLogger("autopar")
