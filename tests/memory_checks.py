@@ -143,7 +143,9 @@ def train_variant(model, inputs, mesh, plan, compare=True):
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
                  gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
-                             and not m.key.startswith("activations:")),
+                             and not m.key.startswith("activations:"))
+                 + sum(len(m.members) for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerGather"),
+                 layer_gathers=sorted(m.key for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerGather"),
                  act_gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
                                  and m.key.startswith("activations:")),
                  regions=sorted(m.layer for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerRegion"))

@@ -4,12 +4,14 @@ backwards accumulating into `.grad`, tied weights, and small buckets (several pe
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 
 import autopar
+from autopar.cost_model import Link
 from autopar.cost_model.comm import bucket_count
 from autopar.cost_model.profiles import DDP_BUCKET_BYTES
 from dist_checks import build, rel, shard_happy_profile
@@ -132,3 +134,109 @@ def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
     assert launched == bucket_count(grad_bytes, cap) == 2, launched
     assert early >= 1, early
 
+
+
+def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), stored=("S(0)",)):
+    """Per pass (forward, backward): the all-gathers of each flat layer gather, and all the
+    all-gathers of the step; the worst relative gap to one process's loss, gradients and parameters
+    over two SGD steps (linear in the gradient: no rounding noise blown up, as Adam's normalisation
+    does to analytically-zero gradients); the parameter gathers left one by one in the program. A
+    GPT of `layers` blocks, every parameter stored as `stored` (sharded over "dp") and re-gathered
+    (FSDP-style), the batch split over "dp"."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
+    inputs = gpt_inputs(batch=4, seq=16, vocab=64)
+    ref = copy.deepcopy(model)
+    mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
+    plan = autopar.plan(model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()},
+                        batch_axes=("dp",), residency="regather", recompute="none", offload="none",
+                        memory_budget=float("inf"))
+    assert set(plan.residency.values()) == {"regather"}
+    # the parameters re-gathered, the activations kept (their re-gather is one by one: not counted here)
+    plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v
+                                    for k, v in plan.residency.items()})
+    dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
+    opt, ref_opt = dmodel.optimizer(torch.optim.SGD, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    local = mesh.local_batch(inputs, ("dp",))
+
+    def gathers(prof) -> tuple[Counter, int]:
+        """(flat gather's name -> its all-gathers, all all-gathers)"""
+        flat, total = Counter(), 0
+        for e in prof.events():
+            if e.name not in ("c10d::_allgather_base_", "c10d::allgather_"):
+                continue
+            total += 1
+            up = e.cpu_parent
+            while up is not None and not up.name.startswith("autopar flat all-gather of "):
+                up = up.cpu_parent
+            if up is not None:
+                flat[up.name.split(" of ")[1].split(" (")[0]] += 1
+        return flat, total
+
+    worst, counts = 0.0, []
+    for _ in range(2):
+        with profile(activities=[ProfilerActivity.CPU]) as fwd:
+            loss = dmodel(*local)
+        with profile(activities=[ProfilerActivity.CPU]) as bwd:
+            loss.backward()
+        counts.append((gathers(fwd), gathers(bwd)))
+        ref_loss = ref(*inputs)
+        ref_loss.backward()
+        params = dict(dmodel.named_parameters())
+        worst = max(worst, rel(loss.detach(), ref_loss.detach()),
+                    *(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    params = dict(dmodel.named_parameters())
+    worst = max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
+    alone = sorted(m.key for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy")
+    members = {m.key: len(m.members) for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerGather"}
+    assert counts[0] == counts[1], counts         # every step alike
+    return counts[0], worst, alone, members, plan
+
+
+def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_pool):
+    """FSDP-style storage (every parameter sharded, re-gathered in the backward): each block's
+    parameters are gathered by one flat all-gather in the forward and one in the backward
+    (runtime/layer_gather.py), none of them one by one; training is exact."""
+    layers = 3
+    ((fwd, fwd_all), (bwd, bwd_all)), worst, alone, members, plan = rank_pool(2).run(_gathers_per_pass, layers)[0]
+    assert worst < 1e-4, worst
+    assert not [k for k in alone if k.startswith("blocks.")], alone
+    blocks = {f"blocks.{i}": 1 for i in range(layers)}
+    assert {k: n for k, n in fwd.items() if k.startswith("blocks.")} == blocks, fwd
+    assert fwd == bwd, (fwd, bwd)                 # every group gathered once again in the backward
+    # the rest: gathers outside the blocks (embedding and head), a handful whatever the depth
+    assert fwd_all - sum(fwd.values()) <= 4 and bwd_all - sum(bwd.values()) <= 4, (fwd_all, bwd_all)
+
+    # priced as it runs (solver/decisions/residency.py): per unit of launch overhead, re-gathering
+    # rather than keeping costs each flat group one gather in the backward and saves n - 1 of its
+    # n in the forward; the price is per layer, with n the layer's parameters that can gather flat,
+    # and outside the layers per parameter: within one per such parameter and a layer's share
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
+    slow = Link(1e6, 0.0)         # transfers dominate: no layer's price is clipped at zero
+    fam = {}
+    for launch in (1e-4, 2e-4):
+        prof = replace(shard_happy_profile(), intra_node=slow, inter_node=slow, collective_overhead=launch)
+        mesh = autopar.Mesh((2,), ("dp",), device=prof)
+        fam[launch] = (autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh, plan).step_time_s
+                       - autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh,
+                                          replace(plan, residency=dict.fromkeys(plan.residency, "keep"))).step_time_s)
+    ran = sum(2 - n for n in members.values()) + len(alone)
+    outside = sum(n for k, n in members.items() if not k.startswith("blocks.")) + len(alone)
+    priced = (fam[2e-4] - fam[1e-4]) / 1e-4
+    assert abs(priced - ran) <= outside + 1, (priced, ran, members, alone)   # one by one: +39
+
+
+def test_regathered_layer_on_a_2d_mesh_gathers_over_its_axis_once_per_pass(rank_pool):
+    """On a (2, 2) ("dp", "tp") mesh, parameters stored split over "dp" (replicated over "tp"):
+    each block's parameters that gather over "dp" alone are one flat all-gather per pass over that
+    axis (the others one by one); training is exact."""
+    ((fwd, _), (bwd, _)), worst, _, members, _ = rank_pool(4).run(
+        _gathers_per_pass, 2, (2, 2), ("dp", "tp"), ("S(0)", "R"))[0]
+    assert worst < 1e-4, worst
+    blocks = {k: n for k, n in fwd.items() if k.startswith("blocks.")}
+    assert blocks and set(blocks.values()) == {1}, (fwd, members)
+    assert fwd == bwd, (fwd, bwd)

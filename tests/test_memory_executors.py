@@ -85,6 +85,8 @@ def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
     exact(results, "regather_from_host")
     for r in results:
         assert r["regather"]["gathers"] > 0
+        assert r["regather"]["layer_gathers"] == list(BLOCKS)       # one flat gather per block (layer_gather.py)
+        assert r["regather_from_host"]["layer_gathers"] == []      # fetched from the host: gathered one by one
         # each regathered weight is whole when gathered (one axis): its fp32 bytes, no longer kept
         whole_bytes = 4 * sum(2 * r["regather"]["local_numel"][k] for k in REGATHERED)
         assert r["keep"]["fwd_device"] - r["regather"]["fwd_device"] == whole_bytes

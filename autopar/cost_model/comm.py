@@ -73,6 +73,7 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
+           "flat_gather_axis",
            "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
            "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost"]
 
@@ -219,6 +220,25 @@ def bucketed_reduction(grad: Sequence[Placement], stored: Sequence[Placement], s
     if reduce or shape[d] % sizes[a] or any(isinstance(t, Shard) and t.dim == d for i, t in enumerate(stored) if i != a):
         return None
     return (a,), d
+
+
+def flat_gather_axis(stored: Sequence[Placement], used: Sequence[Placement], shape: Sequence[int],
+                     sizes: Sequence[int]) -> int | None:
+    """The mesh axis over which the runtime gathers a parameter stored in `stored` and used in `used`
+    together with the rest of its layer, in one flat all-gather (runtime/layer_gather.py): the one
+    axis that changes, from `Shard(0)` (even, no other axis splitting dim 0) to `Replicate`. None:
+    the parameter is gathered on its own (and where a symbolic size may not split evenly)."""
+    changed = [a for a, (s, t) in enumerate(zip(stored, used)) if s != t]
+    if len(changed) != 1:
+        return None
+    a = changed[0]
+    if not (isinstance(stored[a], Shard) and stored[a].dim == 0 and isinstance(used[a], Replicate)):
+        return None
+    if not shape or shape[0] % sizes[a] != 0:
+        return None
+    if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(stored) if i != a):
+        return None
+    return a
 
 
 def _no_latency(link: AnyLink) -> AnyLink:

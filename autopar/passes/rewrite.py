@@ -84,6 +84,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
     for node in cap.gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = g.placeholder(node.name)
+            env[node].meta["val"] = node.meta.get("val")       # global shape and dtype (runtime/layer_gather.py)
             continue
         if node.op == "output":
             leaves, spec = pytree.tree_flatten(node.args[0])

@@ -45,7 +45,7 @@ from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, ParamGrad, write_grad
 from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
-from .reshard import Reshard, to_layout
+from .reshard import Reshard, reduce_local_grad, to_layout
 
 
 class _ParamEdge(torch.autograd.Function):
@@ -59,13 +59,8 @@ class _ParamEdge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        edge = ctx.edge
-        if edge.sync is not None and edge.sync.take(edge.grad_layout, edge.layout, grad):
-            return None, None            # a gradient bucket reduces it (grad_sync.py)
-        mesh, shape, stride = edge.meta
-        whole = DTensor.from_local(grad.contiguous(), mesh, edge.grad_layout, run_check=False, shape=shape,
-                                   stride=stride)
-        return to_layout(whole, edge.layout), None
+        edge = ctx.edge       # None: a gradient bucket reduces it (grad_sync.py)
+        return reduce_local_grad(grad, edge.grad_layout, edge.layout, edge.sync, edge.meta), None
 
 
 class ParamEdge(Reshard):
@@ -215,9 +210,11 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(mod, ParamEdge) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out):
-            local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs)
-        if not _plain(mod) or not all(a in local for a in _tensor_args(node)):
+        if isinstance(mod, ParamEdge) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
+                or node.meta.get("autopar_local"):
+            local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
+                                    # gather's member handed on local: layer_gather.py)
+        if not _plain(mod) or not all(a in local for a in tensor_args(node)):
             continue
         args = list(node.args)
         if mod.local_out_shape is not None:
@@ -235,7 +232,7 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     return done
 
 
-def _tensor_args(node: fx.Node) -> list[fx.Node]:
+def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The argument nodes of a rank-graph op that carry tensors: all its node arguments (a rank
     graph's ops take no node that is not a tensor but sizes, which are not nodes here)."""
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]

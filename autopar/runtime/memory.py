@@ -2,6 +2,8 @@
 
 * residency (regather.py): each Reshard that gathers a parameter, and each activation gather the
   plan re-gathers ("activations:<layer>", Megatron sequence parallelism), becomes a `GatherCopy`;
+  a layer's re-gathered parameters then become one flat gather per mesh axis and dtype
+  (layer_gather.py), outside recomputed or offloaded layers (their regions run their own gathers);
 * recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
@@ -33,6 +35,7 @@ from ..passes.layers import layer_key, module_path
 from ..placement import gathers, parse_layout
 from ..plan import ACTIVATIONS, RECOMPUTE_MODES, RESIDENCY_MODES, TIERS, Plan
 from .grad_offload import GradOffload
+from .layer_gather import flatten_gathers
 from .param_offload import FetchParam, insert_fetches
 from .offload import DiskStore, HostPool, OffloadedTensor
 from .regather import GatherCopy, GatheredCopies, RegatheredCopy
@@ -108,6 +111,12 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     rt.regathers = "regather" in plan.residency.values() or fetched
     if rt.regathers or any(v != "device" for v in activations.values()):
         _gather_copies(gm, plan, param_of, rt)
+    if rt.regathers:
+        regions = frozenset(k for k in node_layers(gm).values() if k is not None
+                            and (plan.recompute.get(k, "none") != "none" or activations.get(k, "device") != "device"))
+        whole = ("R",) * len(plan.mesh["shape"])
+        flatten_gathers(gm, param_of, lambda fqn: parse_layout(plan.placements.get(fqn, whole)),
+                        tuple(plan.mesh["shape"]), rt.copies, regions)
     routers = {tier: SavedTensors(rt, tier) for tier in TIERS}
 
     def make_region(layer: str, body: fx.GraphModule) -> LayerRegion | None:

@@ -38,38 +38,56 @@ from .reshard import reshard, to_layout
 
 
 @dataclass(frozen=True, slots=True)
-class RegatheredCopy:
-    """A saved view of a freed gathered copy: gathered again, and viewed again, on unpack."""
+class Regather:
+    """How a `GatherCopy`'s copy is gathered again: its shard moved to the target layout."""
     shard: DTensor
     layout: tuple[Placement, ...]
+
+    def load(self) -> torch.Tensor:
+        with torch.no_grad():
+            return to_layout(self.shard, self.layout).to_local()
+
+
+@dataclass(frozen=True, slots=True)
+class RegatheredCopy:
+    """A saved view of a freed gathered copy: gathered again (`source.load()`: a `Regather`, or a
+    layer's `layer_gather.LayerCopy`), and viewed again, on unpack."""
+    source: object
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
     def load(self) -> torch.Tensor:
-        with torch.no_grad():
-            whole = to_layout(self.shard.detach(), self.layout).to_local()
-        return whole.as_strided(self.size, self.stride, self.offset)
+        return self.source.load().as_strided(self.size, self.stride, self.offset)
 
 
 class GatheredCopies:
-    """Storages of this step's gathered copies -> (shard, layout, residency).
+    """Storages of this step's gathered copies -> (how to gather again, residency).
 
     Entries leave when their storage is freed (a finalizer), so a storage address is never
     mistaken for a later tensor's."""
 
     def __init__(self):
-        self._live: dict[int, tuple[DTensor, tuple[Placement, ...], str]] = {}
+        self._live: dict[int, tuple[object, str]] = {}
 
     def add(self, gathered: DTensor, shard: DTensor, layout: tuple[Placement, ...], residency: str) -> None:
-        storage = gathered.to_local().untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = gathered.to_local().untyped_storage().data_ptr()
         if ptr == shard.to_local().untyped_storage().data_ptr() or ptr in self._live:
             return
         fetched = self._live.get(shard.to_local().untyped_storage().data_ptr())
-        if fetched is not None and fetched[2] == "regather" and fetched[1] == tuple(shard.placements):
-            shard = fetched[0]          # a host parameter's device copy (param_offload.py): gather from the host
-        self._live[ptr] = (shard, layout, residency)
+        if fetched is not None and fetched[1] == "regather" and isinstance(fetched[0], Regather) \
+                and fetched[0].layout == tuple(shard.placements):
+            shard = fetched[0].shard          # a host parameter's device copy (param_offload.py): gather from the host
+        self._record(gathered.to_local(), Regather(shard.detach(), layout), residency)
+
+    def add_layer(self, buf: torch.Tensor, source) -> None:
+        """A layer's flat gathered buffer (layer_gather.py), regathered by `source`."""
+        self._record(buf, source, "regather")
+
+    def _record(self, t: torch.Tensor, source, residency: str) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        self._live[ptr] = (source, residency)
         weakref.finalize(storage, self._live.pop, ptr, None)
 
     def pack(self, t: torch.Tensor) -> RegatheredCopy | torch.Tensor | None:
@@ -78,10 +96,10 @@ class GatheredCopies:
         hit = self._live.get(t.untyped_storage().data_ptr())
         if hit is None:
             return None
-        shard, layout, residency = hit
+        source, residency = hit
         if residency == "keep":
             return t
-        return RegatheredCopy(shard.detach(), layout, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return RegatheredCopy(source, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def __len__(self) -> int:
         return len(self._live)

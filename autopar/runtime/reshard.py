@@ -100,11 +100,25 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        if ctx.sync is not None:
-            local = grad.to_local()
-            if ctx.sync.take(grad.placements, ctx.src, local):
-                return None, None, None          # a gradient bucket reduces it (grad_sync.py)
-        return to_layout(grad, grad_layout(ctx.src)), None, None
+        return reduce_grad(grad, ctx.src, ctx.sync), None, None
+
+
+def reduce_grad(grad: DTensor, src: tuple, sync) -> DTensor | None:
+    """The gradient of a reshard from layout `src`: handed to a gradient bucket by `sync` (None
+    returned: grad_sync.py reduces it), or moved back to `src` (partial sums made whole) here."""
+    if sync is not None and sync.take(grad.placements, src, grad.to_local()):
+        return None
+    return to_layout(grad, grad_layout(src))
+
+
+def reduce_local_grad(grad: torch.Tensor, layout: tuple, src: tuple, sync, meta: tuple) -> DTensor | None:
+    """`reduce_grad` of a gradient that arrives as this rank's local part `grad` in `layout`, of a
+    tensor whose (mesh, global shape, stride) is `meta`: no DTensor made when a bucket takes it."""
+    if sync is not None and sync.take(layout, src, grad):
+        return None
+    mesh, shape, stride = meta
+    whole = DTensor.from_local(grad.contiguous(), mesh, layout, run_check=False, shape=shape, stride=stride)
+    return to_layout(whole, grad_layout(src))
 
 
 def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_exchange_times,
-                               expert_tp_exchange_times, moe_routed_load, vocab_reduce_bytes_on_wire,
+                               expert_tp_exchange_times, flat_gather_axis, moe_routed_load, vocab_reduce_bytes_on_wire,
                                vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
@@ -80,6 +80,9 @@ class EdgeTable:
     fwd: list[list[float]] | None = None    # [a][b] seconds of the forward reshard alone
     sync: list[list[tuple | None]] | None = None   # [a][b] (GradBucket, bytes, seconds more alone) of a parameter
                                                    # gradient the runtime reduces in a bucket (Mesh.grad_sync_leg)
+    flat: list[list[float]] | None = None   # [a][b] a parameter's forward gather the runtime can make one flat
+                                            # all-gather with its layer's (comm.flat_gather_axis): its latency
+                                            # and launch (the seconds one such gather of 0 bytes takes); else 0
 
     @property
     def keeps_copy(self) -> bool:
@@ -596,7 +599,11 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # to the host as it is made, solver/decisions/offload.py)
             sync = [[None if s is None else (*s[1:], seconds(meta, gb, g) - s[0]) for (b, gb), s in zip(b_keys, row)]
                     for row, g in zip(sync, ga)]
-            tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None)
+            flat = [[mesh.reshard_cost(meta.shape, 0, a, b).seconds
+                     if param and flat_gather_axis(a, b, meta.shape, shape) is not None else 0.0 for (b, _) in b_keys]
+                    for a in a_keys]
+            tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
+                           flat if any(any(r) for r in flat) else None)
         return tables[key]
 
     def classes(keys):
@@ -632,9 +639,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd, sync = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
+            table, saved, temp, fwd, sync, flat = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd, sync=sync))
+                                   temp=temp, fwd=fwd, sync=sync, flat=flat))
     return edges
 
 

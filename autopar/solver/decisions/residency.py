@@ -15,9 +15,18 @@ backward ("keep") or frees it after the forward and gathers it again for the bac
   gathered one. Only the copies whose reshard gathers some axis (Shard -> Replicate) are candidates;
   the pre-gather shard stays saved (the liveness model counts it saved by the consumer already).
 
-The second gather is priced as the runtime runs it: when the backward needs the copy, not
-prefetched behind the previous op's backward (no overlap assumed): the forward gather's seconds
-once more, for the layout pairs that gather.
+The second gather is priced as the runtime runs it, with no overlap assumed (the runtime launches
+a layer's backward gather one layer ahead, but on the ranks measured so far that hides little):
+
+* an activation's copy: gathered again when the backward needs it: the forward gather's seconds
+  once more, for the layout pairs that gather;
+* a layer's parameters: the runtime gathers those a flat gather can take (`comm.flat_gather_axis`)
+  as ONE all-gather per pass (runtime/layer_gather.py), forward and backward, where the edge tables
+  price one gather per parameter. So per layer of n such parameters, one cost: their forward
+  gathers' seconds once more (the backward), less 2 (n - 1) / n of each one's latency and launch
+  (`EdgeTable.flat`): n collectives become one in each pass. Outside the layers (decided per
+  parameter) n = 1: the forward gather once more. The edge tables' forward stays per parameter:
+  it is also the price under "keep", where the runtime gathers one by one.
 """
 from __future__ import annotations
 
@@ -52,16 +61,57 @@ def build(problem: Problem, setting: str) -> Families:
         edges.setdefault(rep, []).append((k, mask))
         if member not in names.setdefault(rep, []):
             names[rep].append(member)
+    back = regathered_at(problem, [k for items in edges.values() for k, mask in items if mask is None])
     for rep, items in edges.items():
         key = f"residency:{rep}"
         fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[rep]), allowed))
         if REGATHER not in allowed:
             continue
+        layers: dict[str, list[int]] = {}          # a layer's parameter edges (all gathered at once)
         for k, mask in items:
             e = problem.edges[k]
             # freed after the consumer runs, gathered again for its backward
-            fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), problem.live.backward_of(e.dst_pos) - 1,
-                                        masked(e.saved, mask)))
-            fam.costs.append(Cost(Expr((), ((k, masked(e.fwd, mask)),)), (key, REGATHER), 1.0,
-                                  f"re-gather {problem.decisions[e.src].fqn or e.src} for {e.dst}"))
+            fam.freed.append(copy_freed(problem, k, ((key, REGATHER),),
+                                        back.get(k, problem.live.backward_of(e.dst_pos) - 1), masked(e.saved, mask)))
+            if mask is None:
+                layers.setdefault(problem.layer.get(e.src) or e.src, []).append(k)
+            else:
+                fam.costs.append(Cost(Expr((), ((k, masked(e.fwd, mask)),)), (key, REGATHER), 1.0,
+                                      f"re-gather {problem.decisions[e.src].fqn or e.src} for {e.dst}"))
+        for layer, ks in layers.items():
+            fam.costs.append(layer_regather(problem, layer, ks, (key, REGATHER)))
     return fam
+
+
+def regathered_at(problem: Problem, ks: list[int]) -> dict[int, int]:
+    """Parameter edge -> the timeline position after which the backward has its copy again, for
+    the edges of layers gathered flat (runtime/layer_gather.py): the whole layer is gathered when
+    its backward starts (the backward of its last consumer), and launched one layer earlier still,
+    when the next layer's backward gathers (the prefetch); the edges of one layer, alike."""
+    layers: dict[str, list[int]] = {}
+    for k in ks:
+        layer = problem.layer.get(problem.edges[k].src)
+        if layer is not None and problem.edges[k].flat is not None:
+            layers.setdefault(layer, []).append(k)
+    starts = {layer: min(problem.live.backward_of(problem.edges[k].dst_pos) for k in ks)
+              for layer, ks in layers.items()}
+    order = sorted(layers, key=lambda layer: min(problem.edges[k].dst_pos for k in layers[layer]))
+    out = {}
+    for i, layer in enumerate(order):
+        at = starts[order[i + 1]] if i + 1 < len(order) else starts[layer]
+        out.update(dict.fromkeys(layers[layer], at - 1))
+    return out
+
+
+def layer_regather(problem: Problem, layer: str, ks: list[int], gate) -> Cost:
+    """The re-gather of parameter edges `ks` of one layer (module docstring): their forward gathers
+    again, n collectives made one in each pass for the n a flat gather takes."""
+    n = sum(problem.edges[k].flat is not None for k in ks)
+    saved = 2 * (n - 1) / n if n else 0.0
+    terms = []
+    for k in ks:
+        e = problem.edges[k]
+        flat = e.flat or [[0.0] * len(row) for row in e.fwd]
+        terms.append((k, tuple(tuple(f - saved * x for f, x in zip(row, frow)) for row, frow in zip(e.fwd, flat))))
+    what = f"re-gather {layer}" + (f": its {n} parameters in one flat all-gather per pass" if n > 1 else "")
+    return Cost(Expr((), tuple(terms)), gate, 1.0, what)
