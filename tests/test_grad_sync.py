@@ -135,7 +135,6 @@ def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
     assert early >= 1, early
 
 
-
 def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), stored=("S(0)",)):
     """Per pass (forward, backward): the all-gathers of each flat layer gather, and all the
     all-gathers of the step; the worst relative gap to one process's loss, gradients and parameters
