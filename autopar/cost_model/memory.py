@@ -34,8 +34,10 @@ op's backward-internal temporaries are not counted.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import compress
 
 import torch.fx as fx
 
@@ -141,9 +143,12 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
     owners = tuple(sorted(end, key=lambda o: pos[o]))
     frees = {end[o] for o in owners if end[o] < last} | {fwd_end[o] for o in savers if fwd_end[o] < last and saved_frees}
     checks = sorted(frees) + [last]
+    # owners are in forward order: those defined by position t are a prefix of them
+    born, ends = [pos[o] for o in owners], [end[o] for o in owners]
     points, names, where = [], [], []
     for t in checks:
-        live = tuple(o for o in owners if pos[o] <= t <= end[o])
+        k = bisect_right(born, t)
+        live = tuple(compress(owners[:k], [e >= t for e in ends[:k]]))
         if live:
             points.append(live)
             names.append(nodes[min(t, last - 1)].name)
@@ -151,12 +156,15 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
     grads: list[tuple[str, ...]] = [()] * len(points)
     if needs_grad is not None:
         first_saver = {o: min(pos[s] for s in ss) for o, ss in savers.items()}
+        saved_from = [first_saver.get(o, last) for o in owners]
+        grad_until = [fwd_end[o] if needs_grad.get(o) else -1 for o in owners]   # -1: no gradient
         for i in range(last - 1, -1, -1):          # the backward, in the order it runs
             n = nodes[i]
             if n.name not in tensor_nodes or not needs_grad.get(n.name) or is_view.get(n.name):
                 continue
-            points.append(tuple(o for o in owners if first_saver.get(o, last) <= i))
-            grads.append(tuple(o for o in owners if needs_grad.get(o) and pos[o] <= i <= fwd_end[o]))
+            k = bisect_right(born, i)
+            points.append(tuple(compress(owners, [f <= i for f in saved_from])))
+            grads.append(tuple(compress(owners[:k], [g >= i for g in grad_until[:k]])))
             names.append(n.name)
             where.append(2 * last - i)
     return Liveness(owners, tuple(points), tuple(names), tuple(where), {o: pos[o] for o in owners}, fwd_end, end,

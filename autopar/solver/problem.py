@@ -34,7 +34,7 @@ from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_inputs, tensor_meta
-from ..placement import parse_pin, to_str
+from ..placement import gathers, parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
@@ -80,6 +80,7 @@ class EdgeTable:
     fwd: list[list[float]] | None = None    # [a][b] seconds of the forward reshard alone
     sync: list[list[tuple | None]] | None = None   # [a][b] (GradBucket, bytes, seconds more alone) of a parameter
                                                    # gradient the runtime reduces in a bucket (Mesh.grad_sync_leg)
+    gathers: tuple[tuple[bool, ...], ...] = ()     # [a][b] does the reshard gather some mesh axis (Shard -> Replicate)
 
     @property
     def keeps_copy(self) -> bool:
@@ -585,7 +586,8 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             # to the host as it is made, solver/decisions/offload.py)
             sync = [[None if s is None else (*s[1:], seconds(meta, gb, g) - s[0]) for (b, gb), s in zip(b_keys, row)]
                     for row, g in zip(sync, ga)]
-            tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None)
+            gather = tuple(tuple(gathers(a, b) for (b, _) in b_keys) for a in a_keys)
+            tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None, gather)
         return tables[key]
 
     def classes(keys):
@@ -621,9 +623,9 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd, sync = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
+            table, saved, temp, fwd, sync, gather = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd, sync=sync))
+                                   temp=temp, fwd=fwd, sync=sync, gathers=gather))
     return edges
 
 

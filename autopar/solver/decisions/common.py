@@ -4,8 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ...placement import gathers
-from ..problem import EdgeTable, Problem
+from ..problem import Problem
 
 CHOICES = {
     "recompute": ("auto", "none", "selective", "full"),
@@ -66,14 +65,6 @@ def saved_only_in(problem: Problem) -> dict[str, list[str]]:
         if len(layers) == 1 and None not in layers and live.fwd_end[o] < live.last:
             out.setdefault(layers.pop(), []).append(o)
     return out
-
-
-def gathering_pairs(problem: Problem, e: EdgeTable) -> tuple[tuple[bool, ...], ...]:
-    """[a][b]: does edge e's reshard from source class a to destination class b gather some mesh axis?"""
-    src, dst = problem.decisions[e.src], problem.decisions[e.dst]
-    a_lay = {e.a_of[i]: s.output for i, s in enumerate(src.strategies)}
-    b_lay = {e.b_of[j]: t.inputs[e.slot] for j, t in enumerate(dst.strategies)}
-    return tuple(tuple(gathers(a_lay[a], b_lay[b]) for b in range(len(row))) for a, row in enumerate(e.saved))
 
 
 def masked(table, mask, keep: bool = True) -> tuple[tuple[float, ...], ...]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ...plan import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
-from .common import allowed_options, gathering_pairs, layer_groups, masked
+from .common import allowed_options, layer_groups, masked
 from .recompute import copy_freed
 
 REGATHER = 1
@@ -43,7 +43,7 @@ def build(problem: Problem, setting: str) -> Families:
         if src.kind == "param":
             layer = problem.layer.get(e.src)
             rep, member = (groups.rep[layer] if layer in groups.rep else src.fqn), src.fqn
-        elif src.kind == "op" and any(map(any, mask := gathering_pairs(problem, e))):
+        elif src.kind == "op" and any(map(any, mask := e.gathers)):
             layer = problem.layer.get(e.dst)
             rep = ACTIVATIONS + (groups.rep[layer] if layer in groups.rep else e.dst)
             member = ACTIVATIONS + (layer or e.dst)
