@@ -109,7 +109,7 @@ class StrategyILP:
         # x: per representative, strategy index -> column (only the chosen one when `choice` is given)
         self.x = {r: {i: self.m.add_col(0, 1, integral=True)
                       for i in ((choice[r],) if choice is not None else range(p.n_choices(r)))} for r in reps}
-        self.group_of: list[tuple] = []          # per edge: its group key
+        self.group_of: list[tuple] = []          # per edge: its group key (src, dst, group number)
         self.y: dict[tuple, dict[tuple[int, int], int]] = {}   # group -> (a, b) -> column
         self.linear: dict[tuple, tuple[str, int]] = {}   # group without y -> ("src", b) | ("dst", a) | ("same", 0)
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
@@ -141,9 +141,10 @@ class StrategyILP:
     # (B), (C): one y per group of edges with the same ends and layout classes
     def add_edges(self) -> None:
         m = self.m
+        numbers: dict[tuple, tuple] = {}    # (ends, layout classes) -> key: a short key, quick to hash
         for e in self.p.edges:
             src, dst = self._ends(e)
-            key = (src, dst, tuple(e.a_of), tuple(e.b_of))
+            key = numbers.setdefault((src, dst, tuple(e.a_of), tuple(e.b_of)), (src, dst, len(numbers)))
             self.group_of.append(key)
             if key in self.y or key in self.linear:
                 continue
