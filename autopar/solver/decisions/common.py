@@ -67,7 +67,19 @@ def saved_only_in(problem: Problem) -> dict[str, list[str]]:
     return out
 
 
-def masked(table, mask, keep: bool = True) -> tuple[tuple[float, ...], ...]:
-    """table's entries where mask is `keep` (all of them without a mask), 0 elsewhere."""
-    return tuple(tuple(v if mask is None or mask[a][b] == keep else 0.0 for b, v in enumerate(row))
-                 for a, row in enumerate(table))
+class Masked:
+    """`masks(table, mask, keep)`: table's entries where mask is `keep` (all of them without a mask), 0
+    elsewhere, as tuples. One copy per (table, mask, keep): edges that share their tables (a linked
+    layer's copies) share the masked ones too, so the ILP works their terms out once
+    (`StrategyILP.edge_coefs`)."""
+
+    def __init__(self):
+        self._known: dict[tuple, tuple] = {}
+
+    def __call__(self, table, mask=None, keep: bool = True) -> tuple[tuple[float, ...], ...]:
+        key = (id(table), id(mask), keep)
+        if key not in self._known:      # the table and mask are kept with it: their ids stay their own
+            out = tuple(tuple(v if mask is None or mask[a][b] == keep else 0.0 for b, v in enumerate(row))
+                        for a, row in enumerate(table))
+            self._known[key] = (table, mask, out)
+        return self._known[key][2]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ...plan import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
-from .common import allowed_options, layer_groups, masked
+from .common import Masked, allowed_options, layer_groups
 from .recompute import copy_freed
 
 REGATHER = 1
@@ -52,6 +52,7 @@ def build(problem: Problem, setting: str) -> Families:
         edges.setdefault(rep, []).append((k, mask))
         if member not in names.setdefault(rep, []):
             names[rep].append(member)
+    masks = Masked()
     for rep, items in edges.items():
         key = f"residency:{rep}"
         fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[rep]), allowed))
@@ -61,7 +62,7 @@ def build(problem: Problem, setting: str) -> Families:
             e = problem.edges[k]
             # freed after the consumer runs, gathered again for its backward
             fam.freed.append(copy_freed(problem, k, ((key, REGATHER),), problem.live.backward_of(e.dst_pos) - 1,
-                                        masked(e.saved, mask)))
-            fam.costs.append(Cost(Expr((), ((k, masked(e.fwd, mask)),)), (key, REGATHER), 1.0,
+                                        masks(e.saved, mask)))
+            fam.costs.append(Cost(Expr((), ((k, masks(e.fwd, mask)),)), (key, REGATHER), 1.0,
                                   f"re-gather {problem.decisions[e.src].fqn or e.src} for {e.dst}"))
     return fam
