@@ -67,6 +67,14 @@ def saved_only_in(problem: Problem) -> dict[str, list[str]]:
     return out
 
 
+def edges_by(problem: Problem, end: str) -> dict[str, list[int]]:
+    """Node -> the indices of the edges whose `end` ("src" or "dst") it is, in the problem's order."""
+    out: dict[str, list[int]] = {}
+    for k, e in enumerate(problem.edges):
+        out.setdefault(getattr(e, end), []).append(k)
+    return out
+
+
 class Masked:
     """`masks(table, mask, keep)`: table's entries where mask is `keep` (all of them without a mask), 0
     elsewhere, as tuples. One copy per (table, mask, keep): edges that share their tables (a linked

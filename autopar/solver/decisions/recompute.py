@@ -16,7 +16,7 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import Masked, allowed_options, before_backward, layer_groups, saved_only_in
+from .common import Masked, allowed_options, before_backward, edges_by, layer_groups, saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -26,7 +26,7 @@ def build(problem: Problem, setting: str) -> Families:
     groups = layer_groups(problem)
     saved = saved_only_in(problem)
     fam = Families()
-    into, masks = edges_into(problem), Masked()
+    into, masks = edges_by(problem, "dst"), Masked()
     for rep, layers in groups.members.items():
         key = f"recompute:{rep}"
         fam.groups.append(Group(key, "recompute", RECOMPUTE_MODES, layers, allowed))
@@ -41,14 +41,6 @@ def build(problem: Problem, setting: str) -> Families:
     return fam
 
 
-def edges_into(problem: Problem) -> dict[str, list[int]]:
-    """Consumer node -> the indices of the edges into it, in order."""
-    into: dict[str, list[int]] = {}
-    for k, e in enumerate(problem.edges):
-        into.setdefault(e.dst, []).append(k)
-    return into
-
-
 def _edges_into(into: dict[str, list[int]], names) -> list[int]:
     """The indices of the edges into any of `names`, in the problem's edge order."""
     return sorted(k for n in dict.fromkeys(names) for k in into.get(n, ()))
@@ -56,7 +48,7 @@ def _edges_into(into: dict[str, list[int]], names) -> list[int]:
 
 def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked) -> tuple[Expr, Expr]:
     """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps);
-    `into`: `edges_into(problem)`."""
+    `into`: `edges_by(problem, "dst")`."""
     full, sel = [], []
     for n in names:
         d = problem.decisions[n]
@@ -73,7 +65,7 @@ def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int,
     """What recomputing `layer` frees until its backward (timeline position `until`): tensors it
     made and only it saves (`saved`: what only it saves), and the resharded copies its ops keep
     (parameters gathered for them, activations gathered or reduced for them: made again when it
-    runs again; `into`: `edges_into(problem)`)."""
+    runs again; `into`: `edges_by(problem, "dst")`)."""
     live, inside = problem.live, set(names)
     out = []
     for o in saved:
