@@ -85,6 +85,9 @@ class Liveness:
     last: int                                   # the end of the forward (the backward's start)
     grads: tuple[tuple[str, ...], ...] = ()     # owners whose gradient is in flight at each point
     op_pos: Mapping[str, int] | None = None     # every op -> its forward position
+    # `changes` of `points` and of `grads`: what sums over the points carry from one point to the next
+    point_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    grad_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
     def backward_of(self, i: int) -> int:
         """The timeline position of the backward of the op at forward position i."""
@@ -161,7 +164,19 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
         names += [nodes[i].name for i in back]
         where += [2 * last - i for i in back]
     return Liveness(owners, tuple(points), tuple(names), tuple(where), {o: pos[o] for o in owners}, fwd_end, end,
-                    {o: tuple(v) for o, v in savers.items()}, last, tuple(grads), pos)
+                    {o: tuple(v) for o, v in savers.items()}, last, tuple(grads), pos, changes(points), changes(grads))
+
+
+def changes(points) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Per point: (the members of the point before that it lacks, in that point's order; its members that
+    the point before lacks, in its own order). Worked out once per liveness: every memory timeline
+    (`solver.memory_timeline`, the ILP's memory rows) carries its sums through them."""
+    out, before, before_set = [], (), frozenset()
+    for members in points:
+        here = frozenset(members)
+        out.append((tuple(n for n in before if n not in here), tuple(n for n in members if n not in before_set)))
+        before, before_set = members, here
+    return tuple(out)
 
 
 def members_at(owners: tuple[str, ...], lo: list[int], hi: list[int], times: list[int]) -> list[tuple[str, ...]]:

@@ -460,8 +460,8 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     last = pipe.stages * pipe.virtual_stages - 1
     positions, n_pts = live.positions, len(live.positions)
     size, rank_of = (lambda n: act_bytes(problem, n, choice)), (lambda n: rank(chunk_of[n]))  # noqa: E731
-    owned = grouped_member_sums(live.points, size, rank_of, p)
-    moving = grouped_member_sums(live.grads, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
+    owned = grouped_member_sums(live.point_changes, size, rank_of, p)
+    moving = grouped_member_sums(live.grad_changes, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
     acts = [[a + b for a, b in zip(o, m)] for o, m in zip(owned, moving)]
     copies: list[list] = [[] for _ in range(p)]
     for e, a, b in picked_edges(problem, choice):
