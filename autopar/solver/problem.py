@@ -563,8 +563,15 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
         return cache[key]
 
     tables: dict = {}   # identical edges (repeated layers) share one table
+    quick: dict = {}    # the same, by the class lists' identity (`classes_of` hands a linked layer's copies one)
 
     def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
+        key = (id(a_keys), id(b_keys), meta, grad, keeps, param)
+        if key not in quick:      # the lists are kept with the table: their ids stay their own
+            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param))
+        return quick[key][2]
+
+    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param)
         if key not in tables:
             ga = [grad_layout_out(a) for a in a_keys]
@@ -596,6 +603,20 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             idx.append(uniq.setdefault(k, len(uniq)))
         return list(uniq), idx
 
+    by_strategies: dict = {}
+
+    def classes_of(strategies: list[Strategy], slot: int | None):
+        """The layout classes of a producer's outputs (slot None) or of a consumer's (input, gradient)
+        layouts at `slot`, and each strategy's class: worked out once per list of strategies (a linked
+        layer's copies hold the same Strategy objects, in the same order)."""
+        key = (slot, tuple(map(id, strategies)))
+        if key not in by_strategies:    # the strategies are kept with it: their ids stay their own
+            keys = ([s.output for s in strategies] if slot is None else
+                    [(t.inputs[slot], grad_layout_in(t, slot)) for t in strategies])
+            by_strategies[key] = (*classes(keys), strategies)
+        uniq, idx, _ = by_strategies[key]
+        return uniq, list(idx)
+
     for node in cap.gm.graph.nodes:
         if node.op == "output":
             if sharded_outputs:
@@ -611,7 +632,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             u = decisions[src.name]
             meta = infos[src.name].out[0]
             grad = ng.get(src.name, False) and meta.dtype.is_floating_point
-            a_keys, a_of = classes([s.output for s in u.strategies])
+            a_keys, a_of = classes_of(u.strategies, None)
             if slot is None:
                 want = tuple(R for _ in shape)
                 b_keys, b_of = [(want, want)], [0]
@@ -620,7 +641,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 v = decisions[node.name]
                 if v.leader == u.leader:
                     continue      # inside one merged group: priced by the follower's alignment (free)
-                b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
+                b_keys, b_of = classes_of(v.strategies, slot)
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
             table, saved, temp, fwd, sync, gather = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
