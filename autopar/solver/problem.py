@@ -554,13 +554,22 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
     shape = mesh.shape
     edges = []
-    cache: dict = {}
+    cache: dict = {}        # meta -> (layout number, layout number) -> seconds
+    numbers: dict = {}      # layout -> its number: a table hashes each of its layouts once, not every pair
 
-    def seconds(meta: TensorMeta, a, b) -> float:
-        key = (meta, a, b)
-        if key not in cache:
-            cache[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
-        return cache[key]
+    def numbered(layouts) -> list[tuple[int, tuple]]:
+        return [(numbers.setdefault(L, len(numbers)), L) for L in layouts]
+
+    def reshard_seconds(meta: TensorMeta):
+        """seconds(a, b): resharding a tensor of `meta` from layout a to b, each (number, layout)."""
+        known = cache.setdefault(meta, {})
+
+        def seconds(a, b) -> float:
+            key = (a[0], b[0])
+            if key not in known:
+                known[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a[1], b[1]).seconds
+            return known[key]
+        return seconds
 
     tables: dict = {}   # identical edges (repeated layers) share one table
     quick: dict = {}    # the same, by the class lists' identity (`classes_of` hands a linked layer's copies one)
@@ -574,14 +583,17 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param)
         if key not in tables:
+            seconds = reshard_seconds(meta)
             ga = [grad_layout_out(a) for a in a_keys]
-            fwd = [[seconds(meta, a, b) for (b, _) in b_keys] for a in a_keys]
+            na, nga = numbered(a_keys), numbered(ga)
+            nb, ngb = numbered(b for b, _ in b_keys), numbered(gb for _, gb in b_keys)
+            fwd = [[seconds(a, b) for b in nb] for a in na]
             # a parameter's gradient the runtime reduces in a bucket: its transfer here, the buckets'
             # launches per step (solver/evaluate.py); any other gradient: its reshard
             sync = [[mesh.grad_sync_leg(meta.shape, meta.dtype.itemsize, gb, g) if grad and param else None
                      for (b, gb) in b_keys] for g in ga]
-            cost = [[f + (0.0 if not grad else seconds(meta, gb, g) if s is None else s[0])
-                     for f, (b, gb), s in zip(row, b_keys, srow)] for row, g, srow in zip(fwd, ga, sync)]
+            cost = [[f + (0.0 if not grad else seconds(gb, g) if s is None else s[0])
+                     for f, gb, s in zip(row, ngb, srow)] for row, g, srow in zip(fwd, nga, sync)]
             # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
             # stored sharded and gathered whole for use): that copy lives until the backward
             saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
@@ -591,8 +603,8 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                     for a in a_keys]
             # (bucket kind, bytes, seconds more it costs reduced alone in the backward: a gradient moved
             # to the host as it is made, solver/decisions/offload.py)
-            sync = [[None if s is None else (*s[1:], seconds(meta, gb, g) - s[0]) for (b, gb), s in zip(b_keys, row)]
-                    for row, g in zip(sync, ga)]
+            sync = [[None if s is None else (*s[1:], seconds(gb, g) - s[0]) for gb, s in zip(ngb, row)]
+                    for row, g in zip(sync, nga)]
             gather = tuple(tuple(gathers(a, b) for (b, _) in b_keys) for a in a_keys)
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None, gather)
         return tables[key]
