@@ -286,13 +286,12 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
                        weight_grad=[sums(ch.wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
     mem = _rank_memory(problem, choice, on, staging.chunk_of, ch.terms, ch.state, ch.grads, pipe)
     stages, drained = [], 0.0
+    params, layers_of = _per_rank(problem, staging.chunk_of, p)
     for r in range(p):
-        mine = {n for n, d in problem.decisions.items() if d.kind == "param" and staging.chunk_of[n] % p == r}
-        opt = optimizer_total(problem, choice, mem.offloaded, mine) + sums(ch.once, r)
+        opt = optimizer_total(problem, choice, mem.offloaded, params[r]) + sums(ch.once, r)
         done = pt.total_s - drained + sums(ch.sync, r) + opt      # rank r's last backward ends `drained` early
         drained += b_r[r] / v
-        layers = tuple(dict.fromkeys(problem.layer[n] for n in problem.order
-                                     if n in problem.layer and staging.chunk_of[n] % p == r))
+        layers = tuple(dict.fromkeys(layers_of[r]))
         stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(ch.wgrad, r), 2 * sums(ch.p2p, r),
                                  sums(ch.sync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
                                  done))
@@ -438,6 +437,20 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
             book = per_step[k] if step_wise else fam_s[k]
             book[g.family] = book.get(g.family, 0.0) + share * total
     return per_step
+
+
+def _per_rank(problem: Problem, chunk_of: Mapping[str, int], p: int) -> tuple[list[set], list[list]]:
+    """Per pipeline rank (of p): its parameters, and the layers of its nodes in graph order (repeats
+    kept), in one pass over the nodes."""
+    params: list[set] = [set() for _ in range(p)]
+    layers: list[list] = [[] for _ in range(p)]
+    for n, d in problem.decisions.items():
+        if d.kind == "param":
+            params[chunk_of[n] % p].add(n)
+    for n in problem.order:
+        if n in problem.layer:
+            layers[chunk_of[n] % p].append(problem.layer[n])
+    return params, layers
 
 
 @dataclass(slots=True)
