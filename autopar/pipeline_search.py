@@ -9,6 +9,7 @@ checks every rank's memory against the real budget.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from .passes.stages import microbatch
 from .passes.shape_prop import annotate
 from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
 from .pipelining import fixed_pipeline, lifted, stage_options
-from .planner import PlanOptions, assemble, planning_problem
+from .planner import PlanOptions, assemble, frozen_gc, planning_problem
 from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
 from .solver.evaluate import Staging
 from .solver.ilp import solve
@@ -38,6 +39,12 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     """The fastest plan, pipelined or not, whose every pipeline rank fits the budget; `fixed`: the
     pipeline keys the user gave (the rest are chosen); `captured`: microbatch count -> (capture of one
     microbatch, its annotations) made already (filled with those the search makes)."""
+    with frozen_gc():
+        return _search(model, args, kwargs, mesh, opts, fixed, captured)
+
+
+def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
+            fixed: Mapping, captured: dict[int, tuple] | None) -> Plan:
     t0 = time.perf_counter()
     _check(fixed, mesh)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
@@ -57,11 +64,13 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
         if m not in captured:
             cap = capture(model, *microbatch(args, kwargs, m))
             captured[m] = (cap, annotate(cap.gm))
+            gc.freeze()       # kept for the whole search (`frozen_gc`)
         cap, infos = captured[m]
         sub = mesh.stage_mesh(axis)
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         if (axis, m) not in problems:
             problems[axis, m] = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
+            gc.freeze()
         problem = problems[axis, m]
         try:
             result = solve(per_step_view(problem, m), budget * stages * scale, opts.time_limit)

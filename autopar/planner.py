@@ -1,6 +1,8 @@
 """The planning pipeline: capture -> annotate -> strategies and costs -> ILP -> Plan."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import logging
 import sys
@@ -115,9 +117,30 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
 
 
 def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
+    with frozen_gc():
+        return _plan_problem(cap, mesh, opts, t0, source)
+
+
+@contextlib.contextmanager
+def frozen_gc():
+    """Planning builds millions of long-lived objects (the graph, the liveness sets, the ILP's rows);
+    every full pass of Python's cyclic garbage collector walked them all again (2.7 of 18 CPU
+    seconds on Llama-3-8B over 64 devices, 6.5 of 40 in GPT-3's pipeline search). What exists on
+    entry is frozen (`gc.freeze`: left out of later passes), and so is what the planner calls
+    gc.freeze() on once built (a problem, a capture); all is thawed on exit. Young garbage is still
+    collected."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
     _phase(opts, "strategies")
     infos = annotate(cap.gm)
     problem = planning_problem(cap, infos, mesh, opts)
+    gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:

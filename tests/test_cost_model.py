@@ -261,3 +261,20 @@ def test_bad_arguments():
         reshard_cost(SHAPE, ITEM, (R,), (R, R), (2, 4), (NVLINK, SLOW), ("dp", "tp"))
     with pytest.raises(ValueError, match="does not fit"):
         cost((S(2), R), (R, R))
+
+
+def test_members_at_sweeps_intervals_as_a_filter_would():
+    """liveness' one-sweep membership (members_at) equals filtering every owner at every point, going
+    forward or backward, with empty intervals (lo > hi) never members."""
+    import random
+
+    from autopar.cost_model.memory import members_at
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(0, 30)
+        owners = tuple(f"o{i}" for i in range(n))
+        lo = [rng.randint(-2, 20) for _ in range(n)]
+        hi = [rng.randint(-2, 20) for _ in range(n)]
+        times = sorted(rng.sample(range(-3, 24), rng.randint(1, 10)), reverse=rng.random() < 0.5)
+        want = [tuple(o for o, a, b in zip(owners, lo, hi) if a <= t <= b) for t in times]
+        assert members_at(owners, lo, hi, times) == want

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import compress
 
 import torch.fx as fx
 
@@ -99,6 +100,9 @@ class Liveness:
     last: int                                   # the end of the forward (the backward's start)
     grads: tuple[tuple[str, ...], ...] = ()     # owners whose gradient is in flight at each point
     op_pos: Mapping[str, int] | None = None     # every op -> its forward position
+    # `changes` of `points` and of `grads`: what sums over the points carry from one point to the next
+    point_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    grad_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
     def backward_of(self, i: int) -> int:
         """The timeline position of the backward of the op at forward position i."""
@@ -156,23 +160,56 @@ def liveness(nodes: list[fx.Node], is_view: Mapping[str, bool], saves_inputs: Ma
     owners = tuple(sorted(end, key=lambda o: pos[o]))
     frees = {end[o] for o in owners if end[o] < last} | {fwd_end[o] for o in savers if fwd_end[o] < last and saved_frees}
     checks = sorted(frees) + [last]
+    born, ends = [pos[o] for o in owners], [end[o] for o in owners]
     points, names, where = [], [], []
-    for t in checks:
-        live = tuple(o for o in owners if pos[o] <= t <= end[o])
+    for t, live in zip(checks, members_at(owners, born, ends, checks)):
         if live:
             points.append(live)
             names.append(nodes[min(t, last - 1)].name)
             where.append(t)
     grads: list[tuple[str, ...]] = [()] * len(points)
     if needs_grad is not None:
+        back = [i for i in range(last - 1, -1, -1)          # the backward, in the order it runs
+                if nodes[i].name in tensor_nodes and needs_grad.get(nodes[i].name) and not is_view.get(nodes[i].name)]
         first_saver = {o: min(pos[s] for s in ss) for o, ss in savers.items()}
-        for i in range(last - 1, -1, -1):          # the backward, in the order it runs
-            n = nodes[i]
-            if n.name not in tensor_nodes or not needs_grad.get(n.name) or is_view.get(n.name):
-                continue
-            points.append(tuple(o for o in owners if first_saver.get(o, last) <= i))
-            grads.append(tuple(o for o in owners if needs_grad.get(o) and pos[o] <= i <= fwd_end[o]))
-            names.append(n.name)
-            where.append(2 * last - i)
+        saved_from = [first_saver.get(o, last) for o in owners]
+        grad_until = [fwd_end[o] if needs_grad.get(o) else -1 for o in owners]   # -1: no gradient
+        points += members_at(owners, saved_from, [last] * len(owners), back)
+        grads += members_at(owners, born, grad_until, back)
+        names += [nodes[i].name for i in back]
+        where += [2 * last - i for i in back]
     return Liveness(owners, tuple(points), tuple(names), tuple(where), {o: pos[o] for o in owners}, fwd_end, end,
-                    {o: tuple(v) for o, v in savers.items()}, last, tuple(grads), pos)
+                    {o: tuple(v) for o, v in savers.items()}, last, tuple(grads), pos, changes(points), changes(grads))
+
+
+def changes(points) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Per point: (the members of the point before that it lacks, in that point's order; its members that
+    the point before lacks, in its own order). Worked out once per liveness: every memory timeline
+    (`solver.memory_timeline`, the ILP's memory rows) carries its sums through them."""
+    out, before, before_set = [], (), frozenset()
+    for members in points:
+        here = frozenset(members)
+        out.append((tuple(n for n in before if n not in here), tuple(n for n in members if n not in before_set)))
+        before, before_set = members, here
+    return tuple(out)
+
+
+def members_at(owners: tuple[str, ...], lo: list[int], hi: list[int], times: list[int]) -> list[tuple[str, ...]]:
+    """Per position t of `times` (increasing or decreasing): the owners o with lo[o] <= t <= hi[o], in
+    the order of `owners`. One sweep: an owner joins when t reaches one end of its interval and leaves
+    when t passes the other (filtering every owner at every point was quadratic)."""
+    n = len(owners)
+    down = len(times) > 1 and times[0] > times[-1]
+    first, then = (hi, lo) if down else (lo, hi)
+    joins = sorted((j for j in range(n) if lo[j] <= hi[j]), key=first.__getitem__, reverse=down)   # never: empty
+    leaves = sorted(range(n), key=then.__getitem__, reverse=down)
+    mask, a, b, out = bytearray(n), 0, 0, []
+    for t in times:
+        while a < len(joins) and (first[joins[a]] >= t if down else first[joins[a]] <= t):
+            mask[joins[a]] = 1
+            a += 1
+        while b < n and (then[leaves[b]] > t if down else then[leaves[b]] < t):
+            mask[leaves[b]] = 0
+            b += 1
+        out.append(tuple(compress(owners, mask)))
+    return out

@@ -287,13 +287,12 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
                        weight_grad=[sums(ch.wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
     mem = _rank_memory(problem, choice, on, staging.chunk_of, ch.terms, ch.state, ch.grads, pipe)
     stages, drained = [], 0.0
+    params, layers_of = _per_rank(problem, staging.chunk_of, p)
     for r in range(p):
-        mine = {n for n, d in problem.decisions.items() if d.kind == "param" and staging.chunk_of[n] % p == r}
-        opt = optimizer_total(problem, choice, mem.offloaded, mine) + sums(ch.once, r)
+        opt = optimizer_total(problem, choice, mem.offloaded, params[r]) + sums(ch.once, r)
         done = pt.total_s - drained + sums(ch.sync, r) + opt      # rank r's last backward ends `drained` early
         drained += b_r[r] / v
-        layers = tuple(dict.fromkeys(problem.layer[n] for n in problem.order
-                                     if n in problem.layer and staging.chunk_of[n] % p == r))
+        layers = tuple(dict.fromkeys(layers_of[r]))
         stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(ch.wgrad, r), 2 * sums(ch.p2p, r),
                                  sums(ch.sync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
                                  done))
@@ -441,6 +440,20 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
     return per_step
 
 
+def _per_rank(problem: Problem, chunk_of: Mapping[str, int], p: int) -> tuple[list[set], list[list]]:
+    """Per pipeline rank (of p): its parameters, and the layers of its nodes in graph order (repeats
+    kept), in one pass over the nodes."""
+    params: list[set] = [set() for _ in range(p)]
+    layers: list[list] = [[] for _ in range(p)]
+    for n, d in problem.decisions.items():
+        if d.kind == "param":
+            params[chunk_of[n] % p].add(n)
+    for n in problem.order:
+        if n in problem.layer:
+            layers[chunk_of[n] % p].append(problem.layer[n])
+    return params, layers
+
+
 @dataclass(slots=True)
 class _RankMemory:
     state: list            # per rank, on the device (offloaded optimizer state left out)
@@ -461,8 +474,8 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     last = pipe.stages * pipe.virtual_stages - 1
     positions, n_pts = live.positions, len(live.positions)
     size, rank_of = (lambda n: act_bytes(problem, n, choice)), (lambda n: rank(chunk_of[n]))  # noqa: E731
-    owned = grouped_member_sums(live.points, size, rank_of, p)
-    moving = grouped_member_sums(live.grads, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
+    owned = grouped_member_sums(live.point_changes, size, rank_of, p)
+    moving = grouped_member_sums(live.grad_changes, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
     acts = [[a + b for a, b in zip(o, m)] for o, m in zip(owned, moving)]
     copies: list[list] = [[] for _ in range(p)]
     for e, a, b in picked_edges(problem, choice):

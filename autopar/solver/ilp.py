@@ -184,9 +184,17 @@ class StrategyILP:
         for v, c in self.edge_coefs(k, table):
             coef[v] = coef.get(v, 0.0) + scale * c
 
-    def edge_coefs(self, k: int, table: list[list[float]]):
+    def edge_coefs(self, k: int, table: list[list[float]]) -> tuple:
         """(column, coefficient) of table's nonzero entries on edge k's variables (y, or the x of the
-        side it is linear in)."""
+        side it is linear in). Edges of one group (a linked layer's copies) and one table have the same
+        terms: worked out once for all models sharing the layout columns."""
+        known = self.shared.setdefault("edge_coefs", {})
+        key = (self.group_of[k], id(table))
+        if key not in known:
+            known[key] = (table, tuple(self._edge_terms(k, table)))    # the table is kept: its id stays its own
+        return known[key][1]
+
+    def _edge_terms(self, k: int, table: list[list[float]]):
         e, key = self.p.edges[k], self.group_of[k]
         if key in self.y:
             terms = ((v, table[a][b]) for (a, b), v in self.y[key].items())

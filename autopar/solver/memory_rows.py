@@ -54,15 +54,12 @@ class MemoryRows:
         for k, e in enumerate(p.edges):
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
-        owners: set[str] = set()
-        flight: set[str] = set()
         nk = nm = 0
-        for members, inflight, where in zip(live.points, live.grads or [()] * self.n, live.positions):
+        for owned, moving, where in zip(live.point_changes, live.grad_changes, live.positions):
             ev: list[tuple] = []
-            for before, now in ((owners, set(members)), (flight, set(inflight))):
-                ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(before - now)]
-                ev += [(ACTS, 1.0, self._node(n, "act_bytes")) for n in sorted(now - before)]
-            owners, flight = set(members), set(inflight)
+            for left, joined in (owned, moving):
+                ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(left)]
+                ev += [(ACTS, 1.0, self._node(n, "act_bytes")) for n in sorted(joined)]
             reach = live.mirror(where)
             while nk < len(kept) and kept[nk][0] <= reach:      # copies made in the forward ...
                 ev.append((COPIES, 1.0, self._edge(kept[nk][1], "saved", ilp.copy_bytes)))

@@ -38,8 +38,8 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
         temps[pos] = temps.get(pos, 0.0) + t
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
     buckets = bucket_buffers(p, choice)
-    acts = member_sums(live.points, size)
-    flight = member_sums(live.grads, size) if live.grads else [0.0] * len(live.points)
+    acts = member_sums(live.point_changes, size)
+    flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
     points = []
     for owned, moving, where in zip(acts, flight, live.positions):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
@@ -55,31 +55,27 @@ def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:
     return buckets_in_flight_bytes(bucketed, p.mesh.profile.grad_bucket_bytes)
 
 
-def member_sums(points: Sequence[Sequence[str]], value: Callable[[str], object]) -> list:
+def member_sums(changes: Sequence[tuple[Sequence[str], Sequence[str]]], value: Callable[[str], object]) -> list:
     """Per point: the sum of `value` over its members (each member once), carried from the point
-    before (members that leave subtracted, those that join added, in the points' own order)."""
-    return grouped_member_sums(points, value, lambda n: 0, 1)[0]
+    before through its `changes` (`cost_model.memory.changes`: members that leave subtracted, those
+    that join added, in the points' own order)."""
+    return grouped_member_sums(changes, value, lambda n: 0, 1)[0]
 
 
-def grouped_member_sums(points: Sequence[Sequence[str]], value: Callable[[str], object],
+def grouped_member_sums(changes: Sequence[tuple[Sequence[str], Sequence[str]]], value: Callable[[str], object],
                         group: Callable[[str], int], groups: int) -> list[list]:
     """`member_sums` per group of members (`group(name)` in range(groups)): one list per group."""
     out = [[] for _ in range(groups)]
     now: list = [0.0] * groups
-    before, before_set = (), frozenset()
-    for members in points:
-        here = frozenset(members)
-        for n in before:
-            if n not in here:
-                k = group(n)
-                now[k] = now[k] - value(n)
-        for n in members:
-            if n not in before_set:
-                k = group(n)
-                now[k] = now[k] + value(n)
+    for left, joined in changes:
+        for n in left:
+            k = group(n)
+            now[k] = now[k] - value(n)
+        for n in joined:
+            k = group(n)
+            now[k] = now[k] + value(n)
         for k in range(groups):
             out[k].append(now[k])
-        before, before_set = members, here
     return out
 
 

@@ -34,7 +34,7 @@ from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
 from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_inputs, tensor_meta
-from ..placement import parse_pin, to_str
+from ..placement import gathers, parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
@@ -83,6 +83,7 @@ class EdgeTable:
     flat: list[list[float]] | None = None   # [a][b] a parameter's forward gather the runtime can make one flat
                                             # all-gather with its layer's (comm.flat_gather_axis): its latency
                                             # and launch (the seconds one such gather of 0 bytes takes); else 0
+    gathers: tuple[tuple[bool, ...], ...] = ()     # [a][b] does the reshard gather some mesh axis (Shard -> Replicate)
 
     @property
     def keeps_copy(self) -> bool:
@@ -567,27 +568,46 @@ def bucketable_bytes(edges: list[EdgeTable]) -> float:
 def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
     shape = mesh.shape
     edges = []
-    cache: dict = {}
+    cache: dict = {}        # meta -> (layout number, layout number) -> seconds
+    numbers: dict = {}      # layout -> its number: a table hashes each of its layouts once, not every pair
 
-    def seconds(meta: TensorMeta, a, b) -> float:
-        key = (meta, a, b)
-        if key not in cache:
-            cache[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a, b).seconds
-        return cache[key]
+    def numbered(layouts) -> list[tuple[int, tuple]]:
+        return [(numbers.setdefault(L, len(numbers)), L) for L in layouts]
+
+    def reshard_seconds(meta: TensorMeta):
+        """seconds(a, b): resharding a tensor of `meta` from layout a to b, each (number, layout)."""
+        known = cache.setdefault(meta, {})
+
+        def seconds(a, b) -> float:
+            key = (a[0], b[0])
+            if key not in known:
+                known[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a[1], b[1]).seconds
+            return known[key]
+        return seconds
 
     tables: dict = {}   # identical edges (repeated layers) share one table
+    quick: dict = {}    # the same, by the class lists' identity (`classes_of` hands a linked layer's copies one)
 
     def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
+        key = (id(a_keys), id(b_keys), meta, grad, keeps, param)
+        if key not in quick:      # the lists are kept with the table: their ids stay their own
+            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param))
+        return quick[key][2]
+
+    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param)
         if key not in tables:
+            seconds = reshard_seconds(meta)
             ga = [grad_layout_out(a) for a in a_keys]
-            fwd = [[seconds(meta, a, b) for (b, _) in b_keys] for a in a_keys]
+            na, nga = numbered(a_keys), numbered(ga)
+            nb, ngb = numbered(b for b, _ in b_keys), numbered(gb for _, gb in b_keys)
+            fwd = [[seconds(a, b) for b in nb] for a in na]
             # a parameter's gradient the runtime reduces in a bucket: its transfer here, the buckets'
             # launches per step (solver/evaluate.py); any other gradient: its reshard
             sync = [[mesh.grad_sync_leg(meta.shape, meta.dtype.itemsize, gb, g) if grad and param else None
                      for (b, gb) in b_keys] for g in ga]
-            cost = [[f + (0.0 if not grad else seconds(meta, gb, g) if s is None else s[0])
-                     for f, (b, gb), s in zip(row, b_keys, srow)] for row, g, srow in zip(fwd, ga, sync)]
+            cost = [[f + (0.0 if not grad else seconds(gb, g) if s is None else s[0])
+                     for f, gb, s in zip(row, ngb, srow)] for row, g, srow in zip(fwd, nga, sync)]
             # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
             # stored sharded and gathered whole for use): that copy lives until the backward
             saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
@@ -597,13 +617,14 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                     for a in a_keys]
             # (bucket kind, bytes, seconds more it costs reduced alone in the backward: a gradient moved
             # to the host as it is made, solver/decisions/offload.py)
-            sync = [[None if s is None else (*s[1:], seconds(meta, gb, g) - s[0]) for (b, gb), s in zip(b_keys, row)]
-                    for row, g in zip(sync, ga)]
+            sync = [[None if s is None else (*s[1:], seconds(gb, g) - s[0]) for gb, s in zip(ngb, row)]
+                    for row, g in zip(sync, nga)]
             flat = [[mesh.reshard_cost(meta.shape, 0, a, b).seconds
                      if param and flat_gather_axis(a, b, meta.shape, shape) is not None else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
+            gather = tuple(tuple(gathers(a, b) for (b, _) in b_keys) for a in a_keys)
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
-                           flat if any(any(r) for r in flat) else None)
+                           flat if any(any(r) for r in flat) else None, gather)
         return tables[key]
 
     def classes(keys):
@@ -611,6 +632,20 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
         for k in keys:
             idx.append(uniq.setdefault(k, len(uniq)))
         return list(uniq), idx
+
+    by_strategies: dict = {}
+
+    def classes_of(strategies: list[Strategy], slot: int | None):
+        """The layout classes of a producer's outputs (slot None) or of a consumer's (input, gradient)
+        layouts at `slot`, and each strategy's class: worked out once per list of strategies (a linked
+        layer's copies hold the same Strategy objects, in the same order)."""
+        key = (slot, tuple(map(id, strategies)))
+        if key not in by_strategies:    # the strategies are kept with it: their ids stay their own
+            keys = ([s.output for s in strategies] if slot is None else
+                    [(t.inputs[slot], grad_layout_in(t, slot)) for t in strategies])
+            by_strategies[key] = (*classes(keys), strategies)
+        uniq, idx, _ = by_strategies[key]
+        return uniq, list(idx)
 
     for node in cap.gm.graph.nodes:
         if node.op == "output":
@@ -627,7 +662,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             u = decisions[src.name]
             meta = infos[src.name].out[0]
             grad = ng.get(src.name, False) and meta.dtype.is_floating_point
-            a_keys, a_of = classes([s.output for s in u.strategies])
+            a_keys, a_of = classes_of(u.strategies, None)
             if slot is None:
                 want = tuple(R for _ in shape)
                 b_keys, b_of = [(want, want)], [0]
@@ -636,12 +671,13 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 v = decisions[node.name]
                 if v.leader == u.leader:
                     continue      # inside one merged group: priced by the follower's alignment (free)
-                b_keys, b_of = classes([(t.inputs[slot], grad_layout_in(t, slot)) for t in v.strategies])
+                b_keys, b_of = classes_of(v.strategies, slot)
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd, sync, flat = table_for(meta, a_keys, b_keys, grad, keeps, u.kind == "param")
+            table, saved, temp, fwd, sync, flat, gather = table_for(meta, a_keys, b_keys, grad, keeps,
+                                                                    u.kind == "param")
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd, sync=sync, flat=flat))
+                                   temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather))
     return edges
 
 

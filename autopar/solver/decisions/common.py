@@ -4,8 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ...placement import gathers
-from ..problem import EdgeTable, Problem
+from ..problem import Problem
 
 CHOICES = {
     "recompute": ("auto", "none", "selective", "full"),
@@ -68,15 +67,27 @@ def saved_only_in(problem: Problem) -> dict[str, list[str]]:
     return out
 
 
-def gathering_pairs(problem: Problem, e: EdgeTable) -> tuple[tuple[bool, ...], ...]:
-    """[a][b]: does edge e's reshard from source class a to destination class b gather some mesh axis?"""
-    src, dst = problem.decisions[e.src], problem.decisions[e.dst]
-    a_lay = {e.a_of[i]: s.output for i, s in enumerate(src.strategies)}
-    b_lay = {e.b_of[j]: t.inputs[e.slot] for j, t in enumerate(dst.strategies)}
-    return tuple(tuple(gathers(a_lay[a], b_lay[b]) for b in range(len(row))) for a, row in enumerate(e.saved))
+def edges_by(problem: Problem, end: str) -> dict[str, list[int]]:
+    """Node -> the indices of the edges whose `end` ("src" or "dst") it is, in the problem's order."""
+    out: dict[str, list[int]] = {}
+    for k, e in enumerate(problem.edges):
+        out.setdefault(getattr(e, end), []).append(k)
+    return out
 
 
-def masked(table, mask, keep: bool = True) -> tuple[tuple[float, ...], ...]:
-    """table's entries where mask is `keep` (all of them without a mask), 0 elsewhere."""
-    return tuple(tuple(v if mask is None or mask[a][b] == keep else 0.0 for b, v in enumerate(row))
-                 for a, row in enumerate(table))
+class Masked:
+    """`masks(table, mask, keep)`: table's entries where mask is `keep` (all of them without a mask), 0
+    elsewhere, as tuples. One copy per (table, mask, keep): edges that share their tables (a linked
+    layer's copies) share the masked ones too, so the ILP works their terms out once
+    (`StrategyILP.edge_coefs`)."""
+
+    def __init__(self):
+        self._known: dict[tuple, tuple] = {}
+
+    def __call__(self, table, mask=None, keep: bool = True) -> tuple[tuple[float, ...], ...]:
+        key = (id(table), id(mask), keep)
+        if key not in self._known:      # the table and mask are kept with it: their ids stay their own
+            out = tuple(tuple(v if mask is None or mask[a][b] == keep else 0.0 for b, v in enumerate(row))
+                        for a, row in enumerate(table))
+            self._known[key] = (table, mask, out)
+        return self._known[key][2]

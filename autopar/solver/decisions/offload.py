@@ -32,7 +32,7 @@ from __future__ import annotations
 from ...plan import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
-from .common import allowed_options, layer_groups, saved_only_in
+from .common import allowed_options, edges_by, layer_groups, saved_only_in
 
 HOST, DISK = 1, 2
 # the host step casts each gradient to fp32 on the host (runtime/optimizer.py MASTER_DTYPE), whatever
@@ -62,6 +62,7 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
         if allowed != (0,):
             activations(problem, fam, key, rep, layers, groups, allowed, saved)
     params: dict[str, list[str]] = {}
+    out_of = edges_by(problem, "src")
     for name, d in problem.decisions.items():
         if d.kind == "param":
             layer = problem.layer.get(name)
@@ -81,7 +82,7 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
             fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "gradients:", 1)
                                                                  for m in members), grads))
             if grads != (0,):
-                gradients_out(problem, fam, key, with_grads)
+                gradients_out(problem, fam, key, with_grads, out_of)
             # parameters likewise (offload="auto"; host or disk): a fixed setting leaves them on the device.
             # Offered on CPU meshes only: on CUDA the executor's backward fetch would hand the op the
             # host shard, and the gradient would accumulate on the host (runtime/param_offload.py)
@@ -91,7 +92,7 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
             fam.groups.append(Group(key, "offload", TIERS, tuple(m.replace("optimizer:", "parameters:", 1)
                                                                  for m in members), tiers))
             if tiers != (0,):
-                parameters_out(problem, fam, key, with_grads, tiers)
+                parameters_out(problem, fam, key, with_grads, tiers, out_of)
     return fam
 
 
@@ -148,17 +149,18 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
             fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
 
 
-def parameters_out(problem: Problem, fam: Families, key: str, names, tiers) -> None:
+def parameters_out(problem: Problem, fam: Families, key: str, names, tiers, out_of: dict[str, list[int]]) -> None:
     """The stored local shard (state bytes less gradient and optimizer parts) lives on the host or in a
     file and is off the device from its last use in the forward to the backward of that use, and after
     the backward of its first use (`runtime/param_offload.py` fetches it per use; the backward fetches it
     again); the optimizer steps the stored copy in place. Priced: two copies in per step (forward,
     backward) over the tier's link, each with its latency, synchronously (no prefetch on a copy stream:
-    the runtime copies when the op runs); from disk also the updated shard written back once per step."""
+    the runtime copies when the op runs); from disk also the updated shard written back once per step.
+    `out_of`: `edges_by(problem, "src")`."""
     live, disk = problem.live, problem.mesh.profile.disk_link
     for n in names:
         d = problem.decisions[n]
-        uses = [e.dst_pos for e in problem.edges if e.src == n]
+        uses = [problem.edges[k].dst_pos for k in out_of.get(n, ())]
         if not uses:
             continue
         first, last = min(uses), max(uses)
@@ -181,15 +183,16 @@ def parameters_out(problem: Problem, fam: Families, key: str, names, tiers) -> N
             fam.held.append(Held(param, (key, t), TIERS[t], 1.0, f"parameter {d.fqn}"))
 
 
-def gradients_out(problem: Problem, fam: Families, key: str, names) -> None:
+def gradients_out(problem: Problem, fam: Families, key: str, names, out_of: dict[str, list[int]]) -> None:
+    """A parameter's gradient moved to the host as it is made (`out_of`: `edges_by(problem, "src")`)."""
     host = problem.mesh.profile.host_link
     for n in names:
         d = problem.decisions[n]
         grad = Expr(((n, tuple(d.grad_bytes)),))
         fam.freed.append(Freed(grad, ((key, HOST),), problem.grad_since(n) - 1, problem.live.step_end,
                                f"gradient of {d.fqn}", f"grad:{n}"))
-        alone = tuple((k, tuple(tuple(0.0 if s is None else s[2] for s in row) for row in e.sync))
-                      for k, e in enumerate(problem.edges) if e.src == n and e.sync is not None)
+        alone = tuple((k, tuple(tuple(0.0 if s is None else s[2] for s in row) for row in problem.edges[k].sync))
+                      for k in out_of.get(n, ()) if problem.edges[k].sync is not None)
         moves = grad.scaled(2.0 / host.bandwidth) + Expr(const=2.0 * host.latency)
         fam.costs.append(Cost(moves + Expr((), alone), (key, HOST), 1.0, f"gradient of {d.fqn} to the host and back"))
         fam.held.append(Held(grad, (key, HOST), "host", 1.0, f"gradient of {d.fqn}"))

@@ -16,7 +16,7 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import allowed_options, before_backward, gathering_pairs, layer_groups, masked, saved_only_in
+from .common import Masked, allowed_options, before_backward, edges_by, layer_groups, saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -26,23 +26,29 @@ def build(problem: Problem, setting: str) -> Families:
     groups = layer_groups(problem)
     saved = saved_only_in(problem)
     fam = Families()
+    into, masks = edges_by(problem, "dst"), Masked()
     for rep, layers in groups.members.items():
         key = f"recompute:{rep}"
         fam.groups.append(Group(key, "recompute", RECOMPUTE_MODES, layers, allowed))
         if allowed == (0,):
             continue
-        full, sel = forward_expr(problem, groups.nodes[rep])
+        full, sel = forward_expr(problem, groups.nodes[rep], into, masks)
         fam.costs += [Cost(full, (key, FULL), len(layers), f"recompute {rep} (full)"),
                       Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
         for layer in layers:
             fam.freed += freed_in(problem, layer, groups.nodes[layer], saved.get(layer, ()), key,
-                                  before_backward(problem, groups, layer))
+                                  before_backward(problem, groups, layer), into, masks)
     return fam
 
 
-def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
-    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps)."""
-    inside = set(names)
+def _edges_into(into: dict[str, list[int]], names) -> list[int]:
+    """The indices of the edges into any of `names`, in the problem's edge order."""
+    return sorted(k for n in dict.fromkeys(names) for k in into.get(n, ()))
+
+
+def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked) -> tuple[Expr, Expr]:
+    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps);
+    `into`: `edges_by(problem, "dst")`."""
     full, sel = [], []
     for n in names:
         d = problem.decisions[n]
@@ -50,15 +56,16 @@ def forward_expr(problem: Problem, names) -> tuple[Expr, Expr]:
             full.append((n, tuple(d.fwd_s)))
             if not saved_under_selective(d.facts.op):
                 sel.append((n, tuple(d.fwd_s)))
-    comm = tuple((k, tuple(map(tuple, e.fwd))) for k, e in enumerate(problem.edges) if e.dst in inside)
+    comm = tuple((k, masks(problem.edges[k].fwd)) for k in _edges_into(into, names))
     return Expr(tuple(full), comm), Expr(tuple(sel), comm)
 
 
-def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int) -> list[Freed]:
+def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int,
+             into: dict[str, list[int]], masks: Masked) -> list[Freed]:
     """What recomputing `layer` frees until its backward (timeline position `until`): tensors it
     made and only it saves (`saved`: what only it saves), and the resharded copies its ops keep
     (parameters gathered for them, activations gathered or reduced for them: made again when it
-    runs again)."""
+    runs again; `into`: `edges_by(problem, "dst")`)."""
     live, inside = problem.live, set(names)
     out = []
     for o in saved:
@@ -68,23 +75,22 @@ def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int) -
         gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
         out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], until,
                          f"activation {o} of {layer}", f"act:{o}"))
-    for k, e in enumerate(problem.edges):
-        if e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "param":
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until))
-        elif e.dst in inside and e.keeps_copy and problem.decisions[e.src].kind == "op":
+    for k in _edges_into(into, names):
+        e = problem.edges[k]
+        if e.keeps_copy and problem.decisions[e.src].kind == "param":
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masks(e.saved)))
+        elif e.keeps_copy and problem.decisions[e.src].kind == "op":
             # as two items: the gathered pairs, which residency may free too (one item, `merge_freed`), and the rest
-            mask = gathering_pairs(problem, e)
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masked(e.saved, mask)))
+            mask = e.gathers
+            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masks(e.saved, mask)))
             out.append(replace(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until,
-                                          masked(e.saved, mask, keep=False)), key=f"copy:{k}:other"))
+                                          masks(e.saved, mask, keep=False)), key=f"copy:{k}:other"))
     return out
 
 
-def copy_freed(problem: Problem, k: int, gates, until: int, table=None) -> Freed:
-    """The resharded copy edge k keeps for its consumer's backward (its [a][b] bytes: `table`, by
-    default all of `e.saved`), freed after the consumer runs and made again at timeline position
-    `until` + 1."""
+def copy_freed(problem: Problem, k: int, gates, until: int, table) -> Freed:
+    """The resharded copy edge k keeps for its consumer's backward (its [a][b] bytes: `table`, all or
+    part of `e.saved`), freed after the consumer runs and made again at timeline position `until` + 1."""
     e = problem.edges[k]
-    table = tuple(map(tuple, e.saved)) if table is None else table
     return Freed(Expr((), ((k, table),)), tuple(gates), e.dst_pos, until,
                  f"gathered {problem.decisions[e.src].fqn or e.src} for {e.dst}", f"copy:{k}")

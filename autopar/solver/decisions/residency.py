@@ -33,7 +33,7 @@ from __future__ import annotations
 from ...plan import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
-from .common import allowed_options, gathering_pairs, layer_groups, masked
+from .common import Masked, allowed_options, layer_groups
 from .recompute import copy_freed
 
 REGATHER = 1
@@ -52,7 +52,7 @@ def build(problem: Problem, setting: str) -> Families:
         if src.kind == "param":
             layer = problem.layer.get(e.src)
             rep, member = (groups.rep[layer] if layer in groups.rep else src.fqn), src.fqn
-        elif src.kind == "op" and any(map(any, mask := gathering_pairs(problem, e))):
+        elif src.kind == "op" and any(map(any, mask := e.gathers)):
             layer = problem.layer.get(e.dst)
             rep = ACTIVATIONS + (groups.rep[layer] if layer in groups.rep else e.dst)
             member = ACTIVATIONS + (layer or e.dst)
@@ -62,6 +62,7 @@ def build(problem: Problem, setting: str) -> Families:
         if member not in names.setdefault(rep, []):
             names[rep].append(member)
     back = regathered_at(problem, [k for items in edges.values() for k, mask in items if mask is None])
+    masks = Masked()
     for rep, items in edges.items():
         key = f"residency:{rep}"
         fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[rep]), allowed))
@@ -72,11 +73,11 @@ def build(problem: Problem, setting: str) -> Families:
             e = problem.edges[k]
             # freed after the consumer runs, gathered again for its backward
             fam.freed.append(copy_freed(problem, k, ((key, REGATHER),),
-                                        back.get(k, problem.live.backward_of(e.dst_pos) - 1), masked(e.saved, mask)))
+                                        back.get(k, problem.live.backward_of(e.dst_pos) - 1), masks(e.saved, mask)))
             if mask is None:
                 layers.setdefault(problem.layer.get(e.src) or e.src, []).append(k)
             else:
-                fam.costs.append(Cost(Expr((), ((k, masked(e.fwd, mask)),)), (key, REGATHER), 1.0,
+                fam.costs.append(Cost(Expr((), ((k, masks(e.fwd, mask)),)), (key, REGATHER), 1.0,
                                       f"re-gather {problem.decisions[e.src].fqn or e.src} for {e.dst}"))
         for layer, ks in layers.items():
             fam.costs.append(layer_regather(problem, layer, ks, (key, REGATHER)))
