@@ -128,7 +128,7 @@ class _Bucket:
                 k = c[r].numel()
                 self.send[off:off + k].view(c[r].shape).copy_(c[r])
                 off += k
-        self.pieces = chunks = []
+        self.pieces = []
         self.out = self.send.new_empty(total // n)
         self.work = dist.reduce_scatter_tensor(self.out, self.send, group=group, async_op=True)
 
