@@ -128,12 +128,15 @@ def frozen_gc():
     seconds on Llama-3-8B over 64 devices, 6.5 of 40 in GPT-3's pipeline search). What exists on
     entry is frozen (`gc.freeze`: left out of later passes), and so is what the planner calls
     gc.freeze() on once built (a problem, a capture); all is thawed on exit. Young garbage is still
-    collected."""
+    collected. Re-entrant: only the outermost use thaws, and only where nothing was frozen before it
+    (objects the caller froze stay frozen: gc cannot thaw ours alone, so ours stay frozen with them)."""
+    thaw = gc.get_freeze_count() == 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if thaw:
+            gc.unfreeze()
 
 
 def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
