@@ -23,6 +23,7 @@ the joint model then starts from it (`ilp.solve`).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -80,7 +81,18 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
             break
         if best.plan[1] == before.plan[1]:
             break
-    return replace(best, n_variables=models.n_cols, n_constraints=models.n_rows)
+    return replace(_timed_out(best, deadline), n_variables=models.n_cols, n_constraints=models.n_rows)
+
+
+def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
+    """`best`, its status saying so where the time limit ended the alternation early (the plan then
+    depends on how fast this machine ran: a loaded machine may stop at a slower plan)."""
+    if deadline is None or time.perf_counter() < deadline or "time limit" in best.status:
+        return best
+    logging.getLogger("autopar").warning(
+        "planning stopped at its time limit with the plan found so far (%s): a longer time_limit (or None) "
+        "may find a faster plan, and the same plan each time", best.status)
+    return replace(best, status=f"{best.status}; stopped at the time limit")
 
 
 class _Models:
