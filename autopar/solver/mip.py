@@ -63,6 +63,10 @@ class Mip:
     row_index: list[int] = field(default_factory=list)
     row_value: list[float] = field(default_factory=list)
 
+    def copy(self) -> Mip:
+        return Mip(*(list(getattr(self, f)) for f in ("col_lo", "col_hi", "cost", "integer", "row_lo", "row_hi",
+                                                       "row_start", "row_index", "row_value")))
+
     @property
     def n_cols(self) -> int:
         return len(self.col_lo)
