@@ -32,6 +32,7 @@ class MemoryRows:
             self.whole[z] = self.whole.get(z, 0.0) - n * GIB
         self.n = len(live.points)
         self.frees = ilp.terms.freed_at(live.positions) if self.n else []   # per point: z -> items freed
+        self._coefs: dict = {}
         if "memory_rows" not in ilp.shared:      # the layout columns' part: the same for every model sharing them
             ilp.shared["memory_rows"] = self._layout_part(params)
         # read only: state in the forward (no gradient yet: zero_grad sets them to None); per point, the
@@ -44,7 +45,6 @@ class MemoryRows:
         state: dict = {}
         ilp._node_terms(state, "state_bytes", params)
         ilp._node_terms(state, "grad_bytes", params, -1.0)
-        self._coefs: dict = {}
         buckets, fixed = self._buckets()
         events, temps = self._sweep(params)
         return state, events, temps, buckets, [fixed if where > live.last else 0.0 for where in live.positions] + [0.0]
