@@ -586,7 +586,8 @@ def _const_args(a):
         return tuple(_const_args(x) for x in a)
     if isinstance(a, dict):
         return tuple((k, _const_args(v)) for k, v in a.items())
-    return a if isinstance(a, (int, float, str, bool, type(None))) else repr(a)
+    # typed: 1, 1.0 and True are equal keys to a dict but not the same argument to an op
+    return (type(a).__name__, a) if isinstance(a, (int, float, str, bool, type(None))) else repr(a)
 
 
 def bucketable_bytes(edges: list[EdgeTable]) -> float:
