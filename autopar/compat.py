@@ -28,6 +28,9 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
   and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
   `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
+* `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
+  (torch._dynamo.config.fake_tensor_cache_enabled): with symbolic sizes, building and reading its
+  entries costs more than the ops it saves (`passes/capture.py`).
 """
 from __future__ import annotations
 
@@ -40,7 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
-           "at_backward_end", "flat_group"]
+           "at_backward_end", "flat_group", "fake_tensor_cache"]
+
+
+def fake_tensor_cache(enabled: bool):
+    """A context in which FakeTensorMode caches its dispatches (the default) or not."""
+    import torch._dynamo.config as dynamo_config
+    return dynamo_config.patch(fake_tensor_cache_enabled=enabled)
 
 
 def is_mutable(op: OpOverload) -> bool:

@@ -33,8 +33,9 @@ def unbounded():
 
 @pytest.fixture(scope="module")
 def tight(unbounded):
-    """A budget that needs memory decisions: 80% of the peak of the best plan without a budget."""
-    return 0.8 * unbounded.estimate.peak_memory_bytes
+    """A budget that needs memory decisions: 75% of the peak of the best plan without a budget (at 80%
+    the LP relaxation's rounded layouts, solved without presolve, fit with none)."""
+    return 0.75 * unbounded.estimate.peak_memory_bytes
 
 
 def test_longer_time_limit_never_gives_a_slower_plan(tight):

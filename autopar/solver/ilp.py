@@ -109,17 +109,13 @@ class StrategyILP:
         self.m = Mip()
         self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
         self.rep = {l: p.rep.get(l, l) for l in p.leaders}
-        reps = list(dict.fromkeys(self.rep.values()))
-        # x: per representative, strategy index -> column (only the chosen one when `choice` is given)
-        self.x = {r: {i: self.m.add_col(0, 1, integral=True)
-                      for i in ((choice[r],) if choice is not None else range(p.n_choices(r)))} for r in reps}
+        self.x: dict[str, dict[int, int]] = {}   # per representative: strategy index -> column
         self.group_of: list[tuple] = []          # per edge: its group key (src, dst, group number)
         self.y: dict[tuple, dict[tuple[int, int], int]] = {}   # group -> (a, b) -> column
         self.linear: dict[tuple, tuple[str, int]] = {}   # group without y -> ("src", b) | ("dst", a) | ("same", 0)
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
         self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
-        self.add_one_choice()
-        self.add_edges()
+        self.add_layouts(choice)
         self.terms = FamilyTerms(self, options)
         self.memory: MemoryRows | None = None           # (D) rows by point, in GiB (added lazily)
         self.memory_added: dict[int, int] = {}          # point -> its row in the model
@@ -131,6 +127,25 @@ class StrategyILP:
         j = self.m.add_col(0, hi)
         self.defs[j] = d
         return j
+
+    _LAYOUT = ("x", "group_of", "y", "linear", "copy_bytes", "temp_bytes")     # what (A)-(C), (E), (F) set
+
+    def add_layouts(self, choice: Mapping[str, int] | None) -> None:
+        """The layout columns and rows (A)-(C), (E), (F): written once for all models sharing them
+        (`shared`), each later one starting from a copy (they are the same for any fixed options)."""
+        if "layouts" in self.shared:
+            m, defs, named = self.shared["layouts"]        # read only: every model takes its own copy of m
+            self.m, self.defs = m.copy(), dict(defs)
+            for k, v in named.items():
+                setattr(self, k, v)
+            return
+        # x: per representative, strategy index -> column (only the chosen one when `choice` is given)
+        self.x = {r: {i: self.m.add_col(0, 1, integral=True)
+                      for i in ((choice[r],) if choice is not None else range(self.p.n_choices(r)))}
+                  for r in dict.fromkeys(self.rep.values())}
+        self.add_one_choice()
+        self.add_edges()
+        self.shared["layouts"] = (self.m.copy(), dict(self.defs), {k: getattr(self, k) for k in self._LAYOUT})
 
     # (A)
     def add_one_choice(self) -> None:

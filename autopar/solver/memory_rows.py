@@ -30,23 +30,29 @@ class MemoryRows:
         ilp._node_terms(self.whole, "state_bytes", params)
         for z, n in ilp.terms.freed_throughout(live.step_end).items():   # optimizer state, gradients offloaded
             self.whole[z] = self.whole.get(z, 0.0) - n * GIB
-        self.state: dict = {}            # in the forward: no gradient yet (zero_grad sets them to None)
-        ilp._node_terms(self.state, "state_bytes", params)
-        ilp._node_terms(self.state, "grad_bytes", params, -1.0)
         self.n = len(live.points)
-        self._coefs: dict = {}
-        self.events: list[list[tuple]] = []      # per point: (part, sign, ((column, bytes), ...)) in order
-        self.temps: list[list[tuple]] = []       # per point: (column, bytes) of copies alive only there
         self.frees = ilp.terms.freed_at(live.positions) if self.n else []   # per point: z -> items freed
-        self.buckets, fixed = self._buckets()
-        # per point: bytes no column moves (the gradient buckets' buffers in the backward, where constant)
-        self.fixed = [fixed if where > live.last else 0.0 for where in live.positions] + [0.0]
-        self._sweep(params)
+        self._coefs: dict = {}
+        if "memory_rows" not in ilp.shared:      # the layout columns' part: the same for every model sharing them
+            ilp.shared["memory_rows"] = self._layout_part(params)
+        # read only: state in the forward (no gradient yet: zero_grad sets them to None); per point, the
+        # events (part, sign, ((column, bytes), ...)) in order, the (column, bytes) of copies alive only
+        # there, and the bytes no column moves (the gradient buckets' buffers in the backward, where constant)
+        self.state, self.events, self.temps, self.buckets, self.fixed = ilp.shared["memory_rows"]
+
+    def _layout_part(self, params) -> tuple:
+        live, ilp = self.ilp.p.live, self.ilp
+        state: dict = {}
+        ilp._node_terms(state, "state_bytes", params)
+        ilp._node_terms(state, "grad_bytes", params, -1.0)
+        buckets, fixed = self._buckets()
+        events, temps = self._sweep(params)
+        return state, events, temps, buckets, [fixed if where > live.last else 0.0 for where in live.positions] + [0.0]
 
     def __len__(self) -> int:
         return self.n + 1
 
-    def _sweep(self, params) -> None:
+    def _sweep(self, params) -> tuple[list, list]:
         p, live, ilp = self.ilp.p, self.ilp.p.live, self.ilp
         kept = sorted((e.dst_pos, k) for k, e in enumerate(p.edges) if e.keeps_copy)
         made = sorted((p.grad_since(n), n) for n in params if p.decisions[n].grad_bytes)
@@ -55,6 +61,8 @@ class MemoryRows:
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
         nk = nm = 0
+        events: list[list[tuple]] = []
+        temps: list[list[tuple]] = []
         for owned, moving, where in zip(live.point_changes, live.grad_changes, live.positions):
             ev: list[tuple] = []
             for left, joined in (owned, moving):
@@ -70,8 +78,9 @@ class MemoryRows:
             while where > live.last and nm < len(made) and made[nm][0] <= where:
                 ev.append((GRADS, 1.0, self._node(made[nm][1], "grad_bytes")))
                 nm += 1
-            self.events.append(ev)
-            self.temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+            events.append(ev)
+            temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+        return events, temps
 
     def _buckets(self) -> tuple[tuple, float]:
         """The gradient buckets' buffers at a backward point, `memory_timeline.bucket_buffers`:

@@ -434,7 +434,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     is_view, saves = {}, {}
     fallbacks: list[str] = []
     batch_idx = {mesh.axis_index(a) for a in (batch_axes or ())}
-    priced: dict = {}
+    priced: dict = {}         # OpCostArgs -> (forward, backward) seconds
+    enumerated: dict = {}     # op signature -> its strategies
+    node_costs: dict = {}     # op signature and strategies -> (strategies, compute, forward, act)
     moe_load = moe_routed_load(mesh.profile.moe_load_imbalance, moe_capacity_factor)
 
     def pinned(keys: Sequence[str]):
@@ -505,10 +507,14 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             fallbacks.append(node.name)
         is_view[node.name] = bool(rule and rule.is_view)
         saves[node.name] = rule.saves_inputs if rule else True
+        sig = (node.target, tuple(ins_meta), tuple(info.out), _const_args(node.args), _const_args(node.kwargs))
         if only is not None:
             own = [only[node.name]]
         else:
-            own = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out, shape, rule)
+            if sig not in enumerated:    # a repeated layer's ops have the same options: enumerate once
+                enumerated[sig] = node_strategies(axis_options(rule, node, ins_meta, info.out), ins_meta, info.out,
+                                                  shape, rule)
+            own = enumerated[sig]
         pat, want = pinned([node.name])
         if want is not None:
             own = [s for s in own if _matches(s, want)] or _bad_pin(node.name, want)
@@ -519,20 +525,13 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             follow = [by_input.get(s.output) for s in (decisions[src.name].strategies)]
             if all(f is not None for f in follow) and src.kind == "op":
                 leader, strategies = src.leader, follow
-        compute, forward = [], []
         facts = op_facts(node, infos, ng)
-        for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
-            key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links,
-                               vocab_reductions(node, s, ins_meta, mesh), moe_load)
-            if key not in priced:    # a repeated layer's ops cost the same: price each once
-                priced[key] = op_cost(key, mesh.profile)
-            fwd, bwd = priced[key]
-            compute.append(fwd + (bwd if ng[node.name] else 0.0))
-            forward.append(fwd)
-        compute = compute or [0.0] * len(strategies)
-        forward = forward or [0.0] * len(strategies)
-        act = [0.0 if is_view[node.name] else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
-               + exchange_saved_bytes(info, s, shape, facts, moe_load) for s in strategies]
+        # a repeated layer's op prices the same under the same strategies: its lists are worked out once
+        key = (sig, tuple(map(id, strategies)), facts, ng[node.name], info.flops, info.bytes_moved)
+        if key not in node_costs:      # the strategies are kept with it: their ids stay their own
+            node_costs[key] = (strategies, *_node_costs(node, info, strategies, ins_meta, facts, ng[node.name],
+                                                        is_view[node.name], mesh, moe_load, priced))
+        _, compute, forward, act = node_costs[key]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
                                         opt_bytes=[0.0] * len(strategies))
@@ -556,6 +555,39 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer,
                    grad_from=grad_from, moe_load=moe_load,
                    bucketable=bucketable_bytes(edges))
+
+
+def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_meta, facts: OpFacts, grad: bool,
+                view: bool, mesh: Mesh, moe_load: float, priced: dict) -> tuple[list, list, list]:
+    """(compute, forward, activation bytes) of an op per strategy; `priced`: op_cost by its arguments."""
+    shape = mesh.shape
+    compute, forward = [], []
+    for s in ([] if facts.view and not facts.work else strategies):   # a plain view costs nothing
+        key = op_cost_args(info, s, shape, facts, context_comm(node, s, ins_meta, mesh), mesh.links,
+                           vocab_reductions(node, s, ins_meta, mesh), moe_load)
+        if key not in priced:    # equal ops in other places cost the same: price each once
+            priced[key] = op_cost(key, mesh.profile)
+        fwd, bwd = priced[key]
+        compute.append(fwd + (bwd if grad else 0.0))
+        forward.append(fwd)
+    compute = compute or [0.0] * len(strategies)
+    forward = forward or [0.0] * len(strategies)
+    act = [0.0 if view else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
+           + exchange_saved_bytes(info, s, shape, facts, moe_load) for s in strategies]
+    return compute, forward, act
+
+
+def _const_args(a):
+    """An op's arguments with every node replaced by a marker: what its strategies and price can read
+    of them besides its inputs' shapes (dims, flags, whether an optional tensor is given)."""
+    if isinstance(a, fx.Node):
+        return "<node>"
+    if isinstance(a, (list, tuple)):
+        return tuple(_const_args(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, _const_args(v)) for k, v in a.items())
+    # typed: 1, 1.0 and True are equal keys to a dict but not the same argument to an op
+    return (type(a).__name__, a) if isinstance(a, (int, float, str, bool, type(None))) else repr(a)
 
 
 def bucketable_bytes(edges: list[EdgeTable]) -> float:
