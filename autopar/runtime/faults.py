@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..compat import default_store, set_group_timeout
 from ..errors import CollectiveError
 
-__all__ = ["Watch", "watch_mesh", "watch_of"]
+__all__ = ["Watch", "watch_mesh", "watch_of", "watched"]
 
 _KEY = "autopar/collectives/{}"
 _WATCHES: dict[int, Watch] = {}       # id(DeviceMesh) -> its watch
@@ -88,3 +88,13 @@ def watch_mesh(device_mesh, timeout_s: float) -> Watch:
 
 def watch_of(device_mesh) -> Watch | None:
     return _WATCHES.get(id(device_mesh))
+
+
+def watched(device_mesh, what):
+    """A context around one collective on `device_mesh`: `Watch.collective` where the mesh is
+    watched, else nothing. `what`: the collective's description, or a function making it (called
+    only when watched: the unwatched hot path builds no string)."""
+    watch = watch_of(device_mesh)
+    if watch is None:
+        return contextlib.nullcontext()
+    return watch.collective(what() if callable(what) else what)

@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
-from .faults import watch_of
+from .faults import watch_of, watched
 from .reshard import Reshard
 
 REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
@@ -225,11 +225,8 @@ class GradSync:
             if watch is not None:       # a flattened group is new: it waits as long as the mesh's own
                 set_group_timeout(self._groups[axes], watch.timeout_s)
         n = math.prod(self.mesh.size(a) for a in axes)
-        if watch is None:
+        with watched(self.mesh, lambda: self._what(b)):    # a peer gone at the launch: a CollectiveError too
             b.launch(self._groups[axes], n)
-        else:        # a peer gone at the launch is a CollectiveError too, not gloo's message
-            with watch.collective(self._what(b)):
-                b.launch(self._groups[axes], n)
         self._sent.append(b)
         self._kinds_sent.add(b.kind)
         if b.kind.dim is None:
@@ -248,12 +245,8 @@ class GradSync:
 
     def _complete(self, b: _Bucket) -> None:
         """Wait for bucket b and write its reduced gradients to `.grad`."""
-        watch = watch_of(self.mesh)
-        if watch is None:
+        with watched(self.mesh, lambda: self._what(b)):
             b.work.wait()
-        else:
-            with watch.collective(self._what(b)):
-                b.work.wait()
         if self._params is None:
             self._params = dict(self.module.named_parameters(remove_duplicate=False))
         n = math.prod(self.mesh.size(a) for a in b.kind.axes)

@@ -49,7 +49,7 @@ from ..compat import at_backward_end
 from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
-from .faults import watch_of
+from .faults import watched
 from .fastpath import tensor_args
 from .ops import LocalOp
 from .regather import GatherCopy, GatheredCopies
@@ -73,12 +73,8 @@ class FlatGather:
         with torch.no_grad(), torch.profiler.record_function(f"autopar {self.what}"):
             send = torch.cat([t.reshape(-1) for t in locals_])
             recv = send.new_empty(self.n * self.total)
-            watch = watch_of(self.mesh)
-            if watch is None:
+            with watched(self.mesh, self.what):
                 work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True)
-            else:
-                with watch.collective(self.what):
-                    work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True)
         return Pending(self, recv, work)
 
 
@@ -91,12 +87,8 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         f = self.flat
-        watch = watch_of(f.mesh)
-        if watch is None:
+        with watched(f.mesh, f.what):
             self.work.wait()
-        else:
-            with watch.collective(f.what):
-                self.work.wait()
         out = torch.empty_like(self.recv)
         parts = [v.view(f.n, k) for v, k in zip(out.split([f.n * k for k in f.numels]), f.numels)]
         with torch.no_grad():

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..placement import layout_str
-from .faults import watch_of
+from .faults import watched
 
 
 def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
@@ -31,13 +31,14 @@ def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
     cur = tuple(x.placements)
     if cur == layout:
         return x
-    watch = watch_of(x.device_mesh)
-    if watch is None:
+    with watched(x.device_mesh, lambda: _describe(x, cur, layout)):
         return _to_layout(x, cur, layout)
+
+
+def _describe(x: DTensor, cur: tuple, layout: tuple) -> str:
     axes = x.device_mesh.mesh_dim_names or tuple(range(x.device_mesh.ndim))
     changed = ", ".join(str(ax) for ax, c, t in zip(axes, cur, layout) if c != t)
-    with watch.collective(f"reshard over {changed}: {layout_str(cur)} -> {layout_str(layout)}, shape {list(x.shape)}"):
-        return _to_layout(x, cur, layout)
+    return f"reshard over {changed}: {layout_str(cur)} -> {layout_str(layout)}, shape {list(x.shape)}"
 
 
 def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
