@@ -25,7 +25,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def zoo_small():
     """{name: (model, args, kwargs, Captured)} for every model of examples/zoo.py, small config,
-    captured once per session (tests/test_rules.py, tests/test_models.py)."""
+    captured once per session (tests/test_rules.py)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import warnings
 

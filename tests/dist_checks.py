@@ -114,8 +114,10 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs,
                                          plan=autopar.Plan.from_json(saved))
     else:
+        # priced at its own sizes only: pricing at other batch sizes and sequence lengths (a second trace,
+        # most of a small model's planning time) is test_scaling's subject
         dmodel = autopar.autoparallelize(model, mesh, inputs, example_kwargs=kwargs, pins=pins, batch_axes=batch_axes,
-                                         moe_capacity_factor=capacity, **LAYOUTS_ONLY)
+                                         moe_capacity_factor=capacity, symbolic=False, **LAYOUTS_ONLY)
 
     opt = torch.optim.AdamW(dmodel.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)

@@ -139,10 +139,8 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             if masks[k].any():
                 worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[masks[k]], p.detach()[masks[k]]))
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
-    predicted = autopar.estimate(ref, inputs, mesh, plan)      # the planner's price of these decisions
-    worst.update(seen, decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
-                 predicted_peak=predicted.peak_memory_bytes, predicted_state=predicted.param_state_bytes,
-                 predicted_host=predicted_tier(ref, inputs, mesh, plan),
+    worst.update(seen, **predictions(ref, inputs, mesh, plan),
+                 decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
                  gathers=sum(1 for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy"
@@ -161,6 +159,17 @@ def _grad(dmodel, fqn, p):
     if host is None:
         return p.grad.full_tensor()
     return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False).full_tensor()
+
+
+def predictions(model, inputs, mesh, plan) -> dict:
+    """The planner's price of the plan's decisions: the same on every rank, so worked out on rank 0 and shared."""
+    out = [None]
+    if dist.get_rank() == 0:
+        predicted = autopar.estimate(model, inputs, mesh, plan)
+        out = [dict(predicted_peak=predicted.peak_memory_bytes, predicted_state=predicted.param_state_bytes,
+                    predicted_host=predicted_tier(model, inputs, mesh, plan))]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
 
 
 def predicted_tier(model, inputs, mesh, plan) -> float:

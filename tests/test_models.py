@@ -5,13 +5,12 @@
 * At full width (two layers, meta device) each plans on an (8, 8) H100 mesh with no op left
   to the replicate fallback (full depth: benchmarks/bench_models.py).
 * BatchNorm's statistics are synchronized over batch-split axes or kept whole as the cost
-  model decides, and the report says which; docs/models.md is what the registry generates.
+  model decides, and the report says which.
 """
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,21 +56,15 @@ def test_full_width_models_plan_without_fallbacks():
     mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
     for name in HF_MODELS:
         model, args, kwargs, _ = build(name, full=True, layers=2)
-        plan = autopar.plan(model, args, mesh, example_kwargs=kwargs, symbolic=False)   # no re-pricing in B, S
+        # layouts are what this checks: no re-pricing in B, S and no memory decisions (a third of the time)
+        plan = autopar.plan(model, args, mesh, example_kwargs=kwargs, symbolic=False, recompute="none",
+                            offload="none", residency="keep")
         assert plan.fallbacks == [], (name, plan.fallbacks)
         assert "Ops with no sharding rule: none" in plan.report()
         assert plan.estimate.peak_memory_bytes <= mesh.profile.memory_capacity, name
         if name == "mixtral":     # the experts are one op, not a data-dependent dispatch
             ops = {n.op for n in plan.nodes}
             assert "autopar.moe_experts" in ops and "aten.sort" not in ops and "aten.histc" not in ops
-
-
-def test_docs_models_md_is_generated(zoo_small):
-    from autopar.strategies.doc import render
-    path = Path(__file__).resolve().parents[1] / "docs" / "models.md"
-    captured = [(name, type(model).__name__, cap) for name, (model, _, _, cap) in zoo_small.items()]
-    assert path.read_text() == render(captured), \
-        "docs/models.md is stale: run `python -m autopar.strategies.doc > docs/models.md`"
 
 
 def _resnet_plan(mesh_shape, batch, image, width):

@@ -86,11 +86,13 @@ def test_ilp_equals_exhaustive_search(mesh_shape):
         x = torch.randn(8, 8, device="meta")
     mesh = autopar.Mesh(mesh_shape, tuple(f"a{i}" for i in range(len(mesh_shape))), device="h100")
     cap = capture(model, (x,))
-    # biases pinned whole to keep the exhaustive search small
-    problem = build_problem(cap, annotate(cap.gm), mesh, pins={"*.bias": ("R",) * len(mesh_shape)})
+    # biases and the head's weight pinned whole to keep the exhaustive search small (0.4 ms a plan;
+    # the first layer's weight, both products and the activation stay free: 20,736 plans on (2, 2))
+    whole = ("R",) * len(mesh_shape)
+    problem = build_problem(cap, annotate(cap.gm), mesh, pins={"*.bias": whole, "head.weight": whole})
     ilp = solve(problem, memory_budget=float("inf"))
     sizes = [problem.n_choices(l) for l in problem.leaders]
-    assert 100 < math.prod(sizes) < 2.5e5, sizes
+    assert 100 < math.prod(sizes) < 2.5e4, sizes
     best = min(evaluate(problem, dict(zip(problem.leaders, c))).objective_s
                for c in itertools.product(*(range(s) for s in sizes)))
     assert ilp.objective == pytest.approx(best, rel=1e-6)

@@ -8,13 +8,15 @@ told its experts), and put the outputs back together as the option claims (S(d):
 R: both equal; P: sum; P(avg): mean). The result must be the op's output on whole tensors.
 Options a rule admits only in combination with other axes (`OpRule.admits`) are checked where
 they are used, context-parallel attention, which has its own executor, in test_context_parallel.py,
-and the vocab-parallel embedding and loss in test_vocab_parallel.py.
+and the vocab-parallel embedding and loss in test_vocab_parallel.py. docs/models.md is what the
+rule registry generates from the same graphs.
 """
 from __future__ import annotations
 
 import operator
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +161,12 @@ def test_every_rule_option_is_exact(zoo_small, name):
             bad += check_node(node, env, gen)
             checked += 1
     assert checked > 0 and not bad, "\n".join(bad)
+
+
+def test_docs_models_md_is_generated(zoo_small):
+    """docs/models.md is what the rule registry generates from the zoo's graphs."""
+    from autopar.strategies.doc import render
+    path = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+    captured = [(name, type(model).__name__, cap) for name, (model, _, _, cap) in zoo_small.items()]
+    assert path.read_text() == render(captured), \
+        "docs/models.md is stale: run `python -m autopar.strategies.doc > docs/models.md`"
