@@ -60,7 +60,8 @@ def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
 def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(tight, monkeypatch):
     """Where the joint model is not built (large models), layouts and memory options are alternated:
     the plan fits, is priced as estimate() prices it, and is near the joint model's optimum."""
-    from autopar.solver import ilp
+    from autopar.solver import ilp, prune
+    monkeypatch.setattr(prune, "SUBSPACE_FROM", float("inf"))     # solved whole, not in subspaces
     joint = _plan(None, tight)
     monkeypatch.setattr(ilp, "JOINT_MAX_COLUMNS", 0)
     alone = _plan(None, tight)
@@ -68,3 +69,21 @@ def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(tight, m
     assert alone.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
     assert alone.solver.objective_s <= 1.05 * joint.solver.objective_s
     assert alone.solver.objective_s >= joint.solver.objective_s * (1 - 1e-3)      # the joint model's gap
+
+
+def test_three_axis_model_too_large_to_solve_whole_is_planned_in_subspaces(tight, monkeypatch):
+    """On a mesh of three or more axes a layout model too large to solve whole (Llama-3-8B on (4, 4, 4):
+    1.24M columns) is solved in subspaces: the best plan with two mesh axes merged is the floor, found
+    whatever the time limit; local search improves it while time remains, never giving a slower plan."""
+    from autopar.solver import prune
+    monkeypatch.setattr(prune, "SUBSPACE_FROM", float("inf"))
+    best = _plan(None, tight)                      # small enough here to solve whole: the optimum
+    monkeypatch.setattr(prune, "SUBSPACE_FROM", 0)
+    plans = [_plan(t, tight) for t in (0.01, 1.0, None)]
+    steps = [p.solver.objective_s for p in plans]
+    assert all(p.solver.status.startswith("Feasible (solved in subspaces") for p in plans)
+    assert steps[0] >= steps[1] * (1 - 1e-9) and steps[1] >= steps[2] * (1 - 1e-9)
+    assert steps[0] <= 1.25 * best.solver.objective_s       # the floor alone: within 1.25x of the optimum
+    assert steps[2] >= best.solver.objective_s * (1 - 1e-3)
+    for p in plans:
+        assert p.estimate.peak_memory_bytes <= tight * (1 + 1e-9)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from .evaluate import evaluate
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
+LEAST = "Feasible (the plan that needs least memory)"
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
 
 
@@ -44,30 +45,50 @@ class Heuristic:
     n_constraints: int = 0
 
 
-def start_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
+def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
+               allowed: dict[str, tuple[int, ...]] | None = None) -> Heuristic:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
-    (the plan that needs least memory, solved to optimality, does not)."""
+    (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
+    searched among these strategies only (`StrategyILP`'s argument)."""
+    models = _Models(problem, budget, allowed)
+    best = _first(problem, budget, deadline, allowed, models)
+    if best.status == LEAST:
+        return best
+    return improve(problem, budget, best, deadline, progress, models)
+
+
+def _first(problem, budget: float, deadline: float | None, allowed, models: _Models) -> Heuristic:
+    """Steps 1 and 2: the most sharded plan, then the LP relaxation's layouts rounded, the better."""
     from .ilp import infeasible, least_memory, most_sharded
-    choice = most_sharded(problem)
+    choice = most_sharded(problem, allowed)
     options = families_for(problem, budget, choice)
     if options is None:     # a budget near the minimum: the plan that needs least, if it fits
         plan, need = least_memory(problem)
         if need > budget:
             raise infeasible(problem, budget, need)
-        return Heuristic(plan, evaluate(problem, *plan).objective_s, "Feasible (the plan that needs least memory)",
-                         "HiGHS", 1.0)
+        return Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST, "HiGHS", 1.0)
     best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
                      "Feasible (the most sharded plan)", "HiGHS", 1.0)
-    free = any(len(g.allowed) > 1 for g in problem.families.groups)
-    models = _Models(problem, budget)
     defaults = problem.families.defaults()
-    for fixed in ([defaults, options] if options != defaults else [options]) if free else []:
+    for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
         r = model.solve_lazy(deadline, relax=True)
         if r.values is not None:
             best = _better(problem, budget, best, model.assignment(r.values)[0],
                            "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
-    for _ in range(ROUNDS if free else 1):
+    return best
+
+
+def _free(problem) -> bool:
+    return any(len(g.allowed) > 1 for g in problem.families.groups)
+
+
+def improve(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool = False,
+            models: _Models | None = None) -> Heuristic:
+    """Step 3 from `best`: layouts for its options (among `models`' allowed strategies), then the
+    best options for those layouts, while the plan improves; never worse than `best`."""
+    models = models or _Models(problem, budget)
+    for _ in range(ROUNDS if _free(problem) else 1):
         if deadline is not None and time.perf_counter() >= deadline:
             break
         model = models.get(best.plan[1])
@@ -82,6 +103,31 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
         if best.plan[1] == before.plan[1]:
             break
     return replace(_timed_out(best, deadline), n_variables=models.n_cols, n_constraints=models.n_rows)
+
+
+def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
+    """A plan for a mesh of three or more axes whose layout model is too large to solve
+    (`prune.too_large`): the best of the alternation's plans in each merged-axes subspace
+    (`prune.merged_axes`, solved whatever the time limit: the floor, the same on every run), then
+    local search while time remains: the layouts within one mesh axis of the plan's
+    (`prune.near`) re-solved from it, round after round while the plan improves. Each round starts
+    from the best plan so far, so a longer time limit never gives a slower plan."""
+    from . import prune
+    best = None
+    for i, j in prune.axis_pairs(problem):
+        h = start_plan(problem, budget, None, allowed=prune.merged_axes(problem, i, j))
+        if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
+            best = replace(h, status=f"{h.status}; mesh axes {problem.mesh.axis_names[i]!r} and "
+                                     f"{problem.mesh.axis_names[j]!r} merged")
+    while deadline is None or time.perf_counter() < deadline:
+        h = improve(problem, budget, best, deadline, progress,
+                    _Models(problem, budget, prune.near(problem, best.plan[0])))
+        better = h.objective_s < best.objective_s * (1 - 1e-9)
+        if not better:
+            return replace(best, status=f"{best.status}; local search ended: {h.status}",
+                           n_variables=h.n_variables, n_constraints=h.n_constraints)
+        best = replace(h, status=f"{h.status}; local search")
+    return _timed_out(best, deadline)
 
 
 def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
@@ -99,8 +145,8 @@ class _Models:
     """The layout models by their fixed options; a new one starts with the memory rows found
     binding in the last (the liveness points are the same)."""
 
-    def __init__(self, problem, budget: float):
-        self.problem, self.budget = problem, budget
+    def __init__(self, problem, budget: float, allowed: dict[str, tuple[int, ...]] | None = None):
+        self.problem, self.budget, self.allowed = problem, budget, allowed
         self.built: dict[tuple, object] = {}
         self.shared: dict = {}           # what the models' common layout columns determine (`StrategyILP`)
         self.binding: dict[int, int] = {}
@@ -110,7 +156,7 @@ class _Models:
         from .ilp import StrategyILP
         key = tuple(sorted(options.items()))
         if key not in self.built:
-            model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared)
+            model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared, allowed=self.allowed)
             model.build()
             model.add_memory_rows(self.binding)
             self.built[key] = model

@@ -97,12 +97,15 @@ class StrategyILP:
     and tables share one y."""
 
     def __init__(self, problem: Problem, memory_budget: float, *, choice: Mapping[str, int] | None = None,
-                 options: Mapping[str, int] | None = None, shared: dict | None = None):
+                 options: Mapping[str, int] | None = None, shared: dict | None = None,
+                 allowed: Mapping[str, tuple[int, ...]] | None = None):
         """`choice` (leader -> strategy): the layouts are fixed, only family options are decided (a
         small model); `options` (group -> option): the family options are fixed, only layouts are
-        decided (no products of layout and option variables). Neither: the joint model. `shared`: a
-        dict the caller keeps for every model of this problem with the same `choice` (their layout
-        columns are the same): what depends on those columns alone is worked out once."""
+        decided (no products of layout and option variables). Neither: the joint model. `allowed`
+        (representative leader -> strategy indices; `prune.py`): x columns for those choices only (a
+        leader it leaves out keeps all). `shared`: a dict the caller keeps for every model of this
+        problem with the same `choice` and `allowed` (their layout columns are the same): what depends
+        on those columns alone is worked out once."""
         p = self.p = problem
         self.shared = {} if shared is None else shared
         self.budget = memory_budget
@@ -115,7 +118,7 @@ class StrategyILP:
         self.linear: dict[tuple, tuple[str, int]] = {}   # group without y -> ("src", b) | ("dst", a) | ("same", 0)
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
         self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
-        self.add_layouts(choice)
+        self.add_layouts(choice, allowed or {})
         self.terms = FamilyTerms(self, options)
         self.memory: MemoryRows | None = None           # (D) rows by point, in GiB (added lazily)
         self.memory_added: dict[int, int] = {}          # point -> its row in the model
@@ -130,7 +133,7 @@ class StrategyILP:
 
     _LAYOUT = ("x", "group_of", "y", "linear", "copy_bytes", "temp_bytes")     # what (A)-(C), (E), (F) set
 
-    def add_layouts(self, choice: Mapping[str, int] | None) -> None:
+    def add_layouts(self, choice: Mapping[str, int] | None, allowed: Mapping[str, tuple[int, ...]]) -> None:
         """The layout columns and rows (A)-(C), (E), (F): written once for all models sharing them
         (`shared`), each later one starting from a copy (they are the same for any fixed options)."""
         if "layouts" in self.shared:
@@ -141,7 +144,7 @@ class StrategyILP:
             return
         # x: per representative, strategy index -> column (only the chosen one when `choice` is given)
         self.x = {r: {i: self.m.add_col(0, 1, integral=True)
-                      for i in ((choice[r],) if choice is not None else range(self.p.n_choices(r)))}
+                      for i in ((choice[r],) if choice is not None else allowed.get(r, range(self.p.n_choices(r))))}
                   for r in dict.fromkeys(self.rep.values())}
         self.add_one_choice()
         self.add_edges()
@@ -385,15 +388,16 @@ def known_gap(gap: float) -> float:
     return gap if math.isfinite(gap) else 1.0
 
 
-def most_sharded(p: Problem) -> dict[str, int]:
-    """Every decision at its smallest-memory strategy."""
+def most_sharded(p: Problem, allowed: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+    """Every decision at its smallest-memory strategy (among its representative's `allowed` ones)."""
     members: dict[str, list] = {}
     for d in p.decisions.values():
         members.setdefault(d.leader, []).append(d)
     choice = {}
     for l in p.leaders:
         mem = [sum(d.state_bytes[i] + d.act_bytes[i] for d in members[l]) for i in range(p.n_choices(l))]
-        choice[l] = min(range(len(mem)), key=lambda i: (mem[i], i))
+        among = (allowed or {}).get(p.rep.get(l, l), range(len(mem)))
+        choice[l] = min(among, key=lambda i: (mem[i], i))
     return choice
 
 
@@ -455,9 +459,15 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
     (`heuristic.py`). The joint model (layouts and family options together) is built only where
     the layout model has at most JOINT_MAX_COLUMNS columns; without free family options the
     layout model is the joint model and its solve is the answer."""
-    from .heuristic import start_plan
+    from .heuristic import start_plan, subspace_plan
+    from .prune import too_large
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
+    if too_large(problem):
+        start = subspace_plan(problem, memory_budget, deadline, progress)
+        return SolveResult(start.plan[0], start.objective_s, f"Feasible (solved in subspaces: {start.status})",
+                           start.solver, time.perf_counter() - t0, start.n_variables, start.n_constraints,
+                           known_gap(float("nan")), start.plan[1])
     start = start_plan(problem, memory_budget, deadline, progress)
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):

@@ -1,0 +1,129 @@
+"""Smaller layout models: subspaces of strategies for a quick floor plan, and strategies no better
+plan can use.
+
+On a mesh of three or more axes every tensor has (ndim + 1)^axes layouts and every edge the
+square of that in pair columns (Hugging Face Llama-3-8B on (4, 4, 4): 1.24 million columns, no LP
+solved in minutes). Two reductions, both leaving the problem's indices as they are (an
+`allowed` set of strategy indices per representative leader, `StrategyILP(allowed=)`):
+
+* `merged_axes(problem, i, j)`: the strategies that do the same on mesh axes i and j (the same
+  label and placement of every tensor), i.e. the plans of the mesh with axes i and j merged into
+  one of their product. Its model is the size of one with an axis fewer (Llama-3-8B on (4, 4, 4):
+  a (4, 16)-sized model). A heuristic restriction: a plan found there is a plan of the full
+  problem, priced by the full problem's tables, but the full optimum may lie outside it.
+* `within_bound(problem, upper)`: strategies no plan at most `upper` seconds (what the ILP
+  minimises) can use; exact. The objective is a sum of non-negative terms: each decision's
+  compute, each edge's reshard, each family's seconds. Let G_r[i] be the compute of
+  representative r's linked group (every leader sharing its variables, every node merged into
+  them) when it picks i, and LB = sum_r min_i G_r[i], a lower bound on any plan's objective. A
+  plan where r picks i costs at least LB - min G_r + G_r[i]; if that exceeds `upper`, no plan
+  using i beats a known plan of objective `upper`, so i is dropped.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .problem import Problem
+
+Allowed = dict[str, tuple[int, ...]]
+SLACK = 1e-9      # relative: a strategy exactly at the bound is kept (the known plan's own)
+
+
+def _groups(problem: Problem) -> dict[str, list]:
+    """representative leader -> every decision that shares its variables."""
+    groups: dict[str, list] = defaultdict(list)
+    for d in problem.decisions.values():
+        groups[problem.rep.get(d.leader, d.leader)].append(d)
+    return groups
+
+
+def merged_axes(problem: Problem, i: int, j: int) -> Allowed:
+    """Per representative, the strategies whose every member has the same label and placements on
+    mesh axes i and j; a representative with none (pinned otherwise) keeps all."""
+    def same(s) -> bool:
+        return (s.output[i] == s.output[j] and all(L[i] == L[j] for L in s.inputs)
+                and (not s.labels or s.labels[i] == s.labels[j]))
+
+    out: Allowed = {}
+    for r, members in _groups(problem).items():
+        own = [d for d in members if d.leader == r]
+        keep = tuple(k for k in range(problem.n_choices(r)) if all(same(d.strategies[k]) for d in own))
+        if keep:
+            out[r] = keep
+    return out
+
+
+def axis_pairs(problem: Problem) -> list[tuple[int, int]]:
+    """The pairs of mesh axes (each of more than one device) a floor plan merges: every pair on a
+    mesh of three or more such axes, none on fewer (their model is small enough as it is)."""
+    axes = [a for a, n in enumerate(problem.mesh.shape) if n > 1]
+    if len(axes) < 3:
+        return []
+    return [(a, b) for k, a in enumerate(axes) for b in axes[k + 1:]]
+
+
+def group_compute(problem: Problem) -> dict[str, list[float]]:
+    """G_r[i]: representative r's linked group's compute seconds per choice."""
+    out: dict[str, list[float]] = {}
+    for r, members in _groups(problem).items():
+        n = problem.n_choices(r)
+        out[r] = [sum(d.compute_s[k] for d in members) for k in range(n)]
+    return out
+
+
+def within_bound(problem: Problem, upper: float) -> tuple[Allowed, float]:
+    """(per representative, the strategies a plan of objective <= `upper` can use; LB, the lower bound
+    on every plan's objective the pruning used). See the module's docstring."""
+    g = group_compute(problem)
+    lb = sum(min(v) for v in g.values())
+    room = upper - lb + SLACK * max(abs(upper), 1.0)
+    allowed = {r: tuple(k for k, c in enumerate(v) if c - min(v) <= room) for r, v in g.items()}
+    return allowed, lb
+
+
+def near(problem: Problem, choice: dict[str, int], axes: int = 1) -> Allowed:
+    """Per representative, the strategies that differ from `choice`'s on at most `axes` mesh axes (in
+    the label or placement of some member's tensor): the neighbourhood a local search solves."""
+    n = problem.mesh.ndim
+
+    def per_axis(s) -> tuple:
+        return tuple((s.output[a], tuple(L[a] for L in s.inputs), s.labels[a] if s.labels else None)
+                     for a in range(n))
+
+    out: Allowed = {}
+    for r, members in _groups(problem).items():
+        own = [d for d in members if d.leader == r]
+        here = [per_axis(d.strategies[choice[r]]) for d in own]
+        out[r] = tuple(k for k in range(problem.n_choices(r))
+                       if sum(any(per_axis(d.strategies[k])[a] != h[a] for d, h in zip(own, here))
+                              for a in range(n)) <= axes)
+    return out
+
+
+# A layout model of more columns than this, on a mesh of three or more axes, is solved in subspaces
+# (`heuristic.subspace_plan`): Llama-3-8B on (8, 8) has 66k and is solved whole in a few seconds;
+# on (4, 4, 4), 1.24 million, where no LP finished in minutes, and each merged-axes subspace 64k.
+SUBSPACE_FROM = 150_000
+
+
+def layout_columns(problem: Problem) -> int:
+    """The columns of the whole layout model, counted without building it: an x per representative's
+    strategy, a y per pair of layout classes of each group of edges with the same ends and classes
+    (`ilp.StrategyILP.add_edges`; an edge with one class on a side needs none)."""
+    rep = lambda l: problem.rep.get(l, l)     # noqa: E731
+    n = sum(problem.n_choices(r) for r in set(map(rep, problem.leaders)))
+    seen = set()
+    for e in problem.edges:
+        src = rep(problem.decisions[e.src].leader)
+        dst = None if e.dst == "output" else rep(problem.decisions[e.dst].leader)
+        key = (src, dst, tuple(e.a_of), tuple(e.b_of))
+        if src != dst and dst is not None and key not in seen:
+            seen.add(key)
+            a, b = len(set(e.a_of)), len(set(e.b_of))
+            n += a * b if a > 1 and b > 1 else 0
+    return n
+
+
+def too_large(problem: Problem) -> bool:
+    """Is the layout model solved in subspaces (`SUBSPACE_FROM`)? Only on three or more split axes."""
+    return bool(axis_pairs(problem)) and layout_columns(problem) > SUBSPACE_FROM
