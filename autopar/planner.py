@@ -149,10 +149,10 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     with SymbolicTrace(source if opts.symbolic else None, cap, infos) as sym:
         try:
-            result = _solve_within(problem, budget, opts)
+            result, priced = _solve_within(problem, budget, opts)
         except InfeasibleError as e:
             raise _with_hint(e, cap, infos, mesh, opts) from None
-        plan = assemble(cap, problem, result.choice, mesh, opts, result.options)
+        plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
         _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
         t_scaling = time.perf_counter()
         plan.scaling = _scaling(cap, problem, result.choice, opts, budget, sym, plan)
@@ -174,16 +174,16 @@ BUDGET_RETRIES = 3     # re-solves when the solver's feasibility tolerance lets 
 
 
 def _solve_within(problem: Problem, budget: float, opts: PlanOptions):
-    """Solve, and check the answer with the evaluator: a MIP solver accepts rows a tolerance over
-    their bound, so a plan it returns may price a few bytes over the budget; then solve again
-    with the budget lowered by the excess."""
+    """(SolveResult, its Evaluation): solve, and check the answer with the evaluator: a MIP solver
+    accepts rows a tolerance over their bound, so a plan it returns may price a few bytes over the
+    budget; then solve again with the budget lowered by the excess."""
     target = budget
     for _ in range(BUDGET_RETRIES):
         result = solve(problem, target, opts.time_limit, progress=opts.progress)
-        over = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options)
-                        ).peak_bytes - budget
+        ev = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options))
+        over = ev.peak_bytes - budget
         if over <= 0:
-            return result
+            return result, ev
         target -= over + 1.0
     raise InfeasibleError(f"the solver's plans stay {over:.0f} bytes over the budget of {budget:.0f} bytes per "
                           f"device after {BUDGET_RETRIES} tries (its feasibility tolerance): raise memory_budget "
@@ -221,11 +221,13 @@ def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanO
 
 
 def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions,
-             options: Mapping[str, int] | None = None, staging: Staging | None = None) -> Plan:
+             options: Mapping[str, int] | None = None, staging: Staging | None = None,
+             priced: Evaluation | None = None) -> Plan:
     """Turn a choice per decision (and an option per family group) into a Plan with per-node layouts,
-    collectives, memory decisions and estimates (`staging`: priced as that pipeline)."""
+    collectives, memory decisions and estimates (`staging`: priced as that pipeline; `priced`: the
+    evaluator's price of this choice and these options, where the caller has it, unstaged)."""
     options = effective_options(problem, choice, options or {})
-    ev = evaluate(problem, choice, options, staging)
+    ev = priced if priced is not None and staging is None else evaluate(problem, choice, options, staging)
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     collectives, per_axis = communication(problem, choice, cap)
