@@ -6,6 +6,7 @@ import gc
 import hashlib
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -146,15 +147,16 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
-    try:
-        result = _solve_within(problem, budget, opts)
-    except InfeasibleError as e:
-        raise _with_hint(e, cap, infos, mesh, opts) from None
-    plan = assemble(cap, problem, result.choice, mesh, opts, result.options)
-    _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
-    t_scaling = time.perf_counter()
-    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
-    t_scaling = time.perf_counter() - t_scaling
+    with SymbolicTrace(source if opts.symbolic else None, cap, infos) as sym:
+        try:
+            result, priced = _solve_within(problem, budget, opts)
+        except InfeasibleError as e:
+            raise _with_hint(e, cap, infos, mesh, opts) from None
+        plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
+        _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
+        t_scaling = time.perf_counter()
+        plan.scaling = _scaling(cap, problem, result.choice, opts, budget, sym, plan)
+        t_scaling = time.perf_counter() - t_scaling
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
@@ -172,16 +174,16 @@ BUDGET_RETRIES = 3     # re-solves when the solver's feasibility tolerance lets 
 
 
 def _solve_within(problem: Problem, budget: float, opts: PlanOptions):
-    """Solve, and check the answer with the evaluator: a MIP solver accepts rows a tolerance over
-    their bound, so a plan it returns may price a few bytes over the budget; then solve again
-    with the budget lowered by the excess."""
+    """(SolveResult, its Evaluation): solve, and check the answer with the evaluator: a MIP solver
+    accepts rows a tolerance over their bound, so a plan it returns may price a few bytes over the
+    budget; then solve again with the budget lowered by the excess."""
     target = budget
     for _ in range(BUDGET_RETRIES):
         result = solve(problem, target, opts.time_limit, progress=opts.progress)
-        over = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options)
-                        ).peak_bytes - budget
+        ev = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options))
+        over = ev.peak_bytes - budget
         if over <= 0:
-            return result
+            return result, ev
         target -= over + 1.0
     raise InfeasibleError(f"the solver's plans stay {over:.0f} bytes over the budget of {budget:.0f} bytes per "
                           f"device after {BUDGET_RETRIES} tries (its feasibility tolerance): raise memory_budget "
@@ -219,11 +221,13 @@ def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanO
 
 
 def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions,
-             options: Mapping[str, int] | None = None, staging: Staging | None = None) -> Plan:
+             options: Mapping[str, int] | None = None, staging: Staging | None = None,
+             priced: Evaluation | None = None) -> Plan:
     """Turn a choice per decision (and an option per family group) into a Plan with per-node layouts,
-    collectives, memory decisions and estimates (`staging`: priced as that pipeline)."""
+    collectives, memory decisions and estimates (`staging`: priced as that pipeline; `priced`: the
+    evaluator's price of this choice and these options, where the caller has it, unstaged)."""
     options = effective_options(problem, choice, options or {})
-    ev = evaluate(problem, choice, options, staging)
+    ev = priced if priced is not None and staging is None else evaluate(problem, choice, options, staging)
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     collectives, per_axis = communication(problem, choice, cap)
@@ -311,13 +315,50 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
     return collectives, per_axis
 
 
-def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
+class SymbolicTrace:
+    """The variable-size trace of the model (`symbolic_graph`), run in a thread while the ILP is
+    built and solved: HiGHS releases the GIL while it runs, so on two cores the trace (1.3 s of
+    Llama-3-8B's planning) costs no wall time where the solve is as long. `source` None: nothing
+    to trace. The main thread touches neither the model nor torch meanwhile (the solve phase is
+    plain Python over the problem's numbers, and reads the captured graph only), and the exit
+    waits for the thread on every path, so the user's model (`_short_stacks` swaps its block
+    list while tracing) is whole again before planning returns or raises."""
+
+    def __init__(self, source: tuple | None, cap: Captured, infos):
+        self.source, self.cap, self.infos = source, cap, infos
+        self.graph = self.error = None
+        self.thread = threading.Thread(target=self._run, name="autopar-symbolic-trace", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.graph = symbolic_graph(*self.source, self.cap, self.infos)
+        except Exception as e:  # noqa: BLE001 - handed to the planning thread, which raises it (`result`)
+            self.error = e
+
+    def __enter__(self) -> SymbolicTrace:
+        if self.source is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.source is not None:
+            self.thread.join()
+
+    def result(self):
+        """The SymbolicGraph (waits for the thread); the trace's exception where it raised one."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.graph
+
+
+def _scaling(cap, problem, choice, opts: PlanOptions, budget: float, sym: SymbolicTrace, plan: Plan) -> Scaling:
     if not opts.symbolic:
         return Scaling(unavailable="not asked for (symbolic=False)")
-    if source is None:
+    if sym.source is None:
         return Scaling(unavailable="the graph was given without its model (torch.compile)")
     try:
-        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget,
+        return build_scaling(cap, problem, choice, sym.result(), opts, budget,
                              {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload})
     except SymbolicUnavailable as e:
         return Scaling(unavailable=str(e))
