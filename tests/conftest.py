@@ -11,6 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from rank_pool import get_pool, shutdown_all  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import transformers  # noqa: E402
+import zoo  # noqa: E402
+
+# The zoo's Hugging Face classes are imported here, before the rank pools fork, so every rank inherits
+# them instead of importing them itself (transformers loads its model modules lazily: 3-4 CPU s a rank)
+for _cls in zoo._HF_CLASSES.values():
+    getattr(transformers, _cls)
+
 
 @pytest.fixture
 def rank_pool():
@@ -26,10 +35,8 @@ def pytest_sessionfinish(session, exitstatus):
 def zoo_small():
     """{name: (model, args, kwargs, Captured)} for every model of examples/zoo.py, small config,
     captured once per session (tests/test_rules.py)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import warnings
 
-    import zoo
     from autopar.passes.capture import capture
     out = {}
     for name in zoo.MODELS:
