@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 
-from .cost_model.comm import GradBucket, bucketed_reduction, reshard_cost, transfer_time
+from .cost_model.comm import GradBucket, bucketed_reduction, coded_reshard_cost, layout_code, transfer_time
 from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, load_profile
 from .errors import MeshError
 
@@ -101,8 +101,12 @@ class Mesh:
 
     def reshard_cost(self, shape, itemsize: int, src, dst):
         """Seconds and bytes to move a tensor between layouts on this mesh (see cost_model.comm)."""
-        return reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
-                            launch_overhead=self.profile.kernel_overhead + self.profile.collective_overhead)
+        return self.coded_reshard_cost(shape, itemsize, layout_code(src), layout_code(dst))
+
+    def coded_reshard_cost(self, shape, itemsize: int, src, dst):
+        """`reshard_cost` of layouts given as `comm.layout_code`s."""
+        return coded_reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
+                                  launch_overhead=self.profile.kernel_overhead + self.profile.collective_overhead)
 
     def stage_mesh(self, axis: str | None) -> Mesh:
         """This mesh without the pipeline axis `axis` (what one pipeline stage runs on); every other

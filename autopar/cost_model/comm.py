@@ -75,7 +75,8 @@ __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_ti
            "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
            "flat_gather_axis",
            "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
-           "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost"]
+           "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost",
+           "coded_reshard_cost", "layout_code", "placement_code"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 Algorithm = Literal["ring", "tree", "auto"]
@@ -350,42 +351,53 @@ _FREE, _SHRINK, _NEUTRAL, _GROW = range(4)
 _SUM_LIKE = ("sum", "avg")  # P(sum) <-> P(avg) is a local scale by the axis size
 
 
-@cache
-def _shard_dim(p: Placement) -> int | None:
-    """p's dim where it is a Shard, else None. Cached: isinstance on torch's placement classes goes
-    through their metaclass's hook (about 1 us), and pricing the edge tables of a 3-axis mesh asks
-    millions of times (2.5 of 20 profiled seconds for a 3-layer Llama on (2, 2, 2))."""
-    return p.dim if isinstance(p, Shard) else None
+_R, _S, _P = range(3)
+Code = tuple     # a placement as plain data: (_R,), (_S, dim) or (_P, reduce op); a subclass's adds itself
 
 
 @cache
-def _known(p: Placement) -> bool:
-    return isinstance(p, (Shard, Replicate, Partial))
+def placement_code(p: Placement) -> Code:
+    """p as a tuple of ints and strings, equal where the placements are equal. Pricing works on
+    these: hashing and isinstance on torch's placement classes run Python hooks (about 1 us each),
+    and the edge tables of a 3-axis mesh price hundreds of thousands of reshards (Hugging Face
+    Llama-3-8B on (4, 4, 4): 153k). A subclass's code (`_StridedShard`, `_MaskPartial`) holds the
+    placement itself, so it compares as torch compares them."""
+    if isinstance(p, Shard):
+        return (_S, p.dim) if type(p) is Shard else (_S, p.dim, p)
+    if isinstance(p, Replicate):
+        return (_R,)
+    if isinstance(p, Partial):
+        return (_P, p.reduce_op) if type(p) is Partial else (_P, p.reduce_op, p)
+    raise ValueError(f"reshard_cost: unknown placement {p!r}")
 
 
-@cache      # a few hundred distinct pairs; see _shard_dim
-def _transition(cur: Placement, tgt: Placement) -> tuple[int, Collective | None]:
+def layout_code(layout: Sequence[Placement]) -> tuple[Code, ...]:
+    """`placement_code` of each mesh axis's placement."""
+    return tuple(map(placement_code, layout))
+
+
+@cache      # a few hundred distinct pairs
+def _transition(cur: Code, tgt: Code) -> tuple[int, Collective | None]:
     """(phase, collective or None if free) for one mesh axis going from cur to tgt."""
-    if cur == tgt or isinstance(cur, Replicate):            # R -> S(d) slices, R -> P keeps one copy
+    if cur == tgt or cur[0] == _R:                          # R -> S(d) slices, R -> P keeps one copy
         return _FREE, None
-    if isinstance(cur, Partial):
-        if isinstance(tgt, Shard):
+    if cur[0] == _P:
+        if tgt[0] == _S:
             return _SHRINK, "reduce_scatter"
-        if isinstance(tgt, Partial) and cur.reduce_op in _SUM_LIKE and tgt.reduce_op in _SUM_LIKE:
+        if tgt[0] == _P and cur[1] in _SUM_LIKE and tgt[1] in _SUM_LIKE:
             return _FREE, None
         return _NEUTRAL, "all_reduce"                        # -> R, or -> P(other op) via R
-    if isinstance(tgt, Shard):
+    if tgt[0] == _S:
         return _NEUTRAL, "all_to_all"                        # S(d) -> S(d')
     return _GROW, "all_gather"                               # S(d) -> R, or -> P via R (rare)
 
 
-def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Placement], sizes: Sequence[int]) -> float:
+def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], sizes: Sequence[int]) -> float:
     """Bytes of the largest local chunk (uneven shards are padded to it, as DTensor's collectives do)."""
     s = list(shape)
-    for p, n in zip(layout, sizes):
-        d = _shard_dim(p)
-        if d is not None:
-            s[d] = ceil_div(s[d], n)
+    for c, n in zip(layout, sizes):
+        if c[0] == _S:
+            s[c[1]] = ceil_div(s[c[1]], n)
     return to_float(math.prod(s) * itemsize)
 
 
@@ -401,36 +413,40 @@ def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Place
     collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
     that move the same bytes).
     """
+    return coded_reshard_cost(global_shape, itemsize, layout_code(src), layout_code(dst), axis_sizes,
+                              axis_links, axis_names, launch_overhead)
+
+
+def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
+                       axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
+                       launch_overhead: float = 0.0) -> ReshardCost:
+    """`reshard_cost` of layouts given as `layout_code`s (the edge tables code each layout once)."""
     k = len(axis_sizes)
     if not len(src) == len(dst) == len(axis_links) == len(axis_names) == k:
         raise ValueError(f"reshard_cost: src {tuple(src)}, dst {tuple(dst)}, axis_sizes, axis_links and "
                          f"axis_names must all have one entry per mesh axis ({k})")
-    for p in (*src, *dst):
-        if not _known(p):
-            raise ValueError(f"reshard_cost: unknown placement {p!r}")
-        if (d := _shard_dim(p)) is not None and not 0 <= d < len(global_shape):
-            raise ValueError(f"reshard_cost: {p} does not fit a tensor of shape {tuple(global_shape)}")
-    rc = _reshard_cost(tuple(global_shape), itemsize, tuple(src), tuple(dst), tuple(axis_sizes),
-                       tuple(axis_links), tuple(axis_names))
+    for c in (*src, *dst):
+        if c[0] == _S and not 0 <= c[1] < len(global_shape):
+            raise ValueError(f"reshard_cost: Shard({c[1]}) does not fit a tensor of shape {tuple(global_shape)}")
+    rc = _reshard_cost(tuple(global_shape), itemsize, src, dst, tuple(axis_sizes), tuple(axis_links),
+                       tuple(axis_names))
     if launch_overhead and rc.collectives:
         rc = ReshardCost(rc.seconds + launch_overhead * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
     return rc
 
 
 @lru_cache(maxsize=1 << 16)  # pure function, called for every (edge, strategy pair) by the planner
-def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Placement, ...], dst: tuple[Placement, ...],
+def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
                   sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
-    steps = []
+    steps, cur = [], list(dst)      # free steps (no bytes) first: a slice shrinks the later ones
     for i, (a, b) in enumerate(zip(src, dst)):
         phase, kind = _transition(a, b)
-        order = links[i].bandwidth if phase == _GROW else -links[i].bandwidth
-        steps.append((phase, order, i, kind))
-    cur = list(src)
+        if kind is not None and sizes[i] > 1:
+            order = links[i].bandwidth if phase == _GROW else -links[i].bandwidth
+            steps.append((phase, order, i, kind))
+            cur[i] = a
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
     for _, _, i, kind in sorted(steps):
-        if kind is None or sizes[i] == 1:       # free: no bytes to count (a slice still shrinks later steps)
-            cur[i] = dst[i]
-            continue
         before = _local_bytes(shape, itemsize, cur, sizes)
         cur[i] = dst[i]
         after = _local_bytes(shape, itemsize, cur, sizes)

@@ -24,8 +24,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_exchange_times,
-                               expert_tp_exchange_times, flat_gather_axis, moe_routed_load, vocab_reduce_bytes_on_wire,
-                               vocab_reduce_times)
+                               expert_tp_exchange_times, flat_gather_axis, layout_code, moe_routed_load,
+                               vocab_reduce_bytes_on_wire, vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
@@ -601,19 +601,19 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     shape = mesh.shape
     edges = []
     cache: dict = {}        # meta -> (layout number, layout number) -> seconds
-    numbers: dict = {}      # layout -> its number: a table hashes each of its layouts once, not every pair
+    numbers: dict = {}      # layout -> (its number, `layout_code`): a table hashes and codes each layout once
 
     def numbered(layouts) -> list[tuple[int, tuple]]:
-        return [(numbers.setdefault(L, len(numbers)), L) for L in layouts]
+        return [numbers.setdefault(L, (len(numbers), layout_code(L))) for L in layouts]
 
     def reshard_seconds(meta: TensorMeta):
-        """seconds(a, b): resharding a tensor of `meta` from layout a to b, each (number, layout)."""
+        """seconds(a, b): resharding a tensor of `meta` from layout a to b, each (number, code)."""
         known = cache.setdefault(meta, {})
 
         def seconds(a, b) -> float:
             key = (a[0], b[0])
             if key not in known:
-                known[key] = mesh.reshard_cost(meta.shape, meta.dtype.itemsize, a[1], b[1]).seconds
+                known[key] = mesh.coded_reshard_cost(meta.shape, meta.dtype.itemsize, a[1], b[1]).seconds
             return known[key]
         return seconds
 
