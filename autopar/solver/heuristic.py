@@ -107,18 +107,24 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
 
 def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
     """A plan for a mesh of three or more axes whose layout model is too large to solve
-    (`prune.too_large`): the best of the alternation's plans in each merged-axes subspace
-    (`prune.merged_axes`, solved whatever the time limit: the floor, the same on every run), then
-    local search while time remains: the layouts within one mesh axis of the plan's
-    (`prune.near`) re-solved from it, round after round while the plan improves. Each round starts
-    from the best plan so far, so a longer time limit never gives a slower plan."""
+    (`prune.too_large`): the alternation's plan in the first merged-axes subspace of
+    `prune.axis_pairs` (`prune.merged_axes`; solved whatever the time limit: the floor, the same on
+    every run), then, while time remains, the other pairs' subspaces and local search: the layouts
+    within one mesh axis of the plan's (`prune.near`) re-solved from it, round after round while the
+    plan improves. Each step keeps the best plan so far and the steps run in a fixed order, so a
+    longer time limit never gives a slower plan."""
     from . import prune
-    best = None
-    for i, j in prune.axis_pairs(problem):
-        h = start_plan(problem, budget, None, allowed=prune.merged_axes(problem, i, j))
+    pairs = prune.axis_pairs(problem)
+    best, solved = None, 0
+    for k, (i, j) in enumerate(pairs):
+        if k and deadline is not None and time.perf_counter() >= deadline:
+            break
+        h = start_plan(problem, budget, None if k == 0 else deadline, allowed=prune.merged_axes(problem, i, j))
+        solved += 1
         if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
             best = replace(h, status=f"{h.status}; mesh axes {problem.mesh.axis_names[i]!r} and "
                                      f"{problem.mesh.axis_names[j]!r} merged")
+    best = replace(best, status=f"{best.status} (best of {solved} of {len(pairs)} merged pairs)")
     while deadline is None or time.perf_counter() < deadline:
         h = improve(problem, budget, best, deadline, progress,
                     _Models(problem, budget, prune.near(problem, best.plan[0])))

@@ -54,12 +54,22 @@ def merged_axes(problem: Problem, i: int, j: int) -> Allowed:
 
 
 def axis_pairs(problem: Problem) -> list[tuple[int, int]]:
-    """The pairs of mesh axes (each of more than one device) a floor plan merges: every pair on a
-    mesh of three or more such axes, none on fewer (their model is small enough as it is)."""
+    """The pairs of mesh axes (each of more than one device) whose merged subspaces a plan is sought
+    in: every pair on a mesh of three or more such axes, none on fewer (their model is small enough
+    as it is). The pair whose slower link is fastest first (then the faster link, then the axes'
+    order): the first is always solved (the floor), the rest while time remains
+    (`heuristic.subspace_plan`). On Hugging Face Llama-3-8B over (4, 4, 4) H100 the first, the two
+    axes inside nodes, gave the best plan of the three: the layers' tensor parallelism, the heaviest
+    traffic, on the fast links."""
     axes = [a for a, n in enumerate(problem.mesh.shape) if n > 1]
     if len(axes) < 3:
         return []
-    return [(a, b) for k, a in enumerate(axes) for b in axes[k + 1:]]
+    bw = [link.bandwidth for link in problem.mesh.links]
+
+    def speed(pair: tuple[int, int]) -> tuple:
+        slow, fast = sorted(bw[a] for a in pair)
+        return -slow, -fast, pair
+    return sorted(((a, b) for k, a in enumerate(axes) for b in axes[k + 1:]), key=speed)
 
 
 def group_compute(problem: Problem) -> dict[str, list[float]]:
