@@ -445,9 +445,12 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
             order = links[i].bandwidth if phase == _GROW else -links[i].bandwidth
             steps.append((phase, order, i, kind))
             cur[i] = a
+    if not steps:
+        return ReshardCost(0.0, (0.0,) * len(sizes), ())
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
+    after = _local_bytes(shape, itemsize, cur, sizes)
     for _, _, i, kind in sorted(steps):
-        before = _local_bytes(shape, itemsize, cur, sizes)
+        before = after
         cur[i] = dst[i]
         after = _local_bytes(shape, itemsize, cur, sizes)
         full = before if kind == "all_reduce" else sizes[i] * smin(before, after)

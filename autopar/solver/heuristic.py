@@ -89,7 +89,7 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
     best options for those layouts, while the plan improves; never worse than `best`."""
     models = models or _Models(problem, budget)
     for _ in range(ROUNDS if _free(problem) else 1):
-        if deadline is not None and time.perf_counter() >= deadline:
+        if _past(deadline):
             break
         model = models.get(best.plan[1])
         r = model.solve_lazy(deadline, start=model.values_of(*best.plan), progress=progress)
@@ -107,25 +107,29 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
 
 def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
     """A plan for a mesh of three or more axes whose layout model is too large to solve
-    (`prune.too_large`): the alternation's plan in the first merged-axes subspace of
-    `prune.axis_pairs` (`prune.merged_axes`; solved whatever the time limit: the floor, the same on
-    every run), then, while time remains, the other pairs' subspaces and local search: the layouts
-    within one mesh axis of the plan's (`prune.near`) re-solved from it, round after round while the
-    plan improves. Each step keeps the best plan so far and the steps run in a fixed order, so a
-    longer time limit never gives a slower plan."""
+    (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
+    time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
+    subspace of `prune.axis_pairs` (`prune.merged_axes`), solved whatever the time limit: the floor,
+    the same on every run; then, while time remains, step 3 there, the alternation in the other
+    pairs' subspaces, and local search: the layouts within one mesh axis of the plan's
+    (`prune.near`) re-solved from it, round after round while the plan improves."""
     from . import prune
     pairs = prune.axis_pairs(problem)
     best, solved = None, 0
     for k, (i, j) in enumerate(pairs):
-        if k and deadline is not None and time.perf_counter() >= deadline:
+        if k and _past(deadline):
             break
-        h = start_plan(problem, budget, None if k == 0 else deadline, allowed=prune.merged_axes(problem, i, j))
+        allowed = prune.merged_axes(problem, i, j)
+        models = _Models(problem, budget, allowed)
+        h = _first(problem, budget, None if k == 0 else deadline, allowed, models)
+        if h.status != LEAST:
+            h = improve(problem, budget, h, deadline, progress, models)
         solved += 1
         if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
             best = replace(h, status=f"{h.status}; mesh axes {problem.mesh.axis_names[i]!r} and "
                                      f"{problem.mesh.axis_names[j]!r} merged")
     best = replace(best, status=f"{best.status} (best of {solved} of {len(pairs)} merged pairs)")
-    while deadline is None or time.perf_counter() < deadline:
+    while not _past(deadline):
         h = improve(problem, budget, best, deadline, progress,
                     _Models(problem, budget, prune.near(problem, best.plan[0])))
         better = h.objective_s < best.objective_s * (1 - 1e-9)
@@ -136,10 +140,14 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     return _timed_out(best, deadline)
 
 
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
+
+
 def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
     """`best`, its status saying so where the time limit ended the alternation early (the plan then
     depends on how fast this machine ran: a loaded machine may stop at a slower plan)."""
-    if deadline is None or time.perf_counter() < deadline or "time limit" in best.status:
+    if not _past(deadline) or "time limit" in best.status:
         return best
     logging.getLogger("autopar").warning(
         "planning stopped at its time limit with the plan found so far (%s): a longer time_limit (or None) "

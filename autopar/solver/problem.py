@@ -601,10 +601,17 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     shape = mesh.shape
     edges = []
     cache: dict = {}        # meta -> (layout number, layout number) -> seconds
-    numbers: dict = {}      # layout -> (its number, `layout_code`): a table hashes and codes each layout once
+    numbers: dict = {}      # layout -> (its number, `layout_code`, it): a table hashes and codes each layout once
+    gathered: dict = {}     # (number, number) -> `gathers`
 
-    def numbered(layouts) -> list[tuple[int, tuple]]:
-        return [numbers.setdefault(L, (len(numbers), layout_code(L))) for L in layouts]
+    def numbered(layouts) -> list[tuple[int, tuple, tuple]]:
+        return [numbers.setdefault(L, (len(numbers), layout_code(L), L)) for L in layouts]
+
+    def gathering(a, b) -> bool:
+        key = (a[0], b[0])
+        if key not in gathered:
+            gathered[key] = gathers(a[2], b[2])
+        return gathered[key]
 
     def reshard_seconds(meta: TensorMeta):
         """seconds(a, b): resharding a tensor of `meta` from layout a to b, each (number, code)."""
@@ -641,12 +648,12 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             cost = [[f + (0.0 if not grad else seconds(gb, g) if s is None else s[0])
                      for f, gb, s in zip(row, ngb, srow)] for row, g, srow in zip(fwd, nga, sync)]
             # a consumer that keeps its inputs for the backward keeps the resharded copy (e.g. a weight
-            # stored sharded and gathered whole for use): that copy lives until the backward
-            saved = [[meta.nbytes / shard_count(b, shape) if keeps and a != b else 0.0 for (b, _) in b_keys]
-                     for a in a_keys]
-            # otherwise the collective's output is a temporary: it lives while the consumer runs
-            temp = [[meta.nbytes / shard_count(b, shape) if not keeps and a != b else 0.0 for (b, _) in b_keys]
-                    for a in a_keys]
+            # stored sharded and gathered whole for use): that copy lives until the backward; otherwise
+            # the collective's output is a temporary: it lives while the consumer runs
+            sizes = [meta.nbytes / shard_count(b, shape) for b, _ in b_keys]
+            copy = [[size if a[0] != b[0] else 0.0 for b, size in zip(nb, sizes)] for a in na]
+            none = [[0.0] * len(nb) for _ in na]
+            saved, temp = (copy, none) if keeps else (none, copy)
             # (bucket kind, bytes, seconds more it costs reduced alone in the backward: a gradient moved
             # to the host as it is made, solver/decisions/offload.py)
             sync = [[None if s is None else (*s[1:], seconds(gb, g) - s[0]) for gb, s in zip(ngb, row)]
@@ -654,7 +661,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
             flat = [[mesh.reshard_cost(meta.shape, 0, a, b).seconds
                      if param and flat_gather_axis(a, b, meta.shape, shape) is not None else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
-            gather = tuple(tuple(gathers(a, b) for (b, _) in b_keys) for a in a_keys)
+            gather = tuple(tuple(gathering(a, b) for b in nb) for a in na)
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
                            flat if any(any(r) for r in flat) else None, gather)
         return tables[key]
