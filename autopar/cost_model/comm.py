@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -435,7 +435,6 @@ def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Co
     return rc
 
 
-@lru_cache(maxsize=1 << 16)  # pure function, called for every (edge, strategy pair) by the planner
 def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
                   sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
     steps, cur = [], list(dst)      # free steps (no bytes) first: a slice shrinks the later ones
