@@ -10,12 +10,17 @@ ratio to the reference and the planning wall time. Issue 14 asks: a longer limit
 
 Before subspaces (2026-11-24): strategies 35 s, a layout model of 1.24 million columns; with 1 s and
 60 s the answer was the most sharded plan (objective 4.12 s, no LP or MIP solve finished).
-Now (heavily loaded machine, load average 6-15 on 2 cores): each plan solves the three merged-axes
+Then (heavily loaded machine, load average 6-15 on 2 cores): each plan solved all three merged-axes
 subspaces (64k columns each, 10-15 CPU s each) for the floor, then local search (26k columns): 1 s,
-30 s and 120 s all give objective 0.9785 s (step 0.9827 s), 200-280 s wall per plan under that load;
-the local search found no better plan within one mesh axis, and a 5-minute search within two axes
-(371k columns, run once, `heuristic.improve` on `prune.near(..., 2)`) found 0.9765 s: 1 s of solving
-is within 1.002x of that best. Longer never slower: true.
+30 s and 120 s all gave objective 0.9785 s (step 0.9827 s), 200-280 s wall and ~60 CPU s per plan
+(edge tables 17, subspaces 36); a 5-minute search within two axes (371k columns, run once,
+`heuristic.improve` on `prune.near(..., 2)`) found 0.9765 s, the best known.
+Now (2026-11-25, load average ~8; `--limits 1 --best-limit 30`): reshards priced on placement codes
+and the floor only the first merged pair's most sharded and LP-rounded plans (`prune.axis_pairs`:
+axes b and c, inside nodes), the rest while time remains. Limit 1: objective 0.9789 s (step 0.9829 s),
+10 CPU s of planning (capture 1.5, strategies 4.9 of which edge tables 3.5, solve 3.5), 15-16 s wall:
+1.0024x the best known. Limit 30: 0.9785 s (all three pairs solved), 41 s wall; peak RSS 1 GB. Longer never slower:
+true.
 """
 from __future__ import annotations
 

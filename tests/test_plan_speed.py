@@ -49,8 +49,8 @@ def whole(tight):
 
 def test_longer_time_limit_never_gives_a_slower_plan(tight, whole):
     """This (2, 2, 2) model's layout model (152k columns) is solved in subspaces (Llama-3-8B on (4, 4, 4):
-    1.24M): the best plan with two mesh axes merged is the floor, found whatever the time limit; local
-    search improves on it while time remains."""
+    1.24M): the alternation's first plans with two mesh axes merged are the floor, found whatever the
+    time limit; the MIP there, the other merged pairs and local search improve on it while time remains."""
     plans = [_plan(t, tight) for t in (0.01, 1.0, 4.0)]
     steps = [p.solver.objective_s for p in plans]          # what the solver minimises
     assert all(p.solver.status.startswith("Feasible (solved in subspaces") for p in plans)
