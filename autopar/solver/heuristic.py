@@ -46,12 +46,13 @@ class Heuristic:
 
 
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
-               allowed: dict[str, tuple[int, ...]] | None = None) -> Heuristic:
+               allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False) -> Heuristic:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
-    searched among these strategies only (`StrategyILP`'s argument)."""
+    searched among these strategies only (`StrategyILP`'s argument). `floor`: steps 1 and 2 run to
+    their end whatever the deadline (their plan is the same on every run)."""
     models = _Models(problem, budget, allowed)
-    best = _first(problem, budget, deadline, allowed, models)
+    best = _first(problem, budget, None if floor else deadline, allowed, models)
     if best.status == LEAST:
         return best
     return improve(problem, budget, best, deadline, progress, models)
@@ -119,11 +120,7 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     for k, (i, j) in enumerate(pairs):
         if k and _past(deadline):
             break
-        allowed = prune.merged_axes(problem, i, j)
-        models = _Models(problem, budget, allowed)
-        h = _first(problem, budget, None if k == 0 else deadline, allowed, models)
-        if h.status != LEAST:
-            h = improve(problem, budget, h, deadline, progress, models)
+        h = start_plan(problem, budget, deadline, progress, prune.merged_axes(problem, i, j), floor=k == 0)
         solved += 1
         if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
             best = replace(h, status=f"{h.status}; mesh axes {problem.mesh.axis_names[i]!r} and "
