@@ -15,12 +15,14 @@ subspaces (64k columns each, 10-15 CPU s each) for the floor, then local search 
 30 s and 120 s all gave objective 0.9785 s (step 0.9827 s), 200-280 s wall and ~60 CPU s per plan
 (edge tables 17, subspaces 36); a 5-minute search within two axes (371k columns, run once,
 `heuristic.improve` on `prune.near(..., 2)`) found 0.9765 s, the best known.
-Now (2026-11-25, load average ~8; `--limits 1 --best-limit 30`): reshards priced on placement codes
-and the floor only the first merged pair's most sharded and LP-rounded plans (`prune.axis_pairs`:
-axes b and c, inside nodes), the rest while time remains. Limit 1: objective 0.9789 s (step 0.9829 s),
-10 CPU s of planning (capture 1.5, strategies 4.9 of which edge tables 3.5, solve 3.5), 15-16 s wall:
-1.0024x the best known. Limit 30: 0.9785 s (all three pairs solved), 41 s wall; peak RSS 1 GB. Longer never slower:
-true.
+Now (2026-11-25; `--limits 1 --best-limit 30`): reshards priced on placement codes and the floor
+only the first merged pair's most sharded and LP-rounded plans (`prune.axis_pairs`: axes b and c,
+inside nodes), the rest while time remains. Limit 1: objective 0.9802 s (step 0.9832 s), 1.004x the
+best known, in 13 CPU s of planning (capture 2.0, strategies 6.3 of which edge tables 4.3, solve
+4.7; 12-15 s wall at load average 3) where the three floors took 40 CPU s (capture 1.8, strategies
+12.4, solve 26.0) under the same load. Limit 30: 0.9802 s too (two of the three pairs solved by the
+limit; 83 s wall, a step started before the limit runs its models' builds and LP to the end); peak
+RSS 1 GB. Longer never slower: true.
 """
 from __future__ import annotations
 
