@@ -1,23 +1,21 @@
-"""Smaller layout models: subspaces of strategies for a quick floor plan, and strategies no better
-plan can use.
+"""Smaller layout models: subspaces of strategies where the whole model is too large to solve.
 
 On a mesh of three or more axes every tensor has (ndim + 1)^axes layouts and every edge the
 square of that in pair columns (Hugging Face Llama-3-8B on (4, 4, 4): 1.24 million columns, no LP
-solved in minutes). Two reductions, both leaving the problem's indices as they are (an
-`allowed` set of strategy indices per representative leader, `StrategyILP(allowed=)`):
+solved in minutes). A subspace leaves the problem's indices as they are (an `allowed` set of
+strategy indices per representative leader, `StrategyILP(allowed=)`):
 
 * `merged_axes(problem, i, j)`: the strategies that do the same on mesh axes i and j (the same
   label and placement of every tensor), i.e. the plans of the mesh with axes i and j merged into
   one of their product. Its model is the size of one with an axis fewer (Llama-3-8B on (4, 4, 4):
   a (4, 16)-sized model). A heuristic restriction: a plan found there is a plan of the full
   problem, priced by the full problem's tables, but the full optimum may lie outside it.
-* `within_bound(problem, upper)`: strategies no plan at most `upper` seconds (what the ILP
-  minimises) can use; exact. The objective is a sum of non-negative terms: each decision's
-  compute, each edge's reshard, each family's seconds. Let G_r[i] be the compute of
-  representative r's linked group (every leader sharing its variables, every node merged into
-  them) when it picks i, and LB = sum_r min_i G_r[i], a lower bound on any plan's objective. A
-  plan where r picks i costs at least LB - min G_r + G_r[i]; if that exceeds `upper`, no plan
-  using i beats a known plan of objective `upper`, so i is dropped.
+* `near(problem, choice)`: the strategies within one mesh axis of a plan's, where local search
+  looks for a better one.
+
+Exact pruning by a lower bound (each representative's cheapest compute summed) was tried and
+dropped: on Llama-3-8B over (4, 4, 4) the bound is 0.39 s against plans of 0.98 s, and it kept
+12,411 of 12,484 strategies.
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from collections import defaultdict
 from .problem import Problem
 
 Allowed = dict[str, tuple[int, ...]]
-SLACK = 1e-9      # relative: a strategy exactly at the bound is kept (the known plan's own)
 
 
 def _groups(problem: Problem) -> dict[str, list]:
@@ -70,25 +67,6 @@ def axis_pairs(problem: Problem) -> list[tuple[int, int]]:
         slow, fast = sorted(bw[a] for a in pair)
         return -slow, -fast, pair
     return sorted(((a, b) for k, a in enumerate(axes) for b in axes[k + 1:]), key=speed)
-
-
-def group_compute(problem: Problem) -> dict[str, list[float]]:
-    """G_r[i]: representative r's linked group's compute seconds per choice."""
-    out: dict[str, list[float]] = {}
-    for r, members in _groups(problem).items():
-        n = problem.n_choices(r)
-        out[r] = [sum(d.compute_s[k] for d in members) for k in range(n)]
-    return out
-
-
-def within_bound(problem: Problem, upper: float) -> tuple[Allowed, float]:
-    """(per representative, the strategies a plan of objective <= `upper` can use; LB, the lower bound
-    on every plan's objective the pruning used). See the module's docstring."""
-    g = group_compute(problem)
-    lb = sum(min(v) for v in g.values())
-    room = upper - lb + SLACK * max(abs(upper), 1.0)
-    allowed = {r: tuple(k for k, c in enumerate(v) if c - min(v) <= room) for r, v in g.items()}
-    return allowed, lb
 
 
 def near(problem: Problem, choice: dict[str, int], axes: int = 1) -> Allowed:
