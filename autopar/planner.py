@@ -6,7 +6,6 @@ import gc
 import hashlib
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -147,16 +146,15 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
-    with SymbolicTrace(source if opts.symbolic else None, cap, infos) as sym:
-        try:
-            result, priced = _solve_within(problem, budget, opts)
-        except InfeasibleError as e:
-            raise _with_hint(e, cap, infos, mesh, opts) from None
-        plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
-        _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
-        t_scaling = time.perf_counter()
-        plan.scaling = _scaling(cap, problem, result.choice, opts, budget, sym, plan)
-        t_scaling = time.perf_counter() - t_scaling
+    try:
+        result, priced = _solve_within(problem, budget, opts)
+    except InfeasibleError as e:
+        raise _with_hint(e, cap, infos, mesh, opts) from None
+    plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
+    _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
+    t_scaling = time.perf_counter()
+    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
+    t_scaling = time.perf_counter() - t_scaling
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
@@ -315,50 +313,13 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
     return collectives, per_axis
 
 
-class SymbolicTrace:
-    """The variable-size trace of the model (`symbolic_graph`), run in a thread while the ILP is
-    built and solved: HiGHS releases the GIL while it runs, so on two cores the trace (1.3 s of
-    Llama-3-8B's planning) costs no wall time where the solve is as long. `source` None: nothing
-    to trace. The main thread touches neither the model nor torch meanwhile (the solve phase is
-    plain Python over the problem's numbers, and reads the captured graph only), and the exit
-    waits for the thread on every path, so the user's model (`_short_stacks` swaps its block
-    list while tracing) is whole again before planning returns or raises."""
-
-    def __init__(self, source: tuple | None, cap: Captured, infos):
-        self.source, self.cap, self.infos = source, cap, infos
-        self.graph = self.error = None
-        self.thread = threading.Thread(target=self._run, name="autopar-symbolic-trace", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.graph = symbolic_graph(*self.source, self.cap, self.infos)
-        except Exception as e:  # noqa: BLE001 - handed to the planning thread, which raises it (`result`)
-            self.error = e
-
-    def __enter__(self) -> SymbolicTrace:
-        if self.source is not None:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.source is not None:
-            self.thread.join()
-
-    def result(self):
-        """The SymbolicGraph (waits for the thread); the trace's exception where it raised one."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.graph
-
-
-def _scaling(cap, problem, choice, opts: PlanOptions, budget: float, sym: SymbolicTrace, plan: Plan) -> Scaling:
+def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
     if not opts.symbolic:
         return Scaling(unavailable="not asked for (symbolic=False)")
-    if sym.source is None:
+    if source is None:
         return Scaling(unavailable="the graph was given without its model (torch.compile)")
     try:
-        return build_scaling(cap, problem, choice, sym.result(), opts, budget,
+        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget,
                              {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload})
     except SymbolicUnavailable as e:
         return Scaling(unavailable=str(e))

@@ -168,30 +168,3 @@ def test_scaling_covers_memory_decisions():
             want = autopar.estimate(model, gpt_inputs(batch=b, seq=s, vocab=64), mesh, plan)
             assert _same(got.step_time_s, want.step_time_s) and _same(got.peak_memory_bytes, want.peak_memory_bytes)
         assert plan.largest_batch() >= 8
-
-
-def test_symbolic_trace_runs_beside_the_solve_and_leaves_the_model_whole(monkeypatch):
-    """The variable-size trace runs in a thread while the ILP is solved (`planner.SymbolicTrace`);
-    planning waits for it on every way out, so the user's block list is back even where the solve
-    raises."""
-    import threading
-
-    import autopar.passes.symbolic_shapes as ss
-    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=6)
-    blocks = model.blocks
-    inputs = gpt_inputs(batch=8, seq=16, vocab=64)
-    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    threads = []
-    real = ss.capture
-
-    def spy(m, *a, **k):
-        threads.append(threading.current_thread().name)
-        return real(m, *a, **k)
-
-    monkeypatch.setattr(ss, "capture", spy)
-    with pytest.raises(autopar.InfeasibleError):
-        autopar.plan(model, inputs, mesh, memory_budget=1)
-    assert model.blocks is blocks and len(model.blocks) == 6
-    plan = autopar.plan(model, inputs, mesh)
-    assert threads == ["autopar-symbolic-trace"] * 2
-    assert not plan.scaling.unavailable and plan.estimate_at(batch=16).step_time_s > 0
