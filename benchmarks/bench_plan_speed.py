@@ -17,9 +17,7 @@
   (Megatron's micro-batch size 1 per data-parallel rank: 16 x 2048); target: a few seconds.
 Memory families are on ("auto"). Prints one JSON line: wall and CPU seconds per phase (capture,
 strategies, build: the solve phase less the time inside the MIP solver, solve: that time,
-scaling), end to end, peak RSS, ILP size, solver status and the plan's step time. The variable-size
-trace for symbolic scaling runs in a thread during build and solve (`planner.SymbolicTrace`): its
-CPU seconds count there, and scaling's wall seconds are the pricing plus any wait for the trace.
+scaling), end to end, peak RSS, ILP size, solver status and the plan's step time.
 The machine is shared: CPU seconds are the steadier measure when others load it (both are printed).
 `--all` runs every model, each in its own process (so that peak RSS is that run's own).
 """
