@@ -52,16 +52,17 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     searched among these strategies only (`StrategyILP`'s argument). `floor`: steps 1 and 2 run to
     their end whatever the deadline (their plan is the same on every run)."""
     models = _Models(problem, budget, allowed)
-    best = _first(problem, budget, None if floor else deadline, allowed, models)
+    best = _first(problem, budget, None if floor else deadline, models)
     if best.status == LEAST:
         return best
     return improve(problem, budget, best, deadline, progress, models)
 
 
-def _first(problem, budget: float, deadline: float | None, allowed, models: _Models) -> Heuristic:
-    """Steps 1 and 2: the most sharded plan, then the LP relaxation's layouts rounded, the better."""
+def _first(problem, budget: float, deadline: float | None, models: _Models) -> Heuristic:
+    """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
+    relaxation's layouts rounded, the better."""
     from .ilp import infeasible, least_memory, most_sharded
-    choice = most_sharded(problem, allowed)
+    choice = most_sharded(problem, models.allowed)
     options = families_for(problem, budget, choice)
     if options is None:     # a budget near the minimum: the plan that needs least, if it fits
         plan, need = least_memory(problem)
@@ -84,11 +85,10 @@ def _free(problem) -> bool:
     return any(len(g.allowed) > 1 for g in problem.families.groups)
 
 
-def improve(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool = False,
-            models: _Models | None = None) -> Heuristic:
+def improve(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool,
+            models: _Models) -> Heuristic:
     """Step 3 from `best`: layouts for its options (among `models`' allowed strategies), then the
     best options for those layouts, while the plan improves; never worse than `best`."""
-    models = models or _Models(problem, budget)
     for _ in range(ROUNDS if _free(problem) else 1):
         if _past(deadline):
             break
