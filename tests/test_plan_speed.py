@@ -66,7 +66,7 @@ def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
     best = _plan(None, 1.6 * 2**30, shape=(4,))
     monkeypatch.setattr(mip, "highs_available", lambda: False)
     plan = _plan(None, 1.6 * 2**30, shape=(4,))
-    assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status == "Optimal"
+    assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status.startswith("Optimal")
     assert plan.solver.objective_s == pytest.approx(best.solver.objective_s, rel=1e-6)
 
 
@@ -77,7 +77,7 @@ def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypa
     from autopar.solver import ilp
     tight = 0.75 * _plan(None, float("inf"), shape=(2, 4)).estimate.peak_memory_bytes
     joint = _plan(None, tight, shape=(2, 4))
-    assert joint.solver.status == "Optimal"
+    assert joint.solver.status.startswith("Optimal")
     monkeypatch.setattr(ilp, "JOINT_MAX_COLUMNS", 0)
     alone = _plan(None, tight, shape=(2, 4))
     assert alone.solver.status.startswith("Feasible (layouts and memory options alternated")
