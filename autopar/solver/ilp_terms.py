@@ -197,23 +197,17 @@ class FamilyTerms:
                 out[z] = out.get(z, 0) + 1
         return out
 
-    def freed_at(self, positions) -> list[dict]:
-        """Per point (at increasing `positions`, forward and backward): z variable -> how many items
-        it stands for that are freed there (after < position <= until), in one sweep over the items'
-        intervals."""
-        change: list[dict] = [{} for _ in range(len(positions) + 1)]
+    def freed_changes(self, positions) -> list[tuple[int, int, int]]:
+        """(point, z variable, +1 or -1): where each freed item's interval (after < position <= until)
+        starts and ends among the points (at increasing `positions`, forward and backward); summed up
+        to a point, how many items each z stands for are freed there."""
+        out = []
         for f, z in self.z:
             lo, hi = bisect.bisect_right(positions, f.after), bisect.bisect_right(positions, f.until)
             if lo < hi:
-                change[lo][z] = change[lo].get(z, 0) + 1
-                change[hi][z] = change[hi].get(z, 0) - 1
-        out, now = [], {}
-        for step in change[:-1]:
-            for z, n in step.items():
-                now[z] = now.get(z, 0) + n
-                if not now[z]:
-                    del now[z]
-            out.append(dict(now))
+                out.append((lo, z, 1))
+                if hi < len(positions):
+                    out.append((hi, z, -1))
         return out
 
     def add_tiers(self, capacity: dict[str, float]) -> None:

@@ -31,7 +31,6 @@ class MemoryRows:
         for z, n in ilp.terms.freed_throughout(live.step_end).items():   # optimizer state, gradients offloaded
             self.whole[z] = self.whole.get(z, 0.0) - n * GIB
         self.n = len(live.points)
-        self.frees = ilp.terms.freed_at(live.positions) if self.n else []   # per point: z -> items freed
         self._coefs: dict = {}
         self._arrays: tuple | None = None     # `values`' arrays, made at its first call
         if "memory_rows" not in ilp.shared:      # the layout columns' part: the same for every model sharing them
@@ -121,18 +120,26 @@ class MemoryRows:
         want = set(points)
         out: dict[int, dict[int, float]] = {}
         parts: list[dict] = [{}, {}, {}]
+        freed: dict[int, int] = {}              # z -> items freed at the point
+        steps: list[dict] = [{} for _ in range(self.n)]
+        for t, z, n in self.ilp.terms.freed_changes(self.ilp.p.live.positions) if want else ():
+            steps[t][z] = steps[t].get(z, 0) + n
         for t in range(min(self.n, max(want) + 1) if want else 0):
             for part, sign, coefs in self.events[t]:
                 d = parts[part]
                 for v, c in coefs:
                     d[v] = d.get(v, 0.0) + sign * c
+            for z, n in steps[t].items():
+                freed[z] = freed.get(z, 0) + n
+                if not freed[z]:
+                    del freed[z]
             if t in want:
-                out[t] = self._row(t, parts)
+                out[t] = self._row(t, parts, freed)
         if self.n in want:
             out[self.n] = _in_gib(self.whole)
         return out
 
-    def _row(self, t: int, parts: list[dict]) -> dict[int, float]:
+    def _row(self, t: int, parts: list[dict], freed: dict[int, int]) -> dict[int, float]:
         temps: dict = {}
         for v, c in self.temps[t]:
             temps[v] = temps.get(v, 0.0) + c
@@ -141,13 +148,13 @@ class MemoryRows:
         for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS], backward):
             for v, c in part.items():
                 total[v] = total.get(v, 0.0) + c
-        for z, n in self.frees[t].items():
+        for z, n in freed.items():
             total[z] = total.get(z, 0.0) - n * GIB    # z is in GiB already
         return _in_gib(total)
 
     def values(self, x) -> list[float]:
         """Every row's left side (GiB) at column values `x`, from the events (to find violated rows):
-        the events, temporaries and frees as (point, column, coefficient) arrays, made once, so that
+        the events, temporaries and frees (as they change) as (point, column, coefficient) arrays, made once, so that
         pricing a solution is a few vector operations (a loop over the events took 60 ms a call on
         Llama-3-8B over 64 devices)."""
         import numpy as np
@@ -161,18 +168,17 @@ class MemoryRows:
 
         run = np.cumsum(per_point(ev_t, ev_v, ev_c))
         rows = (_dot(state, x) + run + per_point(tm_t, tm_v, tm_c) + extra[0] + _dot(buckets, x) * extra[1]) / GIB \
-            - per_point(fr_t, fr_v, fr_c)
+            - np.cumsum(per_point(fr_t, fr_v, fr_c))
         return rows.tolist() + [_dot(whole, x) / GIB]
 
     def _as_arrays(self) -> tuple:
         import numpy as np
         live = self.ilp.p.live
         if "memory_arrays" not in self.ilp.shared:      # the events' and temporaries': shared like them
-            per_point = ([[(sign, coefs) for _, sign, coefs in ev] for ev in self.events],
-                         [[(1.0, tuple(tm))] for tm in self.temps])
-            self.ilp.shared["memory_arrays"] = tuple(_triples(p) for p in per_point)
+            self.ilp.shared["memory_arrays"] = (_events(self.events),
+                                                _flat((t, v, c) for t, tm in enumerate(self.temps) for v, c in tm))
         events, temps = self.ilp.shared["memory_arrays"]
-        frees = _triples([[(1.0, tuple(f.items()))] for f in self.frees])
+        frees = _flat(self.ilp.terms.freed_changes(live.positions) if self.n else ())
         backward = np.asarray([where > live.last for where in live.positions[:self.n]], dtype=np.float64)
         extra = (np.asarray(self.fixed[:self.n], dtype=np.float64), backward)
         return events, temps, frees, _pairs(self.state.items()), _pairs(self.buckets), _pairs(self.whole.items()), extra
@@ -186,24 +192,31 @@ def _pairs(items) -> tuple:
             np.fromiter((c for _, c in items), dtype=np.float64, count=len(items)))
 
 
-def _triples(per_point: list) -> tuple:
-    """(point, column, coefficient) arrays of per point lists of (sign, (column, coefficient) pairs);
-    the pairs' tuples repeat across points (one per node or edge), so each is converted once."""
+def _flat(triples) -> tuple:
+    """(point, column, coefficient) arrays of (point, column, coefficient) triples."""
+    import numpy as np
+    t, v, c = zip(*triples) if (triples := list(triples)) else ((), (), ())
+    return np.asarray(t, dtype=np.int64), np.asarray(v, dtype=np.int64), np.asarray(c, dtype=np.float64)
+
+
+def _events(events: list) -> tuple:
+    """`_flat` of the events' signed terms; an event's (column, bytes) tuple is one per node or edge,
+    met at many points, so each is converted once (270k terms on Llama-3-8B over 64 devices)."""
     import numpy as np
     known: dict[int, tuple] = {}
     points, cols, coefs = [], [], []
-    for t, items in enumerate(per_point):
-        for sign, pairs in items:
+    for t, ev in enumerate(events):
+        for _, sign, pairs in ev:
             if not pairs:
                 continue
             if id(pairs) not in known:
-                known[id(pairs)] = (pairs, _pairs(pairs))
+                known[id(pairs)] = (pairs, _pairs(pairs))     # the tuple is kept: its id stays its own
             v, c = known[id(pairs)][1]
             points.append(np.full(len(v), t, dtype=np.int64))
             cols.append(v)
-            coefs.append(c if sign == 1.0 else sign * c)
+            coefs.append(sign * c)
     if not points:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+        return _flat(())
     return np.concatenate(points), np.concatenate(cols), np.concatenate(coefs)
 
 
