@@ -84,3 +84,21 @@ def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypa
     assert alone.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
     assert alone.solver.objective_s <= 1.05 * joint.solver.objective_s
     assert alone.solver.objective_s >= joint.solver.objective_s * (1 - 1e-3)      # the joint model's gap
+
+
+def test_rounded_lp_relaxation_is_within_the_mip_gap(monkeypatch):
+    """A large layout model (here (2, 4) with memory decisions: 13k columns) first solves its LP
+    relaxation and rounds it; where the rounded plan is within the MIP gap of the relaxation's bound,
+    that is the answer (the guarantee the MIP solver's own stop gives). Forcing the MIP everywhere
+    gives a plan of the same objective within that gap, and both fit the budget."""
+    from autopar.solver import ilp
+    tight = 0.75 * _plan(None, float("inf"), shape=(2, 4)).estimate.peak_memory_bytes
+    monkeypatch.setattr(ilp, "PRESOLVE_MAX_COLUMNS", float("inf"))     # every model solved as a MIP
+    by_mip = _plan(None, tight, shape=(2, 4))
+    monkeypatch.setattr(ilp, "PRESOLVE_MAX_COLUMNS", 0)                # every model's relaxation rounded first
+    rounded = _plan(None, tight, shape=(2, 4))
+    assert "LP relaxation rounded" not in by_mip.solver.status
+    assert "LP relaxation rounded" in rounded.solver.status
+    assert rounded.solver.objective_s == pytest.approx(by_mip.solver.objective_s, rel=mip.MIP_GAP)
+    for p in (by_mip, rounded):
+        assert p.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
