@@ -93,9 +93,9 @@ def test_rounded_lp_relaxation_is_within_the_mip_gap(monkeypatch):
     gives a plan of the same objective within that gap, and both fit the budget."""
     from autopar.solver import ilp
     tight = 0.75 * _plan(None, float("inf"), shape=(2, 4)).estimate.peak_memory_bytes
-    monkeypatch.setattr(ilp, "PRESOLVE_MAX_COLUMNS", float("inf"))     # every model solved as a MIP
+    monkeypatch.setattr(ilp, "ROUND_FROM", float("inf"))     # every model solved as a MIP
     by_mip = _plan(None, tight, shape=(2, 4))
-    monkeypatch.setattr(ilp, "PRESOLVE_MAX_COLUMNS", 0)                # every model's relaxation rounded first
+    monkeypatch.setattr(ilp, "ROUND_FROM", 0)                # every model's relaxation rounded first
     rounded = _plan(None, tight, shape=(2, 4))
     assert "LP relaxation rounded" not in by_mip.solver.status
     assert "LP relaxation rounded" in rounded.solver.status

@@ -58,7 +58,7 @@ from ..errors import InfeasibleError
 from .evaluate import evaluate
 from .ilp_terms import FamilyTerms
 from .memory_rows import GIB, MemoryRows
-from .mip import INF, MIP_GAP, PRESOLVE_MAX_COLUMNS, Defined, Mip, MipResult
+from .mip import INF, MIP_GAP, Defined, Mip, MipResult
 from .problem import Problem
 
 # HiGHS and CBC accept a MIP row within 1e-6 of its bound (their MIP feasibility tolerance); memory
@@ -75,6 +75,10 @@ LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small
 # 104k rows whose first solve took HiGHS 13 s and which found no plan better than the alternation's in
 # a minute; the 4-block test models: a few hundred columns, joint optimum in well under a second).
 JOINT_MAX_COLUMNS = 10_000
+# A MIP of this many columns or more first rounds its LP relaxation (`StrategyILP.solve_lazy`): HiGHS's
+# MIP costs seconds there (Llama-3-8B over 64 devices, 68k columns: 1.0-1.5 s against the LP's 0.09 s);
+# the option models (3k columns) and the test models' MIPs take it hundredths of a second.
+ROUND_FROM = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,7 @@ class StrategyILP:
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
         self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
         self.add_layouts(choice, allowed or {})
+        self.m.presolve = choice is not None        # layouts fixed: presolve removes nearly every row
         self.terms = FamilyTerms(self, options)
         self.memory: MemoryRows | None = None           # (D) rows by point, in GiB (added lazily)
         self.memory_added: dict[int, int] = {}          # point -> its row in the model
@@ -279,10 +284,10 @@ class StrategyILP:
         MIP_GAP of the relaxation's bound, it is the answer, with the guarantee the MIP solver's own
         stop gives (on Llama-3-8B over 64 devices the relaxation leaves 2 of 2,967 binaries
         fractional: 0.09 s against 1.0-1.5 s for HiGHS's MIP, the same plan); otherwise it starts the
-        MIP where it is better than `start`. Small models (fewer than PRESOLVE_MAX_COLUMNS columns)
-        go to the MIP straight away: presolved, it takes HiGHS about as long as the relaxation.
+        MIP where it is better than `start`. Models of fewer than ROUND_FROM columns go to the MIP
+        straight away (their MIPs take HiGHS hundredths of a second).
         `relax`: the LP relaxation only."""
-        if relax or not self.m.integer or self.m.n_cols < PRESOLVE_MAX_COLUMNS:     # small: presolved, quick
+        if relax or not self.m.integer or self.m.n_cols < ROUND_FROM:
             return self._solve_rows(deadline, start, progress, relax)
         lp = self._solve_rows(deadline, None, progress, True)
         if lp.values is None:

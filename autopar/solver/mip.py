@@ -27,10 +27,9 @@ MIP_GAP = 1e-3
 # The MIPs are solved without it too: there it took a third of the MIP (2.1 against 3.3 CPU s, the
 # root LP's rounding then finds the optimum), and removed 600 of 68k columns; the plan it ends at has
 # the same objective, step time and peak (GPT-3 175B's pipeline search: the same plan).
-# Models of fewer columns than PRESOLVE_MAX_COLUMNS are presolved: the family options' models (layouts
-# fixed: ~3k columns, ~8.5k rows of which presolve removes nearly all) solve in 0.01-0.02 s with it
-# and took up to 0.75 s without it (Llama-3-8B over 64 devices, the most sharded plan's options).
-PRESOLVE_MAX_COLUMNS = 10_000
+# The models that ask for it (`Mip.presolve`) are presolved: the family options' models, whose layouts
+# are fixed (~3k columns, ~8.5k rows of which presolve removes nearly all), solve in 0.01-0.02 s with
+# it and took up to 0.75 s without (Llama-3-8B over 64 devices, the most sharded plan's options).
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +66,11 @@ class Mip:
     row_start: list[int] = field(default_factory=lambda: [0])
     row_index: list[int] = field(default_factory=list)
     row_value: list[float] = field(default_factory=list)
+    presolve: bool = False          # let the solver presolve (see above)
 
     def copy(self) -> Mip:
         return Mip(*(list(getattr(self, f)) for f in ("col_lo", "col_hi", "cost", "integer", "row_lo", "row_hi",
-                                                       "row_start", "row_index", "row_value")))
+                                                       "row_start", "row_index", "row_value")), self.presolve)
 
     @property
     def n_cols(self) -> int:
@@ -162,7 +162,7 @@ def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None, re
     h.setOptionValue("primal_feasibility_tolerance", 1e-9)
     h.setOptionValue("mip_feasibility_tolerance", 1e-9)
     h.setOptionValue("mip_rel_gap", MIP_GAP)
-    h.setOptionValue("presolve", "on" if m.n_cols < PRESOLVE_MAX_COLUMNS else "off")
+    h.setOptionValue("presolve", "on" if m.presolve else "off")
     if time_limit is not None:
         h.setOptionValue("time_limit", float(max(time_limit, 1e-3)))
     n = m.n_cols
