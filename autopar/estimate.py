@@ -126,7 +126,8 @@ class StepEstimate:
 
 def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Mapping | None = None, *,
              example_kwargs: dict | None = None, batch_axes: Sequence[str] | None = None,
-             pipeline: Pipeline | Mapping | None = None, recompute: bool | str | None = None,
+             sharded_outputs: bool = False, pipeline: Pipeline | Mapping | None = None,
+             recompute: bool | str | None = None,
              residency: str | None = None, offload: str | None = None, grad_overlap: float | None = None,
              bucket_bytes: float | None = None, optimizer: str = "adamw", precision: str = "auto",
              time_limit: float | None = 60.0, **removed) -> StepEstimate:
@@ -137,6 +138,9 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     plan: a `Plan` (priced as planned: give none of pipeline=, recompute=, residency=, offload=), a dict
       of pins, or None (autopar chooses the layouts; the other families are fixed as given).
     batch_axes: mesh axes over which inputs arrive split on dim 0 (data parallelism).
+    sharded_outputs: outputs stay in their planned layout (as `autopar.plan`'s option) instead of
+      gathered whole on every device: a model that returns its logits beside its loss (Hugging Face's
+      causal LMs) and whose caller uses only the loss, as torchtitan's training loop does.
     pipeline: `Pipeline(...)` or the planner's dict (axis, stages, microbatches, schedule, virtual_stages;
       keys left out are chosen by the planner).
     recompute: "none" (default; False), "selective", or "full" (True) for every layer.
@@ -153,15 +157,16 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     mesh = _priced_on(mesh, grad_overlap, bucket_bytes)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(plan, Plan):
-        if pipeline is not None or recompute is not None or residency is not None or offload is not None:
-            raise ValueError("an autopar Plan decides its own recomputation, memory and pipeline: estimate it as "
-                             "planned (no pipeline=, recompute=, residency=, offload=), or pass pins for a "
-                             "hand-written configuration")
+        if (pipeline is not None or recompute is not None or residency is not None or offload is not None
+                or sharded_outputs):
+            raise ValueError("an autopar Plan decides its own recomputation, memory, outputs and pipeline: "
+                             "estimate it as planned (no pipeline=, recompute=, residency=, offload=, "
+                             "sharded_outputs=), or pass pins for a hand-written configuration")
         cap = capture(model, *microbatch(args, example_kwargs, plan.pipeline.microbatches))
         infos = annotate(cap.gm)
     else:
-        plan, cap, infos = _written_plan(model, args, example_kwargs, mesh, plan, batch_axes, pipeline, recompute,
-                                         residency, offload, optimizer, precision, time_limit)
+        plan, cap, infos = _written_plan(model, args, example_kwargs, mesh, plan, batch_axes, sharded_outputs,
+                                         pipeline, recompute, residency, offload, optimizer, precision, time_limit)
     pp = plan.pipeline
     return _estimate_plan(cap, infos, mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
 
@@ -180,8 +185,8 @@ def _priced_on(mesh: Mesh, grad_overlap: float | None, bucket_bytes: float | Non
     return Mesh(mesh.shape, mesh.axis_names, dataclasses.replace(prof, **want))
 
 
-def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, pipeline, recompute, residency, offload,
-                  optimizer, precision, time_limit):
+def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, sharded_outputs, pipeline, recompute,
+                  residency, offload, optimizer, precision, time_limit):
     """The Plan a hand-written configuration describes (the planner with every family fixed, as
     `autopar.plan` with these options makes it), and the capture of one microbatch it was made on."""
     pipe = _pipeline_option(pipeline)
@@ -191,7 +196,8 @@ def _written_plan(model, args, kwargs, mesh: Mesh, pins, batch_axes, pipeline, r
                 for n, p in pins.items()}
     modes = {None: "none", False: "none", True: "full"}
     opts = PlanOptions(math.inf, dict(pins) if pins else None, tuple(batch_axes) if batch_axes else None,
-                       optimizer=optimizer, time_limit=time_limit, progress=False, symbolic=False,
+                       sharded_outputs=sharded_outputs, optimizer=optimizer, time_limit=time_limit, progress=False,
+                       symbolic=False,
                        recompute=modes.get(recompute, recompute), residency=residency or "keep",
                        offload=offload or "none", precision=precision, pipeline=pipe)
     m = pipe.get("microbatches") if pipe else 1

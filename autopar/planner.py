@@ -204,7 +204,9 @@ def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Pro
 
 
 def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> InfeasibleError:
-    """Say which memory families, if the options forbid any, would lower the minimum, and to what."""
+    """Say which options would lower the minimum: outputs returned whole where they dominate it, and
+    the memory families the options forbid, and to what they would lower it."""
+    e = _outputs_hint(e, cap, infos, opts)
     fixed = {k: getattr(opts, k) for k in ("recompute", "residency", "offload") if getattr(opts, k) != "auto"}
     if not fixed or e.min_memory_bytes is None:
         return e
@@ -216,6 +218,25 @@ def _with_hint(e: InfeasibleError, cap: Captured, infos, mesh: Mesh, opts: PlanO
     return InfeasibleError(f"{e} With {', '.join(f'{k}=auto' for k in fixed)} (instead of "
                            f"{', '.join(f'{k}={v!r}' for k, v in fixed.items())}) it needs {need / 2**30:.3f} GiB.",
                            e.min_memory_bytes)
+
+
+def _outputs_hint(e: InfeasibleError, cap: Captured, infos, opts: PlanOptions) -> InfeasibleError:
+    """Name the outputs returned whole where they are at least half the least-memory plan's need: each
+    is gathered whole on every device at the end of the forward (a Hugging Face causal LM returns
+    its logits beside its loss: 501 GiB on Llama-3-70B at batch 256 x 8192, held by every device)."""
+    if opts.sharded_outputs or e.min_memory_bytes is None:
+        return e
+    out = next(n for n in cap.gm.graph.nodes if n.op == "output")
+    whole = sorted((infos[a.name].out[0] for a in infos[out.name].ins if a.name in infos and infos[a.name].out),
+                   key=lambda m: -m.nbytes)
+    total = sum(m.nbytes for m in whole)
+    if total < e.min_memory_bytes / 2:
+        return e
+    shown = ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in whole[:3]
+                      if m.nbytes >= total / 100)
+    return InfeasibleError(f"{e} The outputs, returned whole, take {total / 2**30:.3f} GiB on every device "
+                           f"({shown}): sharded_outputs=True leaves them in their planned layout (where the caller "
+                           f"uses only the loss, a model's logits then stay split).", e.min_memory_bytes)
 
 
 def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: Mesh, opts: PlanOptions,

@@ -7,7 +7,9 @@
   ffn 14336, 32 heads, 8 KV heads, vocabulary 128,256), bf16, batch 64 x 4096,
   `Mesh((8, 8), ("dp", "tp"), "h100")`; target: 5 s end to end, symbolic scaling included.
 * llama3-70b: the Llama-3-70B config (80 layers, hidden 8192, ffn 28672, 64 heads, 8 KV heads),
-  bf16, as torchtitan trains it on 256 H100: FSDP 32 x TP 8, local batch 8 x 8192 (global 256).
+  bf16, as torchtitan trains it on 256 H100: FSDP 32 x TP 8, local batch 8 x 8192 (global 256);
+  `sharded_outputs=True`, as torchtitan's loop uses only the loss: Hugging Face's model returns
+  its logits beside it, which returned whole would be 501 GiB on every device.
 * gpt3-175b: GPT-3 175B (96 layers, hidden 12288, 96 heads; examples/models.py), bf16, global
   batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with `pipeline={"axis": "pp"}`
   (stages, microbatches, schedule chosen by the pipeline search, issue 12) and the memory
@@ -81,6 +83,7 @@ def gpt3_175b_stage():
 
 MODELS = {"llama3-8b": llama3_8b, "llama3-70b": llama3_70b, "gpt3-175b": gpt3_175b,
           "gpt3-175b-stage": gpt3_175b_stage}
+OPTIONS = {"llama3-70b": dict(sharded_outputs=True)}     # PlanOptions beyond the defaults, per model
 
 
 class Phases:
@@ -123,7 +126,7 @@ def main(argv=None) -> dict:
     pipe = pipe[0] if pipe else None          # a pipeline to search (issue 12's family), or none
     phases = Phases()
     opts = PlanOptions(time_limit=a.time_limit, progress=False, symbolic=not a.no_symbolic, on_phase=phases,
-                       pipeline=pipe)
+                       pipeline=pipe, **OPTIONS.get(a.model, {}))
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -180,3 +180,51 @@ def test_megatron_row_is_priced_with_megatrons_own_flop_count():
     r = bm.price_row(bm.ROWS[0])
     assert r["graph_flops_ratio"] == pytest.approx(1.0, abs=1e-3)   # our graph's FLOPs = the paper's formula
     assert 0.10 <= r["error"] <= 0.14
+
+
+# -- outputs returned whole ----------------------------------------------------------------------
+class LogitsLM(torch.nn.Module):
+    """Returns its loss and its logits, as Hugging Face's causal LMs do: the logits dominate memory."""
+
+    def __init__(self, vocab=2048, hidden=32):
+        super().__init__()
+        self.emb, self.fc, self.head = (torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, hidden),
+                                        torch.nn.Linear(hidden, vocab, bias=False))
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.relu(self.fc(self.emb(ids))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def logits_lm(batch=32, seq=64, vocab=2048):
+    with torch.device("meta"):
+        model, ids = LogitsLM(vocab), torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids), batch * seq * vocab * 4      # the logits' bytes, whole
+
+
+def test_outputs_left_split_are_priced_so_by_estimate():
+    """A hand-written configuration of a model returning its logits beside its loss, priced with
+    sharded_outputs=True (torchtitan's loop uses only the loss), holds no whole copy of the logits
+    on each device (Llama-3-70B at 256 x 8192 on (32, 8), FSDP x TP, full recomputation: 501 GiB of
+    logits whole; 24.7 GiB per device in all split)."""
+    model, batch, logits = logits_lm()
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    pins = {"head.weight": ("S(0)", "S(0)"), "emb.weight": ("S(0)", "S(1)")}
+    whole = estimate(model, batch, mesh, pins, batch_axes=("dp",), recompute="full")
+    split = estimate(model, batch, mesh, pins, batch_axes=("dp",), recompute="full", sharded_outputs=True)
+    assert whole.peak_memory_bytes - split.peak_memory_bytes >= logits * (1 - 1 / mesh.size)
+    assert split.peak_memory_bytes < logits
+
+
+def test_infeasible_plan_names_outputs_returned_whole():
+    """Where the outputs gathered whole dominate the least memory, the error says so and names
+    sharded_outputs=True, with which the model fits."""
+    model, batch, logits = logits_lm()
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    with pytest.raises(autopar.InfeasibleError, match=r"outputs, returned whole, take 0\.016 GiB .*"
+                                                      r"\(\(32, 64, 2048\) float32\): sharded_outputs=True") as e:
+        autopar.plan(model, batch, mesh, memory_budget=1, symbolic=False)
+    assert e.value.min_memory_bytes > logits
+    plan = autopar.plan(model, batch, mesh, memory_budget=e.value.min_memory_bytes - logits / 2, symbolic=False,
+                        sharded_outputs=True)
+    assert plan.estimate.peak_memory_bytes < e.value.min_memory_bytes - logits / 2
