@@ -45,7 +45,9 @@ the floor, so a longer time limit never gives a slower plan. The joint model abo
 where the layout model is small (JOINT_MAX_COLUMNS); on larger ones the alternation's plan is the
 answer, and its status says so. Memory rows (D) are added lazily when the budget is far from
 binding: the model is solved without the rows that the start's slack shows to be loose, and any
-row the solution violates is added and the model re-solved.
+row the solution violates is added and the model re-solved. A large MIP first solves its LP
+relaxation and rounds it: within the MIP gap of the relaxation's bound, that plan is the answer
+(`StrategyILP.solve_lazy`).
 """
 from __future__ import annotations
 
@@ -279,7 +281,7 @@ class StrategyILP:
     def solve_lazy(self, deadline: float | None, start: list[float] | None = None, progress: bool = False,
                    relax: bool = False) -> MipResult:
         """Solve with the memory rows (D) added as they are violated (`_solve_rows`). A MIP first
-        solves its LP relaxation so and rounds it, each decision at its largest fraction
+        solves its LP relaxation (rows added alike) and rounds it, each decision at its largest fraction
         (`assignment`, then `values_of`): where the rounded plan satisfies every row and is within
         MIP_GAP of the relaxation's bound, it is the answer, with the guarantee the MIP solver's own
         stop gives (on Llama-3-8B over 64 devices the relaxation leaves 2 of 2,967 binaries

@@ -154,9 +154,9 @@ class MemoryRows:
 
     def values(self, x) -> list[float]:
         """Every row's left side (GiB) at column values `x`, from the events (to find violated rows):
-        the events, temporaries and frees (as they change) as (point, column, coefficient) arrays, made once, so that
-        pricing a solution is a few vector operations (a loop over the events took 60 ms a call on
-        Llama-3-8B over 64 devices)."""
+        the events, temporaries and frees (where they change) as (point, column, coefficient) arrays,
+        made once, so that pricing a solution is a few vector operations (a loop over the events took
+        60 ms a call on Llama-3-8B over 64 devices)."""
         import numpy as np
         if self._arrays is None:
             self._arrays = self._as_arrays()
