@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--microbatches", type=int, default=1)
     e.add_argument("--pipeline-axis", default="pp")
     e.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    e.add_argument("--sharded-outputs", action="store_true",
+                   help="leave outputs in their planned layout (the caller uses only the loss)")
     x = sub.add_parser("explain", help="why nodes or parameters got their layouts, and what else would cost")
     _model_args(x, required_mesh=False)
     x.add_argument("--plan", required=True, metavar="FILE", help="the plan JSON (its mesh is used)")
@@ -232,7 +234,8 @@ def cmd_estimate(a) -> int:
             if a.stages > 1 or a.microbatches > 1 else None)
     try:       # given only when asked: a plan decides its own pipeline and recomputation
         est = autopar.estimate(src.model, src.args, mesh, layouts, example_kwargs=src.kwargs,
-                               batch_axes=_list(a.batch_axes), pipeline=pipe, recompute=a.recompute or None)
+                               batch_axes=_list(a.batch_axes), sharded_outputs=a.sharded_outputs, pipeline=pipe,
+                               recompute=a.recompute or None)
     except ValueError as e:      # estimate's argument checks (pipeline axis, sizes)
         raise CliError(str(e)) from None
     print(est.report())
