@@ -49,7 +49,21 @@ def pointwise_rule(node, ins, outs):
         return []
     # No Partial pass-through (P + P -> P): Megatron-style plans reduce before the residual add,
     # and the extra option would multiply every residual edge of the ILP by 5/4 per mesh axis.
-    return broadcast_options(ins, outs[0])
+    return broadcast_options(ins, outs[0]) + scaled_partial_options(node, ins, outs[0])
+
+
+def scaled_partial_options(node, ins, out) -> list[AxisOption]:
+    """A scalar partial sum divided (or multiplied) by a whole scalar stays a partial sum: a mean loss's
+    sum over this rank's rows divided by the global count, so that its one all-reduce is the program
+    output's (issued asynchronously, waited where the caller first uses the loss: runtime/ops.py
+    `AsyncOutput`), not a blocking one before the division. Scalars only: no cost to the ILP's size."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in (aten.div, aten.mul) or out.ndim or any(t.ndim for t in ins):
+        return []
+    if len(ins) == 1:
+        return [AxisOption((P,), P, "partial")]
+    opts = [AxisOption((P, R), P, "partial")]
+    return opts + [AxisOption((R, P), P, "partial")] if packet is aten.mul else opts
 
 
 @register(aten.dropout, aten.native_dropout, family="pointwise")
