@@ -15,12 +15,11 @@ With a collective timeout (faults.py) the output is made whole by the watched, b
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..cost_model.comm import async_output_axis
 from .faults import watch_of
-from .reshard import reshard
+from .reshard import one_collective, reshard
 
 aten = torch.ops.aten
 # ops that read a tensor's metadata only: they run on a pending value without waiting for it
@@ -65,17 +64,18 @@ class Pending(torch.Tensor):
 
 class _AllReduceLater(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, axis: int):  # type: ignore[override]
+    def forward(ctx, x: DTensor):  # type: ignore[override]
         mesh = x.device_mesh
         ctx.meta = (mesh, x.shape, x.stride())
-        out = x.to_local().clone(memory_format=torch.contiguous_format)
-        return Pending(out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=True))
+        whole = tuple(Replicate() for _ in range(mesh.ndim))
+        y, work = one_collective(x, tuple(x.placements), whole, async_op=True)
+        return Pending(y.to_local(), work)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         mesh, shape, stride = ctx.meta
         whole = tuple(Replicate() for _ in range(mesh.ndim))
-        return DTensor.from_local(grad.contiguous(), mesh, whole, run_check=False, shape=shape, stride=stride), None
+        return DTensor.from_local(grad.contiguous(), mesh, whole, run_check=False, shape=shape, stride=stride)
 
 
 class AsyncOutput(torch.nn.Module):
@@ -92,7 +92,7 @@ class AsyncOutput(torch.nn.Module):
         whole = tuple(Replicate() for _ in range(x.device_mesh.ndim))
         if watch_of(x.device_mesh) is not None or async_output_axis(x.placements, whole) != self.axis:
             return reshard(x, whole).to_local()
-        return _AllReduceLater.apply(x, self.axis)
+        return _AllReduceLater.apply(x)
 
     def extra_repr(self) -> str:
         return f"all-reduce over axis {self.axis}, waited at first use"
