@@ -52,14 +52,18 @@ def pointwise_rule(node, ins, outs):
     return broadcast_options(ins, outs[0]) + scaled_partial_options(node, ins, outs[0])
 
 
+# linear in the partial operand (the dividend; a rounding division is not linear)
+_SCALES = (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar)
+
+
 def scaled_partial_options(node, ins, out) -> list[AxisOption]:
     """A scalar partial sum divided (or multiplied) by a whole scalar stays a partial sum: a mean loss's
     sum over this rank's rows divided by the global count, so that its one all-reduce is the program
-    output's (issued asynchronously, waited where the caller first uses the loss: runtime/ops.py
+    output's (issued asynchronously, waited where the caller first uses the loss: runtime/async_output.py
     `AsyncOutput`), not a blocking one before the division. Scalars only: no cost to the ILP's size."""
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet not in (aten.div, aten.mul) or out.ndim or any(t.ndim for t in ins):
+    if node.target not in _SCALES or out.ndim or any(t.ndim for t in ins):
         return []
+    packet = node.target.overloadpacket
     if len(ins) == 1:
         return [AxisOption((P,), P, "partial")]
     opts = [AxisOption((P, R), P, "partial")]
