@@ -43,7 +43,7 @@ _POINTWISE = (
 
 
 @register(*_LINEAR, family="pointwise", saves_inputs=False)
-@register(*_POINTWISE, family="pointwise", saves_inputs=True)
+@register(*_POINTWISE, family="pointwise", saves_inputs=True, admits=lambda labels, *_: labels.count("partial") <= 1)
 def pointwise_rule(node, ins, outs):
     if not outs:
         return []
@@ -60,7 +60,9 @@ def scaled_partial_options(node, ins, out) -> list[AxisOption]:
     """A scalar partial sum divided (or multiplied) by a whole scalar stays a partial sum: a mean loss's
     sum over this rank's rows divided by the global count, so that its one all-reduce is the program
     output's (issued asynchronously, waited where the caller first uses the loss: runtime/async_output.py
-    `AsyncOutput`), not a blocking one before the division. Scalars only: no cost to the ILP's size."""
+    `AsyncOutput`), not a blocking one before the division. Scalars only: no cost to the ILP's size; on
+    one mesh axis only (the rule's `admits`): an output partial over two axes is made whole by blocking
+    reshards, so there the option would only tie with the division of the whole sum."""
     if node.target not in _SCALES or out.ndim or any(t.ndim for t in ins):
         return []
     packet = node.target.overloadpacket
