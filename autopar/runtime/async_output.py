@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..compat import pytree
 from ..cost_model.comm import async_output_axis
 from .faults import watch_of
 from .reshard import one_collective, reshard
@@ -58,7 +59,7 @@ class Pending(torch.Tensor):
             unwrap = lambda t: t.elem if isinstance(t, Pending) else t  # noqa: E731
         else:
             unwrap = lambda t: t.wait() if isinstance(t, Pending) else t  # noqa: E731
-        args, kwargs = torch.utils._pytree.tree_map(unwrap, (args, kwargs or {}))
+        args, kwargs = pytree.tree_map(unwrap, (args, kwargs or {}))
         return func(*args, **kwargs)
 
 
