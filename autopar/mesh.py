@@ -19,7 +19,8 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 
-from .cost_model.comm import GradBucket, bucketed_reduction, coded_reshard_cost, layout_code, transfer_time
+from .cost_model.comm import (GradBucket, ReshardCost, async_output_axis, bucketed_reduction, coded_reshard_cost,
+                              layout_code, transfer_time)
 from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, load_profile
 from .errors import MeshError
 
@@ -102,6 +103,15 @@ class Mesh:
     def reshard_cost(self, shape, itemsize: int, src, dst):
         """Seconds and bytes to move a tensor between layouts on this mesh (see cost_model.comm)."""
         return self.coded_reshard_cost(shape, itemsize, layout_code(src), layout_code(dst))
+
+    def output_reshard_cost(self, shape, itemsize: int, src, dst) -> ReshardCost:
+        """`reshard_cost` of a program output made whole: its launch alone where the runtime issues it
+        asynchronously, waited at the caller's first use (`comm.async_output_axis`)."""
+        rc = self.reshard_cost(shape, itemsize, src, dst)
+        if async_output_axis(src, dst) is None:
+            return rc
+        launch = self.profile.kernel_overhead + self.profile.collective_overhead
+        return ReshardCost(launch * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
 
     def coded_reshard_cost(self, shape, itemsize: int, src, dst):
         """`reshard_cost` of layouts given as `comm.layout_code`s."""

@@ -155,7 +155,7 @@ class _Reader:
                 name=self.string(n["name"], f"{f}.name"), op=self.string(n["op"], f"{f}.op"),
                 module=self.string(n["module"], f"{f}.module"),
                 inputs=tuple(self.layout(x, f"{f}.inputs[{j}]") for j, x in enumerate(self.array(n["inputs"], f"{f}.inputs"))),
-                output=() if n["executor"] == "output" and n["output"] == [] else self.layout(n["output"], f"{f}.output"),
+                output=() if n["executor"] == "output" and n["output"] in ([], ()) else self.layout(n["output"], f"{f}.output"),
                 labels=labels, executor=self.choice(n["executor"], f"{f}.executor", EXECUTORS),
                 compute_s=self.number(n.get("compute_s", 0.0), f"{f}.compute_s", least=0),
                 collectives=tuple(self.collective(c, f"{f}.collectives[{j}]")

@@ -24,6 +24,11 @@ from zoo import HF_MODELS, MODELS, ResNet  # noqa: E402
 
 TOL = 1e-5
 MOE_TOL = 1e-4
+# parameters after two AdamW steps: Adam's normalisation scales the rounding of the plan's summation
+# order up to its step size; under the shard-happy test device (free links) many plans tie, and which
+# one the solver returns moves with any change to the option lists (HF GPT-2 on (2, 2): 7.3e-6 under
+# one tied plan, 1.006e-5 under another, its loss and gradients within 5.2e-7 under both)
+PARAM_TOL = 2e-5
 # Mixtral with its experts split over "tp" (every token on every device of the axis, outputs summed)
 # and tokens over "dp"; the solver places the rest (its router and attention split tokens over both
 # axes). The all-to-all option, expert_parallel, has its own test (tests/test_expert_parallel.py).
@@ -41,7 +46,8 @@ def test_trains_like_one_process(rank_pool, name, pins):
     r = results[0]
     tol = MOE_TOL if name == "mixtral" else TOL
     for key in ("loss", "grad", "param", "buffer"):
-        assert max(x[key] for x in results) < tol, (key, {k: r[k] for k in ("loss", "grad", "param", "buffer")})
+        limit = max(tol, PARAM_TOL) if key == "param" else tol
+        assert max(x[key] for x in results) < limit, (key, {k: r[k] for k in ("loss", "grad", "param", "buffer")})
     assert r["fallbacks"] == [], r["fallbacks"]
     assert r["sharded_nodes"] > 0, "the plan must actually shard something"
     if name == "mixtral":

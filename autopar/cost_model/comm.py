@@ -55,6 +55,10 @@ less), so that its reduction starts early in the backward; `bucket_count` counts
 (runtime/grad_sync.py): those go to a flat bucket of their kind (collective, group size, link); a
 gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term), and each
 bucket adds one latency and launch per step (`bucket_launch_time`).
+
+A program output made whole from a partial sum over one axis (`async_output_axis`: a mean loss, its
+division by the global count taken on each rank's partial sum) is all-reduced asynchronously and
+waited at the caller's first use of it, after the backward in a training step: priced at its launch.
 """
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ from .symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
-           "flat_gather_axis",
+           "flat_gather_axis", "async_output_axis",
            "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
            "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost",
            "coded_reshard_cost", "layout_code", "placement_code"]
@@ -240,6 +244,19 @@ def flat_gather_axis(stored: Sequence[Placement], used: Sequence[Placement], sha
     if any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(stored) if i != a):
         return None
     return a
+
+
+def async_output_axis(src: Sequence[Placement], dst: Sequence[Placement]) -> int | None:
+    """The mesh axis over which the runtime makes a program output whole by one all-reduce issued
+    asynchronously, waited where the caller first uses the value (runtime/ops.py `AsyncOutput`): the
+    one axis that changes, from a partial sum to `Replicate` (a loss summed over each rank's rows).
+    Nothing of the step waits for it, so it is priced at its launch alone. None: a blocking reshard."""
+    changed = [a for a, (s, t) in enumerate(zip(src, dst)) if s != t]
+    if len(changed) != 1:
+        return None
+    a = changed[0]
+    ok = isinstance(src[a], Partial) and src[a].reduce_op == "sum" and isinstance(dst[a], Replicate)
+    return a if ok else None
 
 
 def _no_latency(link: AnyLink) -> AnyLink:

@@ -17,8 +17,10 @@ import torch
 import torch.fx as fx
 
 from ..compat import pytree
+from ..cost_model.comm import async_output_axis
 from ..placement import parse_layout
 from ..plan import Plan
+from ..runtime.async_output import AsyncOutput
 from ..runtime.attention import context_executor
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts
 from ..runtime.reshard import Reshard
@@ -92,7 +94,10 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
             for k, a in enumerate(leaves):
                 v = env[a] if isinstance(a, fx.Node) else a
                 if is_tensor(a) and output_modules(plan.options.get("sharded_outputs", False)):
-                    v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)), v)
+                    src = planned.get(a.name)
+                    axis = None if src is None else async_output_axis(parse_layout(src.output), parse_layout(whole))
+                    v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)) if axis is None
+                                   else AsyncOutput(axis), v)
                     v = add_module(f"to_local_output_{k}", ToLocal(), v)
                 outs.append(v)
             g.output(pytree.tree_unflatten(outs, spec))

@@ -26,6 +26,7 @@ from ..plan import Plan
 from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
+from .early import early_reshards
 from .fastpath import LeafParams, direct_calls, fuse_param_edges
 from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
@@ -142,6 +143,7 @@ class DistributedModule(torch.nn.Module):
                                   frozenset(self._memory.params_off_device))
         graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
         direct_calls(graph, frozenset(leaves))
+        early_reshards(graph, frozenset(n for n, slot in cap.inputs.items() if slot.kind == "input"))
         graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
         graph.feeds = self._feeds(cap, leaves)
         return graph

@@ -65,7 +65,13 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
 
 
 def _one_collective(x: DTensor, cur: tuple, layout: tuple) -> DTensor | None:
-    """`x` moved to `layout` by one c10d collective, where the move is one of the two a data-parallel
+    issued = one_collective(x, cur, layout)
+    return None if issued is None else issued[0]
+
+
+def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) -> tuple | None:
+    """(`x` moved to `layout`, the collective's work handle: None unless `async_op`, else wait on it
+    before reading the result) by one c10d collective, where the move is one of the two a data-parallel
     step makes (a loss summed over the batch, a gradient reduced): one axis from a partial sum to
     whole (all-reduce), or from an even shard on dim 0 to whole (all-gather). None otherwise.
     DTensor's redistribute issues the same collective through its functional-collective layer, at
@@ -79,14 +85,14 @@ def _one_collective(x: DTensor, cur: tuple, layout: tuple) -> DTensor | None:
     local = x.to_local()
     if isinstance(src, Partial) and src.reduce_op == "sum":
         out = local.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=mesh.get_group(a))
+        work = dist.all_reduce(out, group=mesh.get_group(a), async_op=async_op)
     elif (isinstance(src, Shard) and src.dim == 0 and local.ndim and x.shape[0] % mesh.size(a) == 0
           and not any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(cur) if i != a)):
         out = local.new_empty((local.shape[0] * mesh.size(a), *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=mesh.get_group(a))
+        work = dist.all_gather_into_tensor(out, local.contiguous(), group=mesh.get_group(a), async_op=async_op)
     else:
         return None
-    return DTensor.from_local(out, mesh, layout, run_check=False, shape=x.shape, stride=x.stride())
+    return DTensor.from_local(out, mesh, layout, run_check=False, shape=x.shape, stride=x.stride()), work
 
 
 def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:

@@ -184,7 +184,8 @@ def edge_legs(problem: Problem, c: ChosenEdge):
     """(phase, ReshardCost) of an edge under a plan: the forward reshard, and the gradient's way
     back for a floating-point tensor that is not an input."""
     mesh, meta = problem.mesh, c.meta
-    legs = [("forward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.src, c.dst))]
+    cost = mesh.output_reshard_cost if c.edge.dst == "output" else mesh.reshard_cost
+    legs = [("forward", cost(meta.shape, meta.dtype.itemsize, c.src, c.dst))]
     if meta.dtype.is_floating_point and problem.decisions[c.edge.src].kind != "input":
         legs.append(("backward", mesh.reshard_cost(meta.shape, meta.dtype.itemsize, c.grad_src, c.grad_dst)))
     return legs
@@ -627,20 +628,22 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     tables: dict = {}   # identical edges (repeated layers) share one table
     quick: dict = {}    # the same, by the class lists' identity (`classes_of` hands a linked layer's copies one)
 
-    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
-        key = (id(a_keys), id(b_keys), meta, grad, keeps, param)
+    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool):
+        key = (id(a_keys), id(b_keys), meta, grad, keeps, param, output)
         if key not in quick:      # the lists are kept with the table: their ids stay their own
-            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param))
+            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param, output))
         return quick[key][2]
 
-    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool):
-        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param)
+    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool):
+        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param, output)
         if key not in tables:
             seconds = reshard_seconds(meta)
             ga = [grad_layout_out(a) for a in a_keys]
             na, nga = numbered(a_keys), numbered(ga)
             nb, ngb = numbered(b for b, _ in b_keys), numbered(gb for _, gb in b_keys)
-            fwd = [[seconds(a, b) for b in nb] for a in na]
+            # a program output: made whole asynchronously where it is a partial sum (mesh.output_reshard_cost)
+            fwd = [[mesh.output_reshard_cost(meta.shape, meta.dtype.itemsize, a[2], b[2]).seconds if output
+                    else seconds(a, b) for b in nb] for a in na]
             # a parameter's gradient the runtime reduces in a bucket: its transfer here, the buckets'
             # launches per step (solver/evaluate.py); any other gradient: its reshard
             sync = [[mesh.grad_sync_leg(meta.shape, meta.dtype.itemsize, gb, g) if grad and param else None
@@ -714,7 +717,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
             table, saved, temp, fwd, sync, flat, gather = table_for(meta, a_keys, b_keys, grad, keeps,
-                                                                    u.kind == "param")
+                                                                    u.kind == "param", slot is None)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
                                    temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather))
     return edges

@@ -43,13 +43,33 @@ _POINTWISE = (
 
 
 @register(*_LINEAR, family="pointwise", saves_inputs=False)
-@register(*_POINTWISE, family="pointwise", saves_inputs=True)
+@register(*_POINTWISE, family="pointwise", saves_inputs=True, admits=lambda labels, *_: labels.count("partial") <= 1)
 def pointwise_rule(node, ins, outs):
     if not outs:
         return []
     # No Partial pass-through (P + P -> P): Megatron-style plans reduce before the residual add,
     # and the extra option would multiply every residual edge of the ILP by 5/4 per mesh axis.
-    return broadcast_options(ins, outs[0])
+    return broadcast_options(ins, outs[0]) + scaled_partial_options(node, ins, outs[0])
+
+
+# linear in the partial operand (the dividend; a rounding division is not linear)
+_SCALES = (aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar)
+
+
+def scaled_partial_options(node, ins, out) -> list[AxisOption]:
+    """A scalar partial sum divided (or multiplied) by a whole scalar stays a partial sum: a mean loss's
+    sum over this rank's rows divided by the global count, so that its one all-reduce is the program
+    output's (issued asynchronously, waited where the caller first uses the loss: runtime/async_output.py
+    `AsyncOutput`), not a blocking one before the division. Scalars only: no cost to the ILP's size; on
+    one mesh axis only (the rule's `admits`): an output partial over two axes is made whole by blocking
+    reshards, so there the option would only tie with the division of the whole sum."""
+    if node.target not in _SCALES or out.ndim or any(t.ndim for t in ins):
+        return []
+    packet = node.target.overloadpacket
+    if len(ins) == 1:
+        return [AxisOption((P,), P, "partial")]
+    opts = [AxisOption((P, R), P, "partial")]
+    return opts + [AxisOption((R, P), P, "partial")] if packet is aten.mul else opts
 
 
 @register(aten.dropout, aten.native_dropout, family="pointwise")

@@ -1,0 +1,117 @@
+"""Early reshards: a forward collective on the user's inputs alone runs at the start of the program.
+
+A mean loss with ignored targets divides by the count of the targets it keeps, over the whole
+batch: the plan gathers the targets' mask (or all-reduces a partial count) before the division at the
+end of the forward, where every rank would wait for the slowest one's forward. That value depends on
+the user's inputs alone, so its `Reshard`, with the ops it needs, moves to just after the
+placeholders and issues its collective asynchronously (`EarlyReshard`); a `wait` node stands where
+its result is first used. The ranks enter the step together (they left the last one at the gradient
+buckets), so the collective is done long before the division needs it.
+
+Only a reshard that is one c10d collective (`reshard.one_collective`) of a tensor that needs no
+gradient is issued early; any other runs where it is, as planned. Ops move only if they draw no
+random numbers and mutate nothing, and only in the top-level program (not inside a region).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from ..compat import OpOverload, is_mutable
+from . import rng
+from .faults import watch_of
+from .ops import LocalOp
+from .reshard import Reshard, one_collective, to_layout
+
+
+class EarlyReshard(Reshard):
+    """Graph op: `y = self.reshard_x(x)` issued at the program's start, asynchronously; `y` is valid
+    after `self.reshard_x.wait(y)` (module docstring)."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self._work = None
+
+    def forward(self, x):
+        if not isinstance(x, DTensor):
+            return x
+        cur = tuple(x.placements)
+        y = None
+        if not x.requires_grad and cur != self.layout and watch_of(x.device_mesh) is None:
+            y, self._work = one_collective(x, cur, self.layout, async_op=True) or (None, None)
+        return y if y is not None else to_layout(x, self.layout)
+
+    def wait(self, y):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + " (issued early, waited at first use)"
+
+
+def early_reshards(gm: fx.GraphModule, inputs: frozenset[str]) -> int:
+    """Every forward `Reshard` of `gm`'s top-level program whose value derives from the placeholders
+    `inputs` (the user's inputs) alone, through pure ops: moved with those ops, in their order, to
+    just after the placeholders, made an `EarlyReshard`, and waited before its first use. Returns how
+    many."""
+    from_inputs: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in inputs:
+                from_inputs.add(node)
+        elif node.op in ("call_function", "call_module") and _pure(gm, node) and all(
+                a in from_inputs for a in _node_args(node)):
+            from_inputs.add(node)
+    early = [n for n in gm.graph.nodes if n in from_inputs and n.op == "call_module"
+             and type(gm.get_submodule(n.target)) is Reshard and n.users]
+    if not early:
+        return 0
+    needed: set[fx.Node] = set()
+    stack = list(early)
+    while stack:
+        n = stack.pop()
+        if n.op != "placeholder" and n not in needed:
+            needed.add(n)
+            stack.extend(_node_args(n))
+    anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for node in [n for n in gm.graph.nodes if n in needed]:       # in program order
+        anchor.append(node)
+        anchor = node
+    for node in early:
+        old = gm.get_submodule(node.target)
+        new = EarlyReshard(old.layout)
+        gm.add_submodule(node.target, new)
+        first = min(node.users, key=_position(gm.graph))
+        with gm.graph.inserting_before(first):
+            mod = gm.graph.get_attr(node.target)
+            waited = gm.graph.call_method("wait", (mod, node))
+        node.replace_all_uses_with(waited, delete_user_cb=lambda u: u is not waited)
+    gm.recompile()
+    return len(early)
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _node_args(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An op that may run earlier than the program states: no random draw, no side effect."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if type(mod) is Reshard:
+            return True
+        if type(mod) is not LocalOp:
+            return False
+        target = mod.target
+    else:
+        target = node.target
+    return (isinstance(target, OpOverload) and target not in rng.DROPOUT_OPS
+            and torch.Tag.nondeterministic_seeded not in target.tags and not is_mutable(target))
