@@ -63,7 +63,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models) -> H
     relaxation's layouts rounded, the better."""
     from .ilp import infeasible, least_memory, most_sharded
     choice = most_sharded(problem, models.allowed)
-    options = families_for(problem, budget, choice)
+    options = models.options_for(choice)
     if options is None:     # a budget near the minimum: the plan that needs least, if it fits
         plan, need = least_memory(problem)
         if need > budget:
@@ -76,7 +76,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models) -> H
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
         r = model.solve_lazy(deadline, relax=True)
         if r.values is not None:
-            best = _better(problem, budget, best, model.assignment(r.values)[0],
+            best = _better(problem, models, best, model.assignment(r.values)[0],
                            "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
     return best
 
@@ -97,7 +97,7 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
         if r.values is None:
             break
         before = best
-        best = _better(problem, budget, best, model.assignment(r.values)[0], r.status, r.solver, r.gap)
+        best = _better(problem, models, best, model.assignment(r.values)[0], r.status, r.solver, r.gap)
         if best is before:      # the solver's plan is no better: its bound covers the plan we have
             best = replace(best, status=r.status, solver=r.solver, gap=r.gap)
             break
@@ -162,6 +162,14 @@ class _Models:
         self.shared: dict = {}           # what the models' common layout columns determine (`StrategyILP`)
         self.binding: dict[int, int] = {}
         self.n_cols = self.n_rows = 0
+        self.options: dict[tuple, dict[str, int] | None] = {}     # layout choice -> `families_for` it
+
+    def options_for(self, choice: dict[str, int]) -> dict[str, int] | None:
+        """`families_for(choice)`, once per choice (the LP roundings of steps 2 and 3 may meet again)."""
+        key = tuple(sorted(choice.items()))
+        if key not in self.options:
+            self.options[key] = families_for(self.problem, self.budget, choice)
+        return self.options[key]
 
     def get(self, options: dict[str, int]):
         from .ilp import StrategyILP
@@ -177,10 +185,10 @@ class _Models:
         return model
 
 
-def _better(problem, budget, best: Heuristic, choice: dict[str, int], status: str, solver: str,
+def _better(problem, models: _Models, best: Heuristic, choice: dict[str, int], status: str, solver: str,
             gap: float) -> Heuristic:
     """`best`, or the plan of `choice` with its best options where that is faster."""
-    options = families_for(problem, budget, choice)
+    options = models.options_for(choice)
     if options is None:
         return best
     objective = evaluate(problem, choice, options).objective_s
