@@ -228,3 +228,15 @@ def test_infeasible_plan_names_outputs_returned_whole():
     plan = autopar.plan(model, batch, mesh, memory_budget=e.value.min_memory_bytes - logits / 2, symbolic=False,
                         sharded_outputs=True)
     assert plan.estimate.peak_memory_bytes < e.value.min_memory_bytes - logits / 2
+
+
+def test_report_points_out_outputs_gathered_whole():
+    """The report says what returning the logits whole costs a step, and names sharded_outputs=True,
+    after which the line is gone and the step is faster."""
+    model, batch, _ = logits_lm(batch=64, seq=256, vocab=8192)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    whole = autopar.plan(model, batch, mesh, symbolic=False, batch_axes=("dp",))
+    split = autopar.plan(model, batch, mesh, symbolic=False, batch_axes=("dp",), sharded_outputs=True)
+    assert "Outputs returned whole" in whole.report() and "sharded_outputs=True" in whole.report()
+    assert "Outputs returned whole" not in split.report()
+    assert split.estimate.step_time_s < whole.estimate.step_time_s
