@@ -63,7 +63,7 @@ def early_reshards(gm: fx.GraphModule, inputs: frozenset[str]) -> int:
             if node.name in inputs:
                 from_inputs.add(node)
         elif node.op in ("call_function", "call_module") and _pure(gm, node) and all(
-                a in from_inputs for a in _node_args(node)):
+                a in from_inputs for a in node.all_input_nodes):
             from_inputs.add(node)
     early = [n for n in gm.graph.nodes if n in from_inputs and n.op == "call_module"
              and type(gm.get_submodule(n.target)) is Reshard and n.users]
@@ -75,7 +75,7 @@ def early_reshards(gm: fx.GraphModule, inputs: frozenset[str]) -> int:
         n = stack.pop()
         if n.op != "placeholder" and n not in needed:
             needed.add(n)
-            stack.extend(_node_args(n))
+            stack.extend(n.all_input_nodes)
     anchor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for node in [n for n in gm.graph.nodes if n in needed]:       # in program order
         anchor.append(node)
@@ -96,10 +96,6 @@ def early_reshards(gm: fx.GraphModule, inputs: frozenset[str]) -> int:
 def _position(graph: fx.Graph):
     order = {n: i for i, n in enumerate(graph.nodes)}
     return order.__getitem__
-
-
-def _node_args(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
 
 
 def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:

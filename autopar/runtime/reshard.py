@@ -47,9 +47,8 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     # Partial -> other Partial kinds are not needed by any rule; go through Replicate
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
-    y = x if mid == cur else _one_collective(x, cur, mid)
-    if y is None:
-        y = x.redistribute(x.device_mesh, mid)
+    issued = None if mid == cur else one_collective(x, cur, mid)
+    y = x if mid == cur else issued[0] if issued is not None else x.redistribute(x.device_mesh, mid)
     if to_partial:
         local = y.to_local()
         coord = x.device_mesh.get_coordinate()
@@ -62,11 +61,6 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
         # later views, forward or backward, cannot take
         y = DTensor.from_local(local.contiguous(), y.device_mesh, layout, run_check=False)
     return y
-
-
-def _one_collective(x: DTensor, cur: tuple, layout: tuple) -> DTensor | None:
-    issued = one_collective(x, cur, layout)
-    return None if issued is None else issued[0]
 
 
 def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) -> tuple | None:
