@@ -1,6 +1,8 @@
 """autopar's executed plans against torch's own wrappers, measured side by side in one run.
 
     python benchmarks/bench_wrappers.py [--steps 12] [--warmup 3] [--only dp2,dp4,fsdp2,tp2] [--aten]
+    torchrun --nproc-per-node N benchmarks/bench_wrappers.py --device cuda [--model gpt2]
+
 
 A GPT of 4 layers, hidden 256, 8 heads, sequence 128, vocabulary 512, global batch 16, fp32
 (CPU gloo ranks; bf16 matmuls on this CPU would time the emulation, not the runtime), AdamW:
@@ -21,6 +23,12 @@ per step (time.process_time, every thread of the rank): on a machine shared with
 moves less than the wall time. Before each case the script records the busy cores
 and the 1-minute load average (the machine is shared). `--aten` also counts the ATen ops one step
 calls on rank 0 (torch.profiler), each side.
+
+`--device cuda` runs the same three comparisons with NCCL over the ranks torchrun started, one GPU
+each (cases dp{N}, fsdp{N}, tp{N}; plain `python` is one rank), fp32 with TF32 matmuls; each step is
+timed from a device synchronisation and barrier to the next. `--model gpt2` is GPT-2 small's shape
+(12 layers, hidden 768, 12 heads, sequence 1024, vocabulary 50304, global batch 8) instead of the
+small default, so kernels rather than launches take the time.
 """
 from __future__ import annotations
 
@@ -43,8 +51,8 @@ from torch import nn  # noqa: E402
 import autopar  # noqa: E402
 from bench_cpu_plans import wait_for_quiet  # noqa: E402
 
-MODEL = dict(vocab=512, seq=128, hidden=256, heads=8, layers=4)
-BATCH = 16
+MODELS = {"small": (dict(vocab=512, seq=128, hidden=256, heads=8, layers=4), 16),
+          "gpt2": (dict(vocab=50304, seq=1024, hidden=768, heads=12, layers=12), 8)}   # (shape, global batch)
 WAIT_S = 30          # at most this long for a quiet machine before each case (then measured anyway, load recorded)
 
 
@@ -93,11 +101,12 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def build():
+def build(size: str = "small"):
+    shape, batch_size = MODELS[size]
     torch.manual_seed(0)
-    model = GPT(**MODEL)
+    model = GPT(**shape)
     g = torch.Generator().manual_seed(0)
-    batch = tuple(torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"]), generator=g) for _ in range(2))
+    batch = tuple(torch.randint(0, shape["vocab"], (batch_size, shape["seq"]), generator=g) for _ in range(2))
     return model, batch
 
 
@@ -106,9 +115,9 @@ CASES = {     # name -> (world size, axis, what)
     "dp2": (2, "dp", "dp"), "dp4": (4, "dp", "dp"), "fsdp2": (2, "dp", "fsdp"), "tp2": (2, "tp", "tp")}
 
 
-def plan_for(what: str, world: int, axis: str) -> autopar.Plan:
-    model, batch = build()
-    mesh = autopar.Mesh((world,), (axis,), device="cpu")
+def plan_for(what: str, world: int, axis: str, device: str = "cpu", size: str = "small") -> autopar.Plan:
+    model, batch = build(size)
+    mesh = autopar.Mesh((world,), (axis,), device=_profile(device))
     names = [n for n, _ in model.named_parameters()]
     if what == "dp":
         return autopar.plan(model, batch, mesh, pins={n: ("R",) for n in names}, batch_axes=(axis,),
@@ -129,8 +138,8 @@ def plan_for(what: str, world: int, axis: str) -> autopar.Plan:
 
 
 def reference(what: str, model: nn.Module, device_mesh) -> nn.Module:
-    """The torch wrapper for `what` around a copy of `model`."""
-    model = copy.deepcopy(model)
+    """The torch wrapper for `what` around a copy of `model` (moved to the mesh's device)."""
+    model = copy.deepcopy(model).to(_device(device_mesh.device_type))
     if what == "dp":
         return nn.parallel.DistributedDataParallel(model)
     if what == "fsdp":
@@ -146,26 +155,51 @@ def reference(what: str, model: nn.Module, device_mesh) -> nn.Module:
     return model
 
 
-def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
+def _param_groups(module: nn.Module) -> list[dict]:
+    """DTensor and plain parameters in groups of their own: torch's foreach optimizer kernels (its
+    default on GPUs) refuse a group that mixes them, as `parallelize_module` on some linears leaves."""
+    from torch.distributed.tensor import DTensor
+    groups = {}
+    for p in module.parameters():
+        groups.setdefault(isinstance(p, DTensor), []).append(p)
+    return [{"params": ps} for _, ps in sorted(groups.items())]
+
+
+def _profile(kind: str) -> str:
+    """autopar's device profile for a torch device kind: the shipped profile of this GPU."""
+    if kind == "cpu":
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    return next((p for p in ("h200", "h100", "a100") if p in name.lower()), "h100")
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten, device="cpu", size="small"):
     import logging
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    model, batch = build()
-    mesh = autopar.Mesh((world,), (axis,), device="cpu")
+    model, batch = build(size)
+    mesh = autopar.Mesh((world,), (axis,), device=_profile(device))
     dmodel = autopar.autoparallelize(model, mesh, batch, plan=plan)
     ours_in = mesh.local_batch(batch, (axis,)) if what != "tp" else batch
-    ref = reference(what, model, init_device_mesh("cpu", (world,), mesh_dim_names=(axis,)))
+    ours_in = tuple(t.to(_device(device)) for t in ours_in)
+    ref = reference(what, model, init_device_mesh(device, (world,), mesh_dim_names=(axis,)))
     ref_in = ours_in
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sides = {"autopar": (dmodel, ours_in, dmodel.optimizer(torch.optim.AdamW, lr=1e-3)),
-             "torch": (ref, ref_in, torch.optim.AdamW(ref.parameters(), lr=1e-3))}
+             "torch": (ref, ref_in, torch.optim.AdamW(_param_groups(ref), lr=1e-3))}
     times = {k: [] for k in sides}
     cpu = {k: [] for k in sides}
     losses = {k: [] for k in sides}
 
     def step(name):
         m, x, opt = sides[name]
+        sync()
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         loss = m(*x)
@@ -173,6 +207,7 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        sync()
         c = time.process_time() - c0          # this rank's CPU seconds (all its threads), the final barrier's spin
         dist.barrier()                          # included: robust to other jobs' load, unlike the wall time
         t = time.perf_counter() - t0
@@ -203,10 +238,28 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten):
 
 
 def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
+    """One CPU case on forked gloo ranks."""
     world, axis, what = CASES[name]
     plan = plan_for(what, world, axis)
     q = wait_for_quiet(0.5, 2.0, WAIT_S)
-    per_rank = pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, timeout=900)
+    return summarize(name, world, pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, timeout=900), q)
+
+
+def run_case_cuda(what: str, steps: int, warmup: int, aten: bool, size: str) -> dict | None:
+    """One case on the NCCL ranks torchrun started (this process is one of them); rank 0 returns it."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    axis = "tp" if what == "tp" else "dp"
+    plan = plan_for(what, world, axis, device="cuda", size=size)       # deterministic: the same on every rank
+    mine = _side_by_side(rank, world, what, axis, plan, steps, warmup, aten, device="cuda", size=size)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    name = {"dp": "dp", "fsdp": "fsdp", "tp": "tp"}[what] + str(world)
+    q = {"busy_cores_before": None, "loadavg_before": round(os.getloadavg()[0], 2), "waited_s": 0, "quiet": None}
+    return summarize(f"{name} ({size}, cuda)", world, per_rank, q) if rank == 0 else None
+
+
+def summarize(name: str, world: int, per_rank: list[dict], q: dict) -> dict:
     med, cpu = {}, {}
     for side in ("autopar", "torch"):
         slowest = [max(ts) for ts in zip(*(r["times"][side] for r in per_rank))]
@@ -222,22 +275,44 @@ def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
             "loadavg_after": round(os.getloadavg()[0], 2)}
 
 
+def _cases(a) -> list[dict]:
+    if a.device == "cuda":
+        import torch.distributed as dist
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": "29511"}.items():
+            os.environ.setdefault(k, v)                      # plain `python`: a world of one
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        whats = [w for w in ("dp", "fsdp", "tp") if a.only == "all" or w in a.only.split(",")]
+        try:
+            return [r for w in whats if (r := run_case_cuda(w, a.steps, a.warmup, a.aten, a.model)) is not None]
+        finally:
+            dist.destroy_process_group()
+    from rank_pool import get_pool, shutdown_all
+    try:
+        return [run_case(get_pool(CASES[name][0]), name, a.steps, a.warmup, a.aten) for name in a.only.split(",")]
+    finally:
+        shutdown_all()
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", default=",".join(CASES), help="comma-separated cases: " + ", ".join(CASES))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated cases: " + ", ".join(CASES) + " (with --device cuda: dp, fsdp, tp)")
     ap.add_argument("--aten", action="store_true", help="count ATen ops per step (torch.profiler, rank 0)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default="small", choices=tuple(MODELS), help="GPT shape (cuda only; cpu runs small)")
     a = ap.parse_args(argv)
-    from rank_pool import get_pool, shutdown_all
-    out = []
-    try:
-        for name in a.only.split(","):
-            r = run_case(get_pool(CASES[name][0]), name, a.steps, a.warmup, a.aten)
-            out.append(r)
-            print(json.dumps(r), flush=True)
-    finally:
-        shutdown_all()
+    a.only = a.only or (",".join(CASES) if a.device == "cpu" else "all")
+    out = _cases(a)
+    for r in out:
+        print(json.dumps(r), flush=True)
+    if not out:
+        return out
     print("| case | ranks | autopar ms | torch ms | ratio | CPU ms autopar / torch | CPU ratio | load avg before/after |")
     print("|---|---|---|---|---|---|---|---|")
     for r in out:

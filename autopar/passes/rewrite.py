@@ -22,7 +22,7 @@ from ..placement import parse_layout
 from ..plan import Plan
 from ..runtime.async_output import AsyncOutput
 from ..runtime.attention import context_executor
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts
+from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts, mesh_device
 from ..runtime.reshard import Reshard
 from .capture import Captured
 from .shape_prop import tensor_meta
@@ -75,6 +75,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     whole = tuple("R" for _ in device_mesh.shape)
+    device = mesh_device(device_mesh)      # where the program runs: not the capture's device (cpu, meta)
 
     def add_module(name: str, mod: torch.nn.Module, *args, **kwargs) -> fx.Node:
         root.add_module(name, mod)
@@ -107,7 +108,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
         new_leaves, slot = [], 0
         for a in leaves:
             if not isinstance(a, fx.Node):
-                new_leaves.append(a)
+                new_leaves.append(device if isinstance(a, torch.device) else a)   # arange(..., device=x.device)
                 continue
             v = env[a]
             if is_tensor(a) and np is not None and node.target is not operator.getitem:

@@ -32,6 +32,7 @@ from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
 from .offload import HostPool
+from .ops import mesh_device as _device
 from .optimizer import PlannedOptimizer
 from .reshard import to_layout
 from .respecialize import input_shapes, input_shapes_of, respecialize
@@ -253,10 +254,3 @@ def _storage(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 def _key(shapes: dict[str, tuple[int, ...]]) -> tuple:
     return tuple(sorted(shapes.items()))
-
-
-def _device(device_mesh) -> torch.device:
-    if device_mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_mesh.device_type, torch.accelerator.current_device_index()
-                        if hasattr(torch, "accelerator") else torch.cuda.current_device())

@@ -29,6 +29,14 @@ from .experts import run_experts
 from .reshard import grad_layout, reshard, to_layout
 from .vocab import vocab_cross_entropy, vocab_embedding, vocab_log_softmax, vocab_nll_loss
 
+
+def mesh_device(device_mesh) -> torch.device:
+    """The torch device this rank runs `device_mesh`'s plan on."""
+    if device_mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_mesh.device_type, torch.accelerator.current_device_index()
+                        if hasattr(torch, "accelerator") else torch.cuda.current_device())
+
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1, aten.expand.default: 1}
 # a local shard can be strided where the global tensor was not (a transposed shard): reshape is

@@ -55,7 +55,8 @@ from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, activation_keys, apply_memory_plan
-from .module import _device, _set_path, _storage, input_value, shard_parameters
+from .ops import mesh_device as _device
+from .module import _set_path, _storage, input_value, shard_parameters
 from .offload import HostPool
 from .ops import _ToLocal
 from .optimizer import PlannedOptimizer
