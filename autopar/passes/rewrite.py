@@ -22,9 +22,11 @@ from ..placement import parse_layout
 from ..plan import Plan
 from ..runtime.async_output import AsyncOutput
 from ..runtime.attention import context_executor
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, input_grad_layouts, mesh_device
+from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
 from ..runtime.reshard import Reshard
+from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .capture import Captured
+from .parameter_side import parameter_side
 from .shape_prop import tensor_meta
 
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
@@ -37,13 +39,13 @@ def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
     return src_executor in (None, "param") or src_layout != want
 
 
-def passes_local(node: fx.Node, planned: dict, mesh_ndim: int) -> bool:
+def passes_local(node: fx.Node, planned: dict, mesh_ndim: int, side: frozenset[str] = frozenset()) -> bool:
     """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
     it in a DTensor and unwrapping it again would do nothing, forward or backward: a single tensor
     output with no Partial axis (so no gradient scaling, no reduction), every consumer a LocalOp
     taking it in that very layout (no Reshard on the edge) and sending its gradient back in it too.
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
-    almost every op)."""
+    almost every op). `side`: the parameter-side nodes (`parameter_side_ops`)."""
     np = planned.get(node.name)
     val = node.meta.get("val")
     if np is None or np.executor != "local" or not isinstance(val, torch.Tensor) or "P" in "".join(np.output):
@@ -54,9 +56,9 @@ def passes_local(node: fx.Node, planned: dict, mesh_ndim: int) -> bool:
             return False
         slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
-        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output))
-        if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != parse_layout(np.output)
-                            for k in slots):
+        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), user.name in side)
+        arrives = output_grad_layout(parse_layout(np.output), node.name in side)
+        if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != arrives for k in slots):
             return False
     return True
 
@@ -67,10 +69,17 @@ def output_modules(sharded_outputs: bool) -> int:
     return 0 if sharded_outputs else 2
 
 
+def parameter_side_ops(cap: Captured, planned: dict) -> frozenset[str]:
+    """The parameter-side nodes (passes/parameter_side.py) that run as `LocalOp`s: their gradients stay
+    partial sums where they are replicated, as the planner priced them (solver/problem.py)."""
+    return frozenset(n for n in parameter_side(cap.gm, cap.inputs) if n in planned and planned[n].executor == "local")
+
+
 def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> fx.GraphModule:
     """The per-rank program of `plan` over `cap`. pass_local=False: every op hands on DTensors (a
     pipeline cuts the program into chunks whose outputs must carry their layout)."""
     planned = {n.name: n for n in plan.nodes}
+    side = parameter_side_ops(cap, planned)
     root = torch.nn.Module()
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -115,7 +124,8 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
                 want = np.inputs[slot]
                 src = planned.get(a.name)
                 if reshards_edge(src.executor if src else None, src.output if src else None, want):
-                    v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want)), v)
+                    grad_to = output_grad_layout(parse_layout(src.output), True) if a.name in side else None
+                    v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
                 slot += 1
             new_leaves.append(v)
         args, kwargs = pytree.tree_unflatten(new_leaves, spec)
@@ -123,10 +133,11 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
             env[node] = g.call_function(node.target, args, kwargs)
         else:
             metas = tensor_meta(node.meta.get("val"))
-            extra = {"labels": tuple(np.labels)} if np.executor == "context" else {}
+            extra = ({"labels": tuple(np.labels)} if np.executor == "context" else
+                     {"parameter_side": node.name in side} if np.executor == "local" else {})
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None, **extra)
-            mod.local_out = pass_local and passes_local(node, planned, len(whole))
+            mod.local_out = pass_local and passes_local(node, planned, len(whole), side)
             mod.capacity_factor = plan.options.get("moe_capacity_factor")
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)

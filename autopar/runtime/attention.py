@@ -247,7 +247,7 @@ class RingAttentionOp(LocalOp):
     def forward(self, *args, **kwargs):
         args, kwargs = self._localize(args, kwargs)
         out = context_attention(sdpa_args(*args, **kwargs), self.mesh, self.axis, self.mode)
-        return _FromLocal.apply(out, self.mesh, self.output)
+        return _FromLocal.apply(out, self.mesh, self.output, self.out_grad_layout)
 
     def extra_repr(self) -> str:
         return f"{self.mode} over mesh axis {self.axis}, " + super().extra_repr()

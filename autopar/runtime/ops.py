@@ -5,9 +5,10 @@ rule is what proves that running the op on local shards yields that output layou
 runs as plain PyTorch on local tensors, with three adjustments:
 
 * shape arguments (view/reshape/expand sizes) become the local output shape;
-* each input's gradient leaves in the layout the strategy implies: a Partial input gets a whole
-  gradient, a Replicate input used by work split over an axis gets a partial sum over it
-  (a weight under data parallelism), a Shard input a shard;
+* each input's gradient leaves in the layout the strategy implies (strategies/gradients.py): a
+  Partial input gets a whole gradient, a Replicate input used by work split over an axis gets a
+  partial sum over it (a weight under data parallelism), a Shard input a shard; a parameter-side
+  op keeps partial sums where it is replicated;
 * an output that is a partial *average* (a mean over a split batch) passes 1/n of the gradient to
   each device, since each device's term enters the whole with weight 1/n.
 
@@ -24,9 +25,10 @@ from torch.distributed.tensor.placement_types import Placement
 from ..compat import pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import block_index, layout_str, local_shape
+from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from . import rng
 from .experts import run_experts
-from .reshard import grad_layout, reshard, to_layout
+from .reshard import reshard, to_layout
 from .vocab import vocab_cross_entropy, vocab_embedding, vocab_log_softmax, vocab_nll_loss
 
 
@@ -62,18 +64,6 @@ EXCHANGE = {torch.ops.autopar.moe_experts.default: run_experts,
             aten.nll_loss.default: vocab_nll_loss, aten.nll_loss_nd.default: vocab_nll_loss}
 
 
-def input_grad_layouts(inputs: Sequence[tuple], output: tuple) -> list[tuple]:
-    """Per input, the layout of its gradient under this strategy (see module docstring)."""
-    n = len(output)
-    parallel = [not (isinstance(output[a], Replicate) and all(isinstance(i[a], Replicate) for i in inputs))
-                for a in range(n)]
-    out = []
-    for lay in inputs:
-        out.append(tuple(Replicate() if isinstance(p, Partial) else
-                         Partial() if isinstance(p, Replicate) and parallel[a] else p for a, p in enumerate(lay)))
-    return out
-
-
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, grad_layout: tuple):  # type: ignore[override]
@@ -89,8 +79,8 @@ class _ToLocal(torch.autograd.Function):
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh, layout: tuple):  # type: ignore[override]
-        ctx.layout = layout
+    def forward(ctx, t: torch.Tensor, mesh, layout: tuple, grad_layout: tuple):  # type: ignore[override]
+        ctx.grad_layout = grad_layout
         ctx.avg_scale = 1.0
         for p, n in zip(layout, mesh.shape):
             if isinstance(p, Partial) and p.reduce_op == "avg":
@@ -99,22 +89,24 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        local = to_layout(grad, grad_layout(ctx.layout)).to_local()
+        local = to_layout(grad, ctx.grad_layout).to_local()
         if ctx.avg_scale != 1.0:
             local = local * ctx.avg_scale
-        return local.contiguous(), None, None
+        return local.contiguous(), None, None, None
 
 
 class LocalOp(torch.nn.Module):
     """`out = self.op_x(*inputs)`: the op on local shards; inputs arrive in the planned layouts."""
 
     def __init__(self, target, inputs: Sequence[tuple], output: Sequence[Placement], mesh,
-                 global_shape: tuple[int, ...] | None = None):
+                 global_shape: tuple[int, ...] | None = None, parameter_side: bool = False):
         super().__init__()
         self.target, self.mesh = _RESHAPE_FOR.get(target, target), mesh
         self.output = tuple(output)
         self.inputs = tuple(tuple(i) for i in inputs)
-        self.grad_layouts = input_grad_layouts([tuple(i) for i in inputs], self.output)
+        # parameter-side (passes/parameter_side.py): gradients stay partial sums where replicated
+        self.grad_layouts = input_grad_layouts(self.inputs, self.output, parameter_side)
+        self.out_grad_layout = output_grad_layout(self.output, parameter_side)
         self.shape_arg = _SHAPE_ARG.get(self.target)
         self.local_out_shape = (local_shape(global_shape, self.output, mesh.shape)
                                 if global_shape is not None and self.shape_arg is not None else None)
@@ -149,7 +141,7 @@ class LocalOp(torch.nn.Module):
             out = self.target(*args, **kwargs)
         if self.local_out:
             return out
-        return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output)
+        return pytree.tree_map(lambda t: _FromLocal.apply(t, self.mesh, self.output, self.out_grad_layout)
                                if isinstance(t, torch.Tensor) else t, out)
 
     def extra_repr(self) -> str:

@@ -95,21 +95,22 @@ def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, layout: tuple, sync):  # type: ignore[override]
-        ctx.src, ctx.sync = tuple(x.placements), sync
+    def forward(ctx, x: DTensor, layout: tuple, sync, grad_to):  # type: ignore[override]
+        ctx.src, ctx.sync, ctx.grad_to = tuple(x.placements), sync, grad_to
         return to_layout(x, layout)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        return reduce_grad(grad, ctx.src, ctx.sync), None, None
+        return reduce_grad(grad, ctx.src, ctx.sync, ctx.grad_to), None, None, None
 
 
-def reduce_grad(grad: DTensor, src: tuple, sync) -> DTensor | None:
+def reduce_grad(grad: DTensor, src: tuple, sync, grad_to: tuple | None = None) -> DTensor | None:
     """The gradient of a reshard from layout `src`: handed to a gradient bucket by `sync` (None
-    returned: grad_sync.py reduces it), or moved back to `src` (partial sums made whole) here."""
+    returned: grad_sync.py reduces it), or moved to `grad_to` here (default: back to `src`, partial
+    sums made whole; a parameter-side producer's takes partial sums, strategies/gradients.py)."""
     if sync is not None and sync.take(grad.placements, src, grad.to_local()):
         return None
-    return to_layout(grad, grad_layout(src))
+    return to_layout(grad, grad_to or grad_layout(src))
 
 
 def reduce_local_grad(grad: torch.Tensor, layout: tuple, src: tuple, sync, meta: tuple) -> DTensor | None:
@@ -122,23 +123,24 @@ def reduce_local_grad(grad: torch.Tensor, layout: tuple, src: tuple, sync, meta:
     return to_layout(whole, grad_layout(src))
 
 
-def reshard(x: DTensor, layout: Sequence[Placement], sync=None) -> DTensor:
+def reshard(x: DTensor, layout: Sequence[Placement], sync=None, grad_to: tuple | None = None) -> DTensor:
     """x moved to `layout`, differentiably; `sync` (a `grad_sync.ParamGrad`, on a parameter's edge)
-    takes the gradient's reduction into the module's buckets."""
-    return _Reshard.apply(x, tuple(layout), sync)
+    takes the gradient's reduction into the module's buckets; `grad_to`: see `reduce_grad`."""
+    return _Reshard.apply(x, tuple(layout), sync, grad_to)
 
 
 class Reshard(torch.nn.Module):
     """Graph op: `y = self.reshard_x(x)` moves x to `layout` (see module docstring). On a parameter's
     edge, `sync` links it to the module's gradient buckets (grad_sync.attach)."""
 
-    def __init__(self, layout: Sequence[Placement]):
+    def __init__(self, layout: Sequence[Placement], grad_to: Sequence[Placement] | None = None):
         super().__init__()
         self.layout = tuple(layout)
         self.sync = None
+        self.grad_to = None if grad_to is None else tuple(grad_to)   # see `reduce_grad`
 
     def forward(self, x):
-        return reshard(x, self.layout, self.sync) if isinstance(x, DTensor) else x
+        return reshard(x, self.layout, self.sync, self.grad_to) if isinstance(x, DTensor) else x
 
     def extra_repr(self) -> str:
         return ", ".join(layout_str(self.layout))

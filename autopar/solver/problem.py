@@ -37,9 +37,11 @@ from ..passes.shape_prop import NodeInfo, TensorMeta, tensor_inputs, tensor_meta
 from ..placement import gathers, parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
+from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
 from ..strategies.vocab import class_dim, vocab_axes
 from ..passes.layers import layer_key, module_path
+from ..passes.parameter_side import parameter_side
 from .families import Families
 from .layers import repeated_layers
 from ..strategies.strategy import axis_options, layout_space, node_strategies, parallel_count, shard_count
@@ -111,6 +113,9 @@ class Problem:
     # the most gradient bytes the runtime's buckets can take, whatever the layouts (`bucketable_bytes`):
     # how the ILP bounds the buckets' buffers (`memory_rows.MemoryRows`)
     bucketable: float = 0.0
+    # ops whose gradient flows into parameters alone, run by a rule (passes/parameter_side.py): their
+    # gradients stay partial sums where they are replicated (strategies/gradients.py)
+    parameter_side: frozenset[str] = frozenset()
 
     def grad_since(self, name: str) -> int:
         """The timeline position from which parameter `name`'s gradient exists."""
@@ -120,27 +125,10 @@ class Problem:
         return len(self.decisions[leader].strategies)
 
 
-def grad_layout_in(s: Strategy, slot: int) -> tuple:
-    """Layout of the gradient an op sends back to input `slot` under strategy s.
-
-    Per axis: the grad of a Partial input is whole (Replicate); a replicated input used by
-    work split on that axis gets a partial sum (e.g. a weight under data parallelism);
-    otherwise the grad is split like the input."""
-    par = s.parallel_axes()
-    out = []
-    for a, p in enumerate(s.inputs[slot]):
-        if isinstance(p, Partial):
-            out.append(R)
-        elif isinstance(p, Replicate) and par[a]:
-            out.append(Partial())
-        else:
-            out.append(p)
-    return tuple(out)
-
-
-def grad_layout_out(layout) -> tuple:
-    """The gradient arriving for an output: whole where the output was a partial sum."""
-    return tuple(R if isinstance(p, Partial) else p for p in layout)
+def grad_layout_in(s: Strategy, slot: int, parameter_side: bool = False) -> tuple:
+    """Layout of the gradient an op sends back to input `slot` under strategy s
+    (strategies/gradients.py)."""
+    return input_grad_layouts(s.inputs, s.output, parameter_side)[slot]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +155,9 @@ def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured,
             b = gb = whole
         else:
             t = problem.decisions[e.dst].strategies[choice[problem.decisions[e.dst].leader]]
-            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot)
+            b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot, e.dst in problem.parameter_side)
         meta = metas[e.src] if metas is not None else tensor_meta(vals[e.src])[0]
-        yield ChosenEdge(e, meta, a, b, gb, grad_layout_out(a))
+        yield ChosenEdge(e, meta, a, b, gb, output_grad_layout(a, e.src in problem.parameter_side))
 
 
 def picked_edges(p: Problem, choice: Mapping[str, int]):
@@ -540,7 +528,9 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
                             f"use parameter names as in model.named_parameters() (glob patterns allowed)")
-    edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves)
+    # parameter-side ops run by a rule (a replicated fallback gathers its inputs whole: not one)
+    side = frozenset(n for n in parameter_side(cap.gm, cap.inputs) if n in decisions and not decisions[n].fallback)
+    edges = _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side)
     order = [n.name for n in nodes if n.name in decisions]
     op_nodes = [n for n in nodes if n.name in decisions and decisions[n.name].kind == "op"]
     live = liveness(op_nodes, is_view, saves, [n.name for n in op_nodes], saved_frees=saved_frees, needs_grad=ng)
@@ -555,7 +545,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     layer = {n.name: k for n in nodes if n.name in decisions and (k := layer_key(module_path(n, cap)))}
     return Problem(mesh, order, decisions, leaders, edges, live, fallbacks, rep, ng, layer=layer, optimizer=optimizer,
                    grad_from=grad_from, moe_load=moe_load,
-                   bucketable=bucketable_bytes(edges))
+                   bucketable=bucketable_bytes(edges), parameter_side=side)
 
 
 def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_meta, facts: OpFacts, grad: bool,
@@ -598,7 +588,7 @@ def bucketable_bytes(edges: list[EdgeTable]) -> float:
                for e in edges if e.sync is not None)
 
 
-def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[EdgeTable]:
+def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozenset[str]) -> list[EdgeTable]:
     shape = mesh.shape
     edges = []
     cache: dict = {}        # meta -> (layout number, layout number) -> seconds
@@ -628,17 +618,17 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
     tables: dict = {}   # identical edges (repeated layers) share one table
     quick: dict = {}    # the same, by the class lists' identity (`classes_of` hands a linked layer's copies one)
 
-    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool):
-        key = (id(a_keys), id(b_keys), meta, grad, keeps, param, output)
+    def table_for(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool, side: bool):
+        key = (id(a_keys), id(b_keys), meta, grad, keeps, param, output, side)
         if key not in quick:      # the lists are kept with the table: their ids stay their own
-            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param, output))
+            quick[key] = (a_keys, b_keys, table_of(meta, a_keys, b_keys, grad, keeps, param, output, side))
         return quick[key][2]
 
-    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool):
-        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param, output)
+    def table_of(meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool, side: bool):
+        key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param, output, side)
         if key not in tables:
             seconds = reshard_seconds(meta)
-            ga = [grad_layout_out(a) for a in a_keys]
+            ga = [output_grad_layout(a, side) for a in a_keys]
             na, nga = numbered(a_keys), numbered(ga)
             nb, ngb = numbered(b for b, _ in b_keys), numbered(gb for _, gb in b_keys)
             # a program output: made whole asynchronously where it is a partial sum (mesh.output_reshard_cost)
@@ -677,14 +667,15 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
 
     by_strategies: dict = {}
 
-    def classes_of(strategies: list[Strategy], slot: int | None):
+    def classes_of(strategies: list[Strategy], slot: int | None, side: bool = False):
         """The layout classes of a producer's outputs (slot None) or of a consumer's (input, gradient)
-        layouts at `slot`, and each strategy's class: worked out once per list of strategies (a linked
-        layer's copies hold the same Strategy objects, in the same order)."""
-        key = (slot, tuple(map(id, strategies)))
+        layouts at `slot` (`side`: the consumer is parameter-side), and each strategy's class: worked
+        out once per list of strategies (a linked layer's copies hold the same Strategy objects, in the
+        same order)."""
+        key = (slot, side, tuple(map(id, strategies)))
         if key not in by_strategies:    # the strategies are kept with it: their ids stay their own
             keys = ([s.output for s in strategies] if slot is None else
-                    [(t.inputs[slot], grad_layout_in(t, slot)) for t in strategies])
+                    [(t.inputs[slot], grad_layout_in(t, slot, side)) for t in strategies])
             by_strategies[key] = (*classes(keys), strategies)
         uniq, idx, _ = by_strategies[key]
         return uniq, list(idx)
@@ -713,11 +704,11 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves) -> list[Edge
                 v = decisions[node.name]
                 if v.leader == u.leader:
                     continue      # inside one merged group: priced by the follower's alignment (free)
-                b_keys, b_of = classes_of(v.strategies, slot)
+                b_keys, b_of = classes_of(v.strategies, slot, node.name in side)
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
             table, saved, temp, fwd, sync, flat, gather = table_for(meta, a_keys, b_keys, grad, keeps,
-                                                                    u.kind == "param", slot is None)
+                                                                    u.kind == "param", slot is None, src.name in side)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
                                    temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather))
     return edges
