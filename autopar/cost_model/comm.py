@@ -272,8 +272,10 @@ def transfer_time(kind: Collective, nbytes: float, n: int, link: AnyLink) -> flo
 
 def bucket_launch_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, launch_overhead: float) -> float:
     """Seconds `nbytes` of gradients in buckets of `bucket_bytes` add beyond their transfer: one
-    latency and one launch per bucket."""
+    latency and one launch per bucket; none over one device, where the runtime launches nothing."""
     b = bucket
+    if b.n == 1:
+        return 0.0
     return (bucketed_time(b.collective, nbytes, b.n, b.link, bucket_bytes, launch_overhead)
             - transfer_time(b.collective, nbytes, b.n, b.link))
 

@@ -72,6 +72,8 @@ class FlatGather:
         # named in profiles (and counted by the tests): "autopar flat all-gather of <layer> (<k> tensors)"
         with torch.no_grad(), torch.profiler.record_function(f"autopar {self.what}"):
             send = torch.cat([t.reshape(-1) for t in locals_])
+            if self.n == 1:         # an axis of one device: the shards are the gathered tensors
+                return Pending(self, send, None)
             recv = send.new_empty(self.n * self.total)
             with watched(self.mesh, self.what):
                 work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True)
@@ -87,6 +89,8 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         f = self.flat
+        if self.work is None:
+            return self.recv
         with watched(f.mesh, f.what):
             self.work.wait()
         out = torch.empty_like(self.recv)
@@ -121,7 +125,7 @@ class LayerCopy:
 
     def release(self) -> None:
         """Drop the held buffer; a prefetch never used is waited first (its buffer is being written)."""
-        if self.pending is not None:
+        if self.pending is not None and self.pending.work is not None:
             self.pending.work.wait()
         self.held = self.pending = None
 
