@@ -39,13 +39,14 @@ def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
     return src_executor in (None, "param") or src_layout != want
 
 
-def passes_local(node: fx.Node, planned: dict, mesh_ndim: int, side: frozenset[str] = frozenset()) -> bool:
+def passes_local(node: fx.Node, planned: dict, mesh_ndim: int, side: dict[str, tuple] | None = None) -> bool:
     """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
     it in a DTensor and unwrapping it again would do nothing, forward or backward: a single tensor
     output with no Partial axis (so no gradient scaling, no reduction), every consumer a LocalOp
     taking it in that very layout (no Reshard on the edge) and sending its gradient back in it too.
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
-    almost every op). `side`: the parameter-side nodes (`parameter_side_ops`)."""
+    almost every op). `side`: the parameter-side nodes' axes (`parameter_side_ops`)."""
+    side = side or {}
     np = planned.get(node.name)
     val = node.meta.get("val")
     if np is None or np.executor != "local" or not isinstance(val, torch.Tensor) or "P" in "".join(np.output):
@@ -56,8 +57,8 @@ def passes_local(node: fx.Node, planned: dict, mesh_ndim: int, side: frozenset[s
             return False
         slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
-        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), user.name in side)
-        arrives = output_grad_layout(parse_layout(np.output), node.name in side)
+        grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(user.name, ()))
+        arrives = output_grad_layout(parse_layout(np.output), side.get(node.name, ()))
         if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != arrives for k in slots):
             return False
     return True
@@ -69,17 +70,21 @@ def output_modules(sharded_outputs: bool) -> int:
     return 0 if sharded_outputs else 2
 
 
-def parameter_side_ops(cap: Captured, planned: dict) -> frozenset[str]:
-    """The parameter-side nodes (passes/parameter_side.py) that run as `LocalOp`s: their gradients stay
-    partial sums where they are replicated, as the planner priced them (solver/problem.py)."""
-    return frozenset(n for n in parameter_side(cap.gm, cap.inputs) if n in planned and planned[n].executor == "local")
+def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
+    """The parameter-side nodes (passes/parameter_side.py) that run as `LocalOp`s, each with the mesh
+    axes on which their gradients stay partial sums where replicated, as the planner priced them
+    (solver/problem.py): all but a pipeline's axis (the planner prices a stage without it)."""
+    names = plan.mesh["axis_names"]
+    pp = plan.pipeline.axis if plan.pipeline.stages > 1 else None
+    axes = tuple(name != pp for name in names)
+    return {n: axes for n in parameter_side(cap.gm, cap.inputs) if n in planned and planned[n].executor == "local"}
 
 
 def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> fx.GraphModule:
     """The per-rank program of `plan` over `cap`. pass_local=False: every op hands on DTensors (a
     pipeline cuts the program into chunks whose outputs must carry their layout)."""
     planned = {n.name: n for n in plan.nodes}
-    side = parameter_side_ops(cap, planned)
+    side = parameter_side_ops(cap, plan, planned)
     root = torch.nn.Module()
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -124,7 +129,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
                 want = np.inputs[slot]
                 src = planned.get(a.name)
                 if reshards_edge(src.executor if src else None, src.output if src else None, want):
-                    grad_to = output_grad_layout(parse_layout(src.output), True) if a.name in side else None
+                    grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
                     v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
                 slot += 1
             new_leaves.append(v)
@@ -134,7 +139,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
         else:
             metas = tensor_meta(node.meta.get("val"))
             extra = ({"labels": tuple(np.labels)} if np.executor == "context" else
-                     {"parameter_side": node.name in side} if np.executor == "local" else {})
+                     {"side_axes": side.get(node.name, ())} if np.executor == "local" else {})
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None, **extra)
             mod.local_out = pass_local and passes_local(node, planned, len(whole), side)

@@ -99,14 +99,15 @@ class LocalOp(torch.nn.Module):
     """`out = self.op_x(*inputs)`: the op on local shards; inputs arrive in the planned layouts."""
 
     def __init__(self, target, inputs: Sequence[tuple], output: Sequence[Placement], mesh,
-                 global_shape: tuple[int, ...] | None = None, parameter_side: bool = False):
+                 global_shape: tuple[int, ...] | None = None, side_axes: Sequence[bool] = ()):
         super().__init__()
         self.target, self.mesh = _RESHAPE_FOR.get(target, target), mesh
         self.output = tuple(output)
         self.inputs = tuple(tuple(i) for i in inputs)
-        # parameter-side (passes/parameter_side.py): gradients stay partial sums where replicated
-        self.grad_layouts = input_grad_layouts(self.inputs, self.output, parameter_side)
-        self.out_grad_layout = output_grad_layout(self.output, parameter_side)
+        # a parameter-side op (passes/parameter_side.py): gradients stay partial sums where replicated,
+        # on `side_axes`
+        self.grad_layouts = input_grad_layouts(self.inputs, self.output, side_axes)
+        self.out_grad_layout = output_grad_layout(self.output, side_axes)
         self.shape_arg = _SHAPE_ARG.get(self.target)
         self.local_out_shape = (local_shape(global_shape, self.output, mesh.shape)
                                 if global_shape is not None and self.shape_arg is not None else None)

@@ -127,8 +127,12 @@ class Problem:
 
 def grad_layout_in(s: Strategy, slot: int, parameter_side: bool = False) -> tuple:
     """Layout of the gradient an op sends back to input `slot` under strategy s
-    (strategies/gradients.py)."""
-    return input_grad_layouts(s.inputs, s.output, parameter_side)[slot]
+    (strategies/gradients.py; a parameter-side op keeps partial sums on every axis it is replicated)."""
+    return input_grad_layouts(s.inputs, s.output, _side_axes(parameter_side, len(s.output)))[slot]
+
+
+def _side_axes(parameter_side: bool, ndim: int) -> tuple[bool, ...]:
+    return (True,) * ndim if parameter_side else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +161,7 @@ def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured,
             t = problem.decisions[e.dst].strategies[choice[problem.decisions[e.dst].leader]]
             b, gb = t.inputs[e.slot], grad_layout_in(t, e.slot, e.dst in problem.parameter_side)
         meta = metas[e.src] if metas is not None else tensor_meta(vals[e.src])[0]
-        yield ChosenEdge(e, meta, a, b, gb, output_grad_layout(a, e.src in problem.parameter_side))
+        yield ChosenEdge(e, meta, a, b, gb, output_grad_layout(a, _side_axes(e.src in problem.parameter_side, len(a))))
 
 
 def picked_edges(p: Problem, choice: Mapping[str, int]):
@@ -628,7 +632,7 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozen
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param, output, side)
         if key not in tables:
             seconds = reshard_seconds(meta)
-            ga = [output_grad_layout(a, side) for a in a_keys]
+            ga = [output_grad_layout(a, _side_axes(side, len(a))) for a in a_keys]
             na, nga = numbered(a_keys), numbered(ga)
             nb, ngb = numbered(b for b, _ in b_keys), numbered(gb for _, gb in b_keys)
             # a program output: made whole asynchronously where it is a partial sum (mesh.output_reshard_cost)

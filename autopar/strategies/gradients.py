@@ -26,19 +26,21 @@ from torch.distributed.tensor.placement_types import Placement
 Layout = tuple[Placement, ...]
 
 
-def input_grad_layouts(inputs: Sequence[Layout], output: Layout, parameter_side: bool = False) -> list[Layout]:
-    """Per input of an op with these layouts, the layout its gradient leaves the op in."""
+def input_grad_layouts(inputs: Sequence[Layout], output: Layout, side_axes: Sequence[bool] = ()) -> list[Layout]:
+    """Per input of an op with these layouts, the layout its gradient leaves the op in. `side_axes`:
+    per mesh axis, may a parameter-side op keep partial sums there (empty: not parameter-side; a
+    pipeline's axis never: its stages hold different ops)."""
     n = len(output)
-    partial = [parameter_side or not (isinstance(output[a], Replicate) and all(isinstance(i[a], Replicate)
-                                                                              for i in inputs)) for a in range(n)]
+    side = tuple(side_axes) or (False,) * n
+    partial = [side[a] or not (isinstance(output[a], Replicate) and all(isinstance(i[a], Replicate) for i in inputs))
+               for a in range(n)]
     return [tuple(Replicate() if isinstance(p, Partial) else Partial() if isinstance(p, Replicate) and partial[a]
                   else p for a, p in enumerate(lay)) for lay in inputs]
 
 
-def output_grad_layout(output: Layout, parameter_side: bool = False) -> Layout:
+def output_grad_layout(output: Layout, side_axes: Sequence[bool] = ()) -> Layout:
     """The layout an op's output gradient must arrive in: whole where the output was a partial sum;
-    a parameter-side op takes partial sums where its output is replicated."""
-    if parameter_side:
-        return tuple(Partial() if isinstance(p, Replicate) else Replicate() if isinstance(p, Partial) else p
-                     for p in output)
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in output)
+    a parameter-side op takes partial sums where its output is replicated (on `side_axes`)."""
+    side = tuple(side_axes) or (False,) * len(output)
+    return tuple(Replicate() if isinstance(p, Partial) else Partial() if isinstance(p, Replicate) and s else p
+                 for p, s in zip(output, side))
