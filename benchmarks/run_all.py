@@ -58,9 +58,19 @@ RUNS = [
 ]
 
 
+# issue 15 on a GPU machine: the same comparisons under NCCL, one rank per GPU (torchrun)
+CUDA_RUNS = [["bench_wrappers.py", "--device", "cuda"], ["bench_wrappers.py", "--device", "cuda", "--model", "gpt2"]]
+
+
 def main() -> int:
+    import torch
     rc = 0
-    for args in RUNS:
+    for args in RUNS + (CUDA_RUNS if torch.cuda.is_available() else []):
+        if args[1:3] == ["--device", "cuda"] and torch.cuda.device_count() > 1:
+            print("$ torchrun --nproc-per-node", torch.cuda.device_count(), "benchmarks/" + " ".join(args), flush=True)
+            rc |= subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                   str(torch.cuda.device_count()), os.path.join(HERE, args[0]), *args[1:]])
+            continue
         print("$ python benchmarks/" + " ".join(args), flush=True)
         rc |= subprocess.call([sys.executable, os.path.join(HERE, args[0]), *args[1:]])
     return rc
