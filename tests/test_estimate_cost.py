@@ -125,6 +125,31 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     # the offload tiers: a real file round trip and the host optimizer step, measured
     assert p.disk_link.bandwidth > 1e6 and p.disk_link.latency > 0 and p.host_optimizer_element_time > 0
     assert "disk_link" in raw["_notes"] and "host_optimizer_element_time" in raw["_notes"]
+    # fused attention measured against the planner's own price of it at the matmul rate
+    assert raw["_measured"]["per_rank"][0]["attention"]["flops"] > 0
+    assert 0 < p.attention_efficiency <= 1 and "attention_efficiency" in raw["_notes"]
+
+
+def test_attention_runs_at_the_profiles_attention_efficiency():
+    """A profile's attention_efficiency slows the FLOP-bound part of fused attention alone (forward and
+    backward), not a matmul of the same FLOPs."""
+    import dataclasses
+
+    import torch
+
+    from autopar.cost_model.compute import op_times
+    cpu = load_profile("cpu")
+    half = dataclasses.replace(cpu, attention_efficiency=0.5)
+    flops, nbytes = 1e9, 1e3                    # FLOP-bound: the bytes take microseconds
+    args = dict(family="attention", op="aten.scaled_dot_product_attention")
+    full_f, full_b = op_times(flops, nbytes, torch.float32, cpu, **args)
+    half_f, half_b = op_times(flops, nbytes, torch.float32, half, **args)
+    k = cpu.kernel_overhead
+    assert half_f - k == pytest.approx(2 * (full_f - k)) and half_b == pytest.approx(2 * full_b, rel=1e-3)
+    assert op_times(flops, nbytes, torch.float32, half, family="matmul", in_bytes=nbytes, out_bytes=nbytes) == \
+        op_times(flops, nbytes, torch.float32, cpu, family="matmul", in_bytes=nbytes, out_bytes=nbytes)
+    with pytest.raises(ValueError, match="attention_efficiency"):
+        dataclasses.replace(cpu, attention_efficiency=1.5)
 
 
 def test_dropout_pays_for_its_random_numbers_where_the_profile_says_so():

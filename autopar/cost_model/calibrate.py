@@ -7,7 +7,9 @@ accepts. It starts `world-size` ranks (forked, gloo on CPU, nccl on GPU) that me
 same time, so every figure is what one rank gets while the others run too (on CPU, ranks share
 the cores):
 
-Each figure is the median of several repeats, then the median over ranks.
+Each compute and runtime figure is the group's time over several repeats run back to back by
+every rank at once (barrier to barrier: the rate a rank gets while the others run, as in a step),
+the collectives' the median of several repeats; then the median over ranks.
 
 * matmul throughput per dtype (torch.mm of square matrices; the median over ranks) -> peak_flops,
   with matmul_efficiency = 1 (the figures are achieved rates); the time a small matmul loses
@@ -15,6 +17,8 @@ Each figure is the median of several repeats, then the median over ranks.
 * memory bandwidth (y.copy_(x), read + write bytes) -> memory_bandwidth, memory_efficiency = 1;
 * a dropout's time beyond its bytes, per element -> rng_element_time (random numbers);
 * per-op overhead (a 16-element add) -> kernel_overhead;
+* causal SDPA forward + backward at a layer's shape, against the planner's price of it at the matmul
+  rate -> attention_efficiency;
 * per mesh axis, all_reduce and all_gather as a training step issues them (a compute burst, then
   the runtime's DTensor redistribute, all ranks at once) at 4 KiB, 512 KiB and 2 MiB, fitted to
   the ring alpha-beta model of `cost_model.comm` plus a per-collective cost -> intra_node (the
@@ -62,13 +66,30 @@ def _timeit(fn, reps: int, sync) -> float:
     return statistics.median(times)
 
 
+def _timeit_together(fn, reps: int, sync) -> float:
+    """The time of one run of `fn` while every rank runs it: `reps` runs back to back between two
+    barriers, the group's wall time over `reps` (one rank alone: `_timeit`). With more ranks than
+    cores a single short run is often timed while the rank sharing its core waits, so a median of
+    single runs reports an unshared rate, or not, by chance (4 ranks on 2 cores, fp32 512^3 matmuls:
+    32-93 GFLOP/s per rank from medians of single runs, 39-44 from the group's time); a training
+    step, timed barrier to barrier on the slowest rank, gets the shared one."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _timeit(fn, reps, sync)
+    fn()
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    dist.barrier()
+    return (time.perf_counter() - t0) / reps
+
+
 def _measure_compute(device: str, quick: bool) -> dict:
     import torch
-    import torch.distributed as dist
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    # every rank measures each figure at the same time (a barrier before each): with more ranks than
-    # cores, a rank that ran ahead would otherwise measure alone and report an unshared rate
-    together = dist.barrier if dist.is_initialized() else (lambda: None)
     n = (512 if quick else 1536) if device == "cpu" else (4096 if quick else 8192)
     reps = 3 if quick else 7
     out: dict = {"matmul_flops": {}, "matmul_n": n}
@@ -81,43 +102,76 @@ def _measure_compute(device: str, quick: bool) -> dict:
         probe = _timeit(lambda: torch.mm(a[:128, :128], b[:128, :128]), 1, sync)
         m = n if 2 * 128 ** 3 / probe > 2e10 or device == "cuda" else 256
         a2, b2, c2 = a[:m, :m].contiguous(), b[:m, :m].contiguous(), c[:m, :m].contiguous()
-        together()
-        t = _timeit(lambda: torch.mm(a2, b2, out=c2), reps, sync)
+        t = _timeit_together(lambda: torch.mm(a2, b2, out=c2), reps, sync)
         out["matmul_flops"][key] = 2 * m ** 3 / t
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         a = torch.randn(n, n, device=device)
-        t = _timeit(lambda: torch.mm(a, a), reps, sync)
+        t = _timeit_together(lambda: torch.mm(a, a), reps, sync)
         out["matmul_flops"]["tf32"] = 2 * n ** 3 / t
         torch.backends.cuda.matmul.allow_tf32 = False
     tiny = torch.randn(16, device=device)
-    together()
-    out["kernel_overhead"] = _timeit(lambda: tiny + 1.0, 200 if quick else 1000, sync)
+    out["kernel_overhead"] = _timeit_together(lambda: tiny + 1.0, 200 if quick else 1000, sync)
     # ramp: a small fp32 matmul's time beyond its ideal time and the per-op overhead
     s = 64
     x = torch.randn(s, s, device=device)
     y = torch.empty(s, s, device=device)
-    t_small = _timeit(lambda: torch.mm(x, x, out=y), 200 if quick else 1000, sync)
+    t_small = _timeit_together(lambda: torch.mm(x, x, out=y), 200 if quick else 1000, sync)
     out["matmul_ramp_time"] = max(t_small - 2 * s ** 3 / out["matmul_flops"]["float32"] - out["kernel_overhead"], 0.0)
     nbytes = (16 if quick else 256) * 2 ** 20
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    together()
-    t = _timeit(lambda: dst.copy_(src), 3 * reps, sync)     # more repeats: ranks sharing cores interleave
+    t = _timeit_together(lambda: dst.copy_(src), 3 * reps, sync)
     out["memory_bandwidth"] = 2 * nbytes / t
     # random numbers: a dropout's time beyond the bytes it moves (read x, write y and a 1-byte mask);
     # a CPU's generator is slow, so a smaller tensor there
     n_el = (nbytes if device == "cuda" else min(nbytes, 16 * 2 ** 20)) // 4
-    together()
     # at p = 0.1, the usual training rate: a CPU's sampling is branchy, so its cost depends on p
-    t = _timeit(lambda: torch.ops.aten.native_dropout(src[:n_el], 0.1, True), reps, sync)
+    t = _timeit_together(lambda: torch.ops.aten.native_dropout(src[:n_el], 0.1, True), reps, sync)
     out["rng_element_time"] = max(t - 9 * n_el / out["memory_bandwidth"], 0.0) / n_el
+    out["attention"] = _measure_attention(device, reps, sync)
     if device == "cuda":
         host = torch.empty(nbytes // 4, pin_memory=True)
         t = _timeit(lambda: src.copy_(host, non_blocking=True), reps, sync)
         out["host_bandwidth"] = nbytes / t
     out.update(_measure_offload_tiers(quick))
     return out
+
+
+# fused attention timed at a transformer layer's shape: (batch, heads, sequence, head dim), causal
+ATTENTION_SHAPE = {"cpu": (4, 8, 128, 32), "cuda": (4, 16, 2048, 128)}
+
+
+def _measure_attention(device: str, reps: int, sync) -> dict:
+    """SDPA's forward + backward (causal; fp32 on CPU, bf16 on GPU) with the forward FLOPs and bytes as
+    the planner counts them (FlopCounterMode; inputs read + output written): `calibrate` turns it
+    into `attention_efficiency` with the planner's own price (`compute.op_times`)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(ATTENTION_SHAPE[device], device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:    # on meta tensors, as passes/shape_prop counts
+        F.scaled_dot_product_attention(*(t.to("meta") for t in (q, k, v)), is_causal=True)
+
+    def step():
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+    return {"shape": list(q.shape), "dtype": str(dtype).removeprefix("torch."), "flops": fc.get_total_flops(),
+            "bytes": 4 * q.numel() * q.element_size(), "seconds": _timeit_together(step, reps, sync)}
+
+
+def _attention_efficiency(comp: list[dict], profile) -> float:
+    """The fraction of the matmul rate that makes the planner's price of the measured attention (forward
+    and backward, `compute.op_times` at efficiency 1) equal to its median time over ranks."""
+    import torch
+
+    from .compute import op_times
+    a = comp[0]["attention"]
+    at_full = dataclasses.replace(profile, attention_efficiency=1.0)
+    fwd, bwd = op_times(a["flops"], a["bytes"], getattr(torch, a["dtype"]), at_full, family="attention",
+                        op="aten.scaled_dot_product_attention")
+    return min(max((fwd + bwd) / statistics.median(c["attention"]["seconds"] for c in comp), 0.01), 1.0)
 
 
 def _measure_offload_tiers(quick: bool) -> dict:
@@ -337,15 +391,12 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
         out.backward()
     # every rank times the same thing at the same time (planning took each rank its own time):
     # with more ranks than cores, each rank's figure is then what it gets while the others run too
-    dist.barrier()
-    t_rt = _timeit(lambda: run(dmodel), reps, sync)
-    dist.barrier()
-    t_eager = _timeit(lambda: run(model), reps, sync)
+    t_rt = _timeit_together(lambda: run(dmodel), reps, sync)
+    t_eager = _timeit_together(lambda: run(model), reps, sync)
     opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-6)      # as a training step runs it
     run(dmodel)                                   # gradients stay: step() alone is timed
     n_params = sum(1 for _ in dmodel.parameters())
-    dist.barrier()
-    t_opt = _timeit(opt.step, reps, sync)
+    t_opt = _timeit_together(opt.step, reps, sync)
     # the same optimizer on one large DTensor parameter: its time per element beyond the per-tensor cost
     from torch.distributed.tensor import Replicate, distribute_tensor
     elems = 2 ** 18 if quick else 2 ** 20
@@ -353,8 +404,7 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
                                                [Replicate()] * len(mesh_shape)))
     big.grad = distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), [Replicate()] * len(mesh_shape))
     opt_big = torch.optim.AdamW([big], lr=1e-6)
-    dist.barrier()
-    t_big = _timeit(opt_big.step, max(reps // 4, 5), sync)
+    t_big = _timeit_together(opt_big.step, max(reps // 4, 5), sync)
     per_tensor = t_opt / n_params
     return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
             "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
@@ -509,6 +559,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    profile = dataclasses.replace(profile, attention_efficiency=_attention_efficiency(comp, profile))
     path = save_profile(profile, out)
     d = json.loads(path.read_text())
     d["_notes"] = {
@@ -522,6 +573,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                  "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
                  "come from the base profile " + base_p.name,
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
+        "attention_efficiency": "causal scaled_dot_product_attention, forward + backward, at (batch, heads, sequence, "
+                                f"head dim) {comp[0]['attention']['shape']} ({comp[0]['attention']['dtype']}): the "
+                                "planner's price of it at the matmul rate over its time, median over ranks",
         "disk_link": "a file of 64 MiB written, fsync'ed and read back memory-mapped (torch.from_file), as the "
                      "disk offload tier does, minus the same for 4 KiB (latency: half of that small round trip); "
                      "median over ranks",

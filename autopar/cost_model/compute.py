@@ -131,7 +131,8 @@ def op_times(flops: float, bytes_moved: float, dtype: torch.dtype, profile: Devi
                 matmul_backward_time(flops, in_bytes, out_bytes, dtype, profile))
     if op in HIDDEN_OUTPUT_PASSES and in_bytes is not None:
         bytes_moved = bytes_moved + HIDDEN_OUTPUT_PASSES[op] * in_bytes
-    fwd = compute_time(flops, bytes_moved, dtype, profile, is_matmul=family in TENSOR_CORE_FAMILIES)
+    fwd = compute_time(flops, bytes_moved, dtype, profile, is_matmul=family in TENSOR_CORE_FAMILIES,
+                       efficiency=profile.attention_efficiency if family == "attention" else 1.0)
     return fwd, fwd * backward_factor(op, family)
 
 
@@ -165,12 +166,13 @@ def matmul_efficiency_at(flops: float, dtype: torch.dtype, profile: DeviceProfil
 
 
 def compute_time(flops: float, bytes_moved: float, dtype: torch.dtype, profile: DeviceProfile, *,
-                 is_matmul: bool) -> float:
-    """Seconds for one op on one device: roofline of its FLOPs and memory traffic, plus launch cost."""
+                 is_matmul: bool, efficiency: float = 1.0) -> float:
+    """Seconds for one op on one device: roofline of its FLOPs and memory traffic, plus launch cost.
+    `efficiency`: the fraction of the matmul rate the op's kernel reaches (fused attention's)."""
     if is_zero(flops) and is_zero(bytes_moved):
         return 0.0  # views and metadata ops launch no kernel
     if is_matmul:
-        rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile)
+        rate = profile.flops_for(dtype) * matmul_efficiency_at(flops, dtype, profile) * efficiency
     else:
         rate = profile.peak_flops["float32"] * POINTWISE_EFFICIENCY
     t_flops = 0.0 if is_zero(flops) else flops / rate

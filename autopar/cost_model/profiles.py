@@ -107,6 +107,9 @@ class DeviceProfile:
                                            # (0: the memory-bound fused-kernel figure of cost_model.compute)
     rng_element_time: float = 0.0          # seconds per random number an op draws (dropout's mask) beyond its
                                            # memory traffic (0: generated under the memory traffic)
+    attention_efficiency: float = 1.0      # fraction of the matmul rate fused attention (SDPA) reaches, forward
+                                           # and backward together (measured by `autopar calibrate`; a CPU's
+                                           # flash kernel runs at about half of torch.mm's rate; 1: as fast)
     grad_bucket_bytes: float = DDP_BUCKET_BYTES  # gradient bucket of the runtime's gradient sync (and its price)
     grad_sync_overlap: float = 0.0         # fraction of the gradient sync's transfer time hidden behind the
                                            # backward (measured by `autopar calibrate`; 0: none assumed)
@@ -135,7 +138,7 @@ class DeviceProfile:
             raise ValueError(f"profile {self.name!r}: grad_bucket_bytes must be > 0, grad_sync_overlap in [0, 1]")
         if not self.moe_load_imbalance >= 1:
             raise ValueError(f"profile {self.name!r}: moe_load_imbalance must be >= 1 (busiest over mean)")
-        for f in ("matmul_efficiency", "memory_efficiency"):
+        for f in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
         for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
