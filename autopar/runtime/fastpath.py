@@ -43,7 +43,7 @@ from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, parse_layout
 from ..plan import Plan
 from . import rng
-from .grad_sync import GradSync, ParamGrad, write_grad
+from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
 from .reshard import Reshard, reduce_local_grad, to_layout
 
@@ -154,13 +154,18 @@ class LeafParams:
         with torch.no_grad():
             local = p.to_local()
         leaf = local.detach().requires_grad_(p.requires_grad)
-        link = ParamGrad(self.sync, spec.fqn, 1)     # autograd sums the uses before the hook
+        keep = spec.grad_layout == spec.layout      # already the stored layout: nothing to reduce
+        kind = []       # the bucket's kind, found at the first backward (the leaf's shape and dtype are fixed)
 
-        def hook(t: torch.Tensor, p=p, spec=spec, link=link) -> None:
+        def hook(t: torch.Tensor, p=p, spec=spec) -> None:
             grad, t.grad = t.grad, None
-            if spec.grad_layout == spec.layout:      # already the stored layout: nothing to reduce
+            if keep:
                 write_grad(p, grad)
-            elif not link.take(spec.grad_layout, spec.layout, grad):
+                return
+            if not kind:
+                kind.append(self.sync.kind(spec.grad_layout, spec.layout, grad))
+            # one use: autograd summed the parameter's uses before the hook
+            if not self.sync.take(spec.fqn, 1, kind[0], grad):
                 whole = DTensor.from_local(grad.contiguous(), p.device_mesh, spec.grad_layout, run_check=False,
                                            shape=p.shape, stride=p.stride())
                 write_grad(p, to_layout(whole, spec.layout).to_local())
