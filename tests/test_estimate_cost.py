@@ -130,6 +130,19 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     assert 0 < p.attention_efficiency <= 1 and "attention_efficiency" in raw["_notes"]
 
 
+def test_calibrate_on_a_world_of_one(tmp_path):
+    """One device (a single-GPU box): compute and runtime measured, no collective to time, the links
+    taken from the base profile."""
+    out = tmp_path / "one.json"
+    r = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(out), "--world-size", "1",
+                        "--quick"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    p = autopar.Mesh((1,), ("dp",), device=str(out)).profile
+    assert p.peak_flops["float32"] > 1e8 and 0 < p.attention_efficiency <= 1 and p.collective_overhead == 0
+    assert p.intra_node == load_profile("cpu").intra_node
+    assert json.loads(out.read_text())["_measured"]["axes"] == {}
+
+
 def test_attention_runs_at_the_profiles_attention_efficiency():
     """A profile's attention_efficiency slows the FLOP-bound part of fused attention alone (forward and
     backward), not a matmul of the same FLOPs."""

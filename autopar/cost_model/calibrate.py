@@ -304,6 +304,7 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
         return statistics.median(coll), statistics.median(comp)
 
     out = {"burst_repeats": BURST_REPEATS, "axes": {}}
+    burst_s = None                          # stays None where no axis has two devices (a world of one)
     whole = tuple(Replicate() for _ in names)
     # every axis at once, as a gradient partial over all axes is reduced (one all_reduce per axis,
     # back to back: DTensor redistribute on a 2-D mesh), small message
@@ -462,7 +463,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     if math.prod(mesh) != world_size:
         raise SystemExit(f"autopar calibrate: mesh {mesh} has {math.prod(mesh)} devices, not --world-size {world_size}")
     names = tuple(f"axis{i}" for i in range(len(mesh)))
-    ctx = mp.get_context("fork")
+    # forked ranks on CPU (fast); spawned on GPU: CUDA cannot be used in a child forked from a process
+    # that has touched it (torch.cuda.is_available() above may have)
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     queue = ctx.Queue()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autopar_calibrate_") as tmp:

@@ -45,7 +45,7 @@ from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
-from .reshard import Reshard, reduce_local_grad, to_layout
+from .reshard import Reshard, over_one_device, reduce_local_grad, to_layout
 
 
 class _ParamEdge(torch.autograd.Function):
@@ -154,7 +154,8 @@ class LeafParams:
         with torch.no_grad():
             local = p.to_local()
         leaf = local.detach().requires_grad_(p.requires_grad)
-        keep = spec.grad_layout == spec.layout      # already the stored layout: nothing to reduce
+        # already the stored layout (or differing over axes of one device alone): nothing to reduce
+        keep = over_one_device(p.device_mesh.shape, spec.grad_layout, spec.layout)
         kind = []       # the bucket's kind, found at the first backward (the leaf's shape and dtype are fixed)
 
         def hook(t: torch.Tensor, p=p, spec=spec) -> None:

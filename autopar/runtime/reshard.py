@@ -42,7 +42,7 @@ def _describe(x: DTensor, cur: tuple, layout: tuple) -> str:
 
 
 def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
-    if _over_one_device(x, cur, layout):
+    if over_one_device(x.device_mesh.shape, cur, layout):
         return _relabel(x, layout)
     to_partial = [i for i, (c, t) in enumerate(zip(cur, layout)) if isinstance(t, Partial) and c != t]
     mid = tuple(Replicate() if i in to_partial else t for i, t in enumerate(layout))
@@ -65,10 +65,10 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     return y
 
 
-def _over_one_device(x: DTensor, cur: tuple, layout: tuple) -> bool:
-    """Does the move change the layout over axes of one device alone? There every layout holds the same
-    local tensor (a whole shard, a one-term sum): a relabelling, with no collective."""
-    return all(n == 1 for n, c, t in zip(x.device_mesh.shape, cur, layout) if c != t)
+def over_one_device(mesh_shape, cur: tuple, layout: tuple) -> bool:
+    """Does the move change the layout over axes of one device alone (or not at all)? There every
+    layout holds the same local tensor (a whole shard, a one-term sum): a relabelling, no collective."""
+    return all(n == 1 for n, c, t in zip(mesh_shape, cur, layout) if c != t)
 
 
 def _relabel(x: DTensor, layout: tuple) -> DTensor:
@@ -83,7 +83,7 @@ def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False
     DTensor's redistribute issues the same collective through its functional-collective layer, at
     about 0.4 ms more CPU per call (measured on 2 gloo ranks: a scalar all-reduce 650 vs 240 us of
     CPU; gathering a 1,024-element mask 1,100 vs about 300 us), paid per step on the hot path."""
-    if _over_one_device(x, cur, layout):
+    if over_one_device(x.device_mesh.shape, cur, layout):
         return _relabel(x, layout), None
     changed = [a for a, (c, t) in enumerate(zip(cur, layout)) if c != t]
     if len(changed) != 1 or not isinstance(layout[changed[0]], Replicate):
