@@ -88,6 +88,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
 
+def grad_gap(dmodel, ref) -> float:
+    """The largest relative gap of a parameter's whole gradient, distributed module against reference."""
+    params = dict(dmodel.named_parameters())
+    return max(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters())
+
+
+def param_gap(dmodel, ref) -> float:
+    """The largest relative gap of a parameter's whole value, distributed module against reference."""
+    params = dict(dmodel.named_parameters())
+    return max(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters())
+
+
+def step_both(*optimizers) -> None:
+    for o in optimizers:
+        o.step()
+        o.zero_grad()
+
+
 # layout tests fix the memory families to their defaults (their executors have tests of their own)
 LAYOUTS_ONLY = dict(recompute="none", offload="none", residency="keep")
 

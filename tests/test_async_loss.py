@@ -9,7 +9,7 @@ import copy
 import torch
 
 import autopar
-from dist_checks import rel
+from dist_checks import grad_gap, param_gap, rel, step_both
 from models import GPT, gpt_inputs
 
 TOL = 1e-4     # three steps: the loss's terms summed in another order per rank
@@ -46,12 +46,9 @@ def _train(rank, world_size, read_first):
             loss.backward()
             ref_loss.backward()
         worst = max(worst, rel(torch.as_tensor(float(loss)), ref_loss.detach()))
-        params = dict(dmodel.named_parameters())
-        worst = max(worst, *(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    params = dict(dmodel.named_parameters())
-    worst = max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
+        worst = max(worst, grad_gap(dmodel, ref))
+        step_both(opt, ref_opt)
+    worst = max(worst, param_gap(dmodel, ref))
     return kinds, worst, plan
 
 

@@ -14,7 +14,7 @@ import autopar
 from autopar.cost_model import Link
 from autopar.cost_model.comm import bucket_count
 from autopar.cost_model.profiles import DDP_BUCKET_BYTES
-from dist_checks import build, rel, shard_happy_profile
+from dist_checks import build, grad_gap, param_gap, rel, shard_happy_profile, step_both
 from models import GPT, gpt_inputs
 
 TOL = 1e-5
@@ -35,11 +35,7 @@ def _grads(rank, world_size, residency, bucket_bytes, backwards):
         ref_loss = loss_fn(ref(*inputs))
         ref_loss.backward()
     buckets = dmodel._grad_sync.buckets_launched
-    worst = 0.0
-    params = dict(dmodel.named_parameters())
-    for name, p in ref.named_parameters():
-        worst = max(worst, rel(params[name].grad.full_tensor(), p.grad))
-    return worst, buckets
+    return grad_gap(dmodel, ref), buckets
 
 
 @pytest.mark.parametrize("residency,bucket_bytes,backwards", [
@@ -92,10 +88,8 @@ def _dp_fast_path(rank, world_size):
     for _ in range(3):
         loss_fn(dmodel(*local)).backward()
         loss_fn(ref(*inputs)).backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    params = dict(dmodel.named_parameters())
-    worst = max(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters())
+        step_both(opt, ref_opt)
+    worst = param_gap(dmodel, ref)
     return fed_local, reads, worst
 
 
@@ -121,8 +115,7 @@ def _dp_step_shape(rank, world_size):
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     dmodel(*mesh.local_batch(inputs, ("dp",))).backward()
     ref(*inputs).backward()
-    params = dict(dmodel.named_parameters())
-    worst = max(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters())
+    worst = grad_gap(dmodel, ref)
     grad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     sync = dmodel._grad_sync
     return worst, sync.buckets_launched, sync.buckets_early, grad_bytes, sync.bucket_bytes
@@ -185,13 +178,9 @@ def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), s
         counts.append((gathers(fwd), gathers(bwd)))
         ref_loss = ref(*inputs)
         ref_loss.backward()
-        params = dict(dmodel.named_parameters())
-        worst = max(worst, rel(loss.detach(), ref_loss.detach()),
-                    *(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    params = dict(dmodel.named_parameters())
-    worst = max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
+        worst = max(worst, rel(loss.detach(), ref_loss.detach()), grad_gap(dmodel, ref))
+        step_both(opt, ref_opt)
+    worst = max(worst, param_gap(dmodel, ref))
     alone = sorted(m.key for m in dmodel.graph_module.modules() if type(m).__name__ == "GatherCopy")
     members = {m.key: len(m.members) for m in dmodel.graph_module.modules() if type(m).__name__ == "LayerGather"}
     assert counts[0] == counts[1], counts         # every step alike

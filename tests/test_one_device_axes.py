@@ -9,7 +9,7 @@ import copy
 import torch
 
 import autopar
-from dist_checks import rel
+from dist_checks import grad_gap, param_gap, rel, step_both
 from models import GPT, gpt_inputs
 
 TOL = 1e-4     # three SGD steps
@@ -36,12 +36,9 @@ def _train(rank, world_size, shape, names):
             worst = max(worst, rel(torch.as_tensor(float(loss)), ref_loss.detach()))
         if step == 2:
             collectives = sorted({e.name for e in prof.events() if e.name.startswith("c10d::")})
-        params = dict(dmodel.named_parameters())
-        worst = max(worst, *(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    params = dict(dmodel.named_parameters())
-    worst = max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
+        worst = max(worst, grad_gap(dmodel, ref))
+        step_both(opt, ref_opt)
+    worst = max(worst, param_gap(dmodel, ref))
     return worst, collectives, plan.estimate.grad_sync_s
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
-from dist_checks import rel
+from dist_checks import grad_gap, param_gap, rel, step_both
 
 TOL = 1e-4     # three SGD steps; partial sums added in another order than one process adds them
 
@@ -54,12 +54,9 @@ def _train(rank, world_size, shape, names, data_parallel):
         loss, ref_loss = dmodel(*local), ref(*_inputs())
         loss.backward(), ref_loss.backward()
         worst = max(worst, rel(torch.as_tensor(float(loss)), ref_loss.detach()))
-        params = dict(dmodel.named_parameters())
-        worst = max(worst, *(rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    params = dict(dmodel.named_parameters())
-    return max(worst, *(rel(params[n].full_tensor(), p) for n, p in ref.named_parameters()))
+        worst = max(worst, grad_gap(dmodel, ref))
+        step_both(opt, ref_opt)
+    return max(worst, param_gap(dmodel, ref))
 
 
 def test_data_parallel_reduces_the_position_gradient_in_the_buckets():
