@@ -51,7 +51,7 @@ import torch.fx as fx
 from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from .faults import watch_of, watched
-from .reshard import Reshard
+from .reshard import Reshard, over_one_device
 
 REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
 
@@ -243,6 +243,16 @@ class GradSync:
         for old in scatters[:max(0, len(scatters) - REDUCE_SCATTERS_IN_FLIGHT)]:
             self._complete(old)
 
+    def write(self, name: str, local: torch.Tensor) -> None:
+        """A gradient with nothing to reduce, this rank's part in the stored layout, into `.grad`."""
+        if not self.deferred and not self._armed:      # forget the parameters at the backward's end
+            at_backward_end(self.finish)
+            self._armed = True
+        if self._params is None:
+            self._params = dict(self.module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            write_grad(self._params[name], local.contiguous())
+
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
         return f"gradient bucket: {b.kind.describe(names)} of {len(b.names)} tensors"
@@ -291,7 +301,12 @@ class ParamGrad:
 
     def take(self, placements: tuple, stored: tuple, local: torch.Tensor) -> bool:
         """Hand over this rank's part `local` of a gradient in layout `placements`, for the parameter
-        stored in `stored`; False: not bucketed, the caller reduces it itself."""
+        stored in `stored`; False: not bucketed, the caller reduces it itself. A gradient already in
+        the stored layout, or differing from it over axes of one device alone, goes straight to
+        `.grad` (nothing to reduce: no bucket, no DTensor redistribution)."""
+        if self.name not in self.sync.alone and over_one_device(self.sync.mesh.shape, placements, stored):
+            self.sync.write(self.name, local)
+            return True
         return self.sync.take(self.name, self.uses, self.sync.kind(placements, stored, local), local)
 
 
