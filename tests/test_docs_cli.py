@@ -47,7 +47,7 @@ def ran(tmp_path_factory):
 
 def test_every_command_exits_as_the_page_says(ran):
     _, results = ran
-    assert len(results) == 9
+    assert len(results) == 11
     for line, rc in results:
         assert rc == (1 if "exits 1" in line else 0), line
 
@@ -77,3 +77,12 @@ def test_the_hf_config_command_plans_llama3_8b_sliced(ran):
     total_state = n_params * 2 * 4           # bf16: parameter, gradient, two AdamW moments
     assert total_state / 64 <= plan.estimate.param_state_bytes <= total_state
     assert plan.estimate.peak_memory_bytes <= autopar.Mesh((8, 8), device="h100").profile.memory_capacity
+
+
+def test_a_calibrated_profile_plans_from_the_shell(ran):
+    """`calibrate` writes a profile of this machine that `plan --device` takes."""
+    d, _ = ran
+    profile = json.loads((d / "me.json").read_text())
+    assert profile["device_type"] == "cpu" and profile["_measured"]["launch"]["ranks"] == 2
+    plan = autopar.Plan.load(d / "mine.json")
+    assert plan.mesh["device"] == profile["name"] and plan.mesh["shape"] == [2]
