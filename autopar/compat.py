@@ -21,8 +21,7 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `default_store()`: the job's rendezvous key-value store (torch.distributed's c10d internals);
   `set_group_timeout(group, seconds)`: how long a process group's collectives wait for peers.
 * `at_backward_end(fn)`: run fn when the current backward pass ends (autograd engine's
-  queue_callback, as DDP and FSDP2 wait for their gradient reductions);
-  `flat_group(device_mesh, axes)`: one process group over several mesh axes (DeviceMesh._flatten).
+  queue_callback, as DDP and FSDP2 wait for their gradient reductions).
 * `dtensor_like(local, like)`: a DTensor holding `local` with the spec (mesh, placements, global
   shape and stride) of `like`, without `DTensor.from_local`'s autograd node and spec building: a
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
@@ -43,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
-           "at_backward_end", "flat_group", "fake_tensor_cache"]
+           "at_backward_end", "fake_tensor_cache"]
 
 
 def fake_tensor_cache(enabled: bool):
@@ -85,15 +84,6 @@ def set_group_timeout(group, seconds: float) -> None:
 def at_backward_end(fn) -> None:
     """Call fn() once the backward pass now running finishes (call from inside a backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
-
-
-def flat_group(device_mesh, axes: tuple[int, ...]):
-    """The process group spanning mesh `axes` together (one axis: that axis's group). Creating a
-    flattened group is collective: every rank must ask for the same axes in the same order."""
-    if len(axes) == 1:
-        return device_mesh.get_group(axes[0])
-    names = device_mesh.mesh_dim_names
-    return device_mesh[tuple(names[a] for a in axes)]._flatten().get_group()
 
 
 def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:

@@ -239,3 +239,20 @@ def test_zero_bubble_and_memory_decisions_per_stage(rank_pool):
     _check(results, OTHERS)
     recompute, offload = results[0][_name(*OTHERS[1])]["plan"]
     assert set(recompute.values()) == {"full"}
+
+
+def _fresh_mesh_sum(rank, world_size):
+    """A new (2, 2, 2) mesh made on every rank, then an all-reduce over its last axis."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    t = torch.ones(1)
+    dist.all_reduce(t, group=init_device_mesh("cpu", (2, 2, 2)).get_group(2))
+    return float(t)
+
+
+def test_ranks_make_new_groups_together_after_pipelined_runs(rank_pool):
+    """The stages reduce gradients over different sets of axes; the groups that takes must not leave
+    the ranks apart in what a group made on every rank afterwards is (a new mesh waited forever)."""
+    pool = rank_pool(8)
+    pool.run(_train_pipelined, SCHEDULES[:1], timeout=600)
+    assert pool.run(_fresh_mesh_sum, timeout=60) == [2.0] * 8

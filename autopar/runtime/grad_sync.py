@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import at_backward_end, dtensor_like, flat_group, set_group_timeout
+from ..compat import at_backward_end, dtensor_like, set_group_timeout
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from .faults import watch_of, watched
 from .reshard import Reshard, over_one_device
@@ -281,6 +281,21 @@ class GradSync:
             if not b.written:
                 self._complete(b)
         self.reset()
+
+
+def flat_group(device_mesh, axes: tuple[int, ...]):
+    """The process group spanning mesh `axes` together at this rank's coordinates on the other axes
+    (one axis: that axis's group), made by its members alone (`use_local_synchronization`, a name
+    hashed from its ranks). In a pipeline only some stages reduce a gradient over several axes at
+    once: a group every rank must create (DeviceMesh._flatten: every rank makes every flattened
+    group) would leave the ranks' counts of groups apart, and the next group made on all ranks (a
+    new DeviceMesh, a checkpoint's) would wait forever. Every member asks for the same axes in the
+    same order: the members of such a group run the same stage's program."""
+    if len(axes) == 1:
+        return device_mesh.get_group(axes[0])
+    coord = device_mesh.get_coordinate()
+    index = tuple(slice(None) if a in axes else c for a, c in enumerate(coord))
+    return dist.new_group(device_mesh.mesh[index].flatten().tolist(), use_local_synchronization=True)
 
 
 def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
