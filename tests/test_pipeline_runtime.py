@@ -229,18 +229,6 @@ def _check(results, cases):
         assert first | last == all_params
 
 
-def test_pipelined_gpt_trains_like_one_process(rank_pool):
-    """issue 12's Done-when: GPipe, 1F1B and interleaved 1F1B (2 virtual stages) on pp=2 x dp=2 x tp=2."""
-    _check(rank_pool(8).run(_train_pipelined, SCHEDULES, timeout=600), SCHEDULES)
-
-
-def test_zero_bubble_and_memory_decisions_per_stage(rank_pool):
-    results = rank_pool(8).run(_train_pipelined, OTHERS, timeout=600)
-    _check(results, OTHERS)
-    recompute, offload = results[0][_name(*OTHERS[1])]["plan"]
-    assert set(recompute.values()) == {"full"}
-
-
 def _fresh_mesh_sum(rank, world_size):
     """A new (2, 2, 2) mesh made on every rank, then an all-reduce over its last axis."""
     import torch.distributed as dist
@@ -250,9 +238,17 @@ def _fresh_mesh_sum(rank, world_size):
     return float(t)
 
 
-def test_ranks_make_new_groups_together_after_pipelined_runs(rank_pool):
-    """The stages reduce gradients over different sets of axes; the groups that takes must not leave
-    the ranks apart in what a group made on every rank afterwards is (a new mesh waited forever)."""
+def test_pipelined_gpt_trains_like_one_process(rank_pool):
+    """issue 12's Done-when: GPipe, 1F1B and interleaved 1F1B (2 virtual stages) on pp=2 x dp=2 x tp=2.
+    Afterwards the ranks still make a group together: the stages reduced gradients over different
+    sets of axes, and the groups that took must not leave the ranks apart (a new mesh waited forever)."""
     pool = rank_pool(8)
-    pool.run(_train_pipelined, SCHEDULES[:1], timeout=600)
+    _check(pool.run(_train_pipelined, SCHEDULES, timeout=600), SCHEDULES)
     assert pool.run(_fresh_mesh_sum, timeout=60) == [2.0] * 8
+
+
+def test_zero_bubble_and_memory_decisions_per_stage(rank_pool):
+    results = rank_pool(8).run(_train_pipelined, OTHERS, timeout=600)
+    _check(results, OTHERS)
+    recompute, offload = results[0][_name(*OTHERS[1])]["plan"]
+    assert set(recompute.values()) == {"full"}
