@@ -115,8 +115,7 @@ class _Bucket:
             complete = self.flat is not None and self.filled == self.flat.numel() and len(self.names) == len(self.expect)
             self.out = self.flat if complete else torch.cat([g.reshape(-1) for g in self.pieces])
             self.pieces = []
-            # over one device the sum is the gradient itself (DDP sends nothing on a world of one either)
-            self.work = None if n == 1 else dist.all_reduce(self.out, group=group, async_op=True)
+            self.work = dist.all_reduce(self.out, group=group, async_op=True)
             return
         # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...], copied straight
         # into one buffer (no per-gradient reshape copy, no concatenation)
@@ -130,9 +129,6 @@ class _Bucket:
                 self.send[off:off + k].view(c[r].shape).copy_(c[r])
                 off += k
         self.pieces = []
-        if n == 1:
-            self.out, self.work = self.send, None
-            return
         self.out = self.send.new_empty(total // n)
         self.work = dist.reduce_scatter_tensor(self.out, self.send, group=group, async_op=True)
 
@@ -259,9 +255,8 @@ class GradSync:
 
     def _complete(self, b: _Bucket) -> None:
         """Wait for bucket b and write its reduced gradients to `.grad`."""
-        if b.work is not None:
-            with watched(self.mesh, lambda: self._what(b)):
-                b.work.wait()
+        with watched(self.mesh, lambda: self._what(b)):
+            b.work.wait()
         if self._params is None:
             self._params = dict(self.module.named_parameters(remove_duplicate=False))
         n = math.prod(self.mesh.size(a) for a in b.kind.axes)
