@@ -87,9 +87,11 @@ def at_backward_end(fn) -> None:
 
 
 def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
-    """A DTensor over `local` (same shape as `like`'s local tensor) with `like`'s spec; no autograd."""
+    """A DTensor over `local` (same shape as `like`'s local tensor) with `like`'s spec; no autograd.
+    Made by `__new__` alone: DTensor's `__init__` does nothing but costs microseconds of wrappers
+    (dynamo's disable, export's marker), once per parameter gradient and step."""
     from torch.distributed.tensor import DTensor
-    return DTensor(local, like._spec, requires_grad=False)
+    return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
 
 
 def local_tensor(dt) -> torch.Tensor:

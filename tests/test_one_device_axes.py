@@ -52,3 +52,26 @@ def test_a_world_of_one_sends_nothing_and_trains_as_one_process(rank_pool):
 def test_an_axis_of_one_beside_a_real_one_trains_as_one_process(rank_pool):
     worst, _, _ = rank_pool(2).run(_train, (1, 2), ("one", "dp"))[0]
     assert worst < TOL, worst
+
+
+def _data_parallel_program(rank, world_size):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=16, hidden=64, heads=4, layers=2)
+    inputs = gpt_inputs(batch=8, seq=16, vocab=64)
+    mesh = autopar.Mesh((1,), ("dp",), device="cpu")
+    pins = {n: ("R",) for n, _ in model.named_parameters()}
+    dmodel = autopar.autoparallelize(model, mesh, inputs, pins=pins, batch_axes=("dp",), memory_budget=float("inf"))
+    ref = copy.deepcopy(model)
+    loss, ref_loss = dmodel(*inputs), ref(*inputs)
+    loss.backward(), ref_loss.backward()
+    wrappers = [n.target for n in dmodel.graph_module.graph.nodes if n.op in ("call_module", "call_method")]
+    return wrappers, type(loss) is torch.Tensor, max(rel(loss.detach(), ref_loss.detach()), grad_gap(dmodel, ref))
+
+
+def test_a_world_of_one_runs_the_models_ops_and_nothing_else(rank_pool):
+    """On one device a data-parallel program is the model's own ops called in order: no reshard, no
+    wrapper module, the loss handed back as the plain tensor it is (as one process computes it)."""
+    wrappers, plain_loss, worst = rank_pool(1).run(_data_parallel_program)[0]
+    assert wrappers == [], wrappers
+    assert plain_loss
+    assert worst < 1e-6, worst

@@ -9,6 +9,7 @@ import copy
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -76,3 +77,35 @@ def test_batch_split_inputs_at_other_batch_sizes(rank_pool):
         assert all(not isinstance(r[b], str) and r[b] < 1e-4 for b in (4, 12, PLANNED)), r
         msg = r[6]
         assert msg.startswith("PlanMismatchError") and "given [6, 16]" in msg and "split 4 ways" in msg, msg
+
+
+def _input_gradient(rank, world_size, first):
+    """A data-parallel MLP whose input needs a gradient, its first linear's output pinned to `first`
+    (its rows: the input taken as given; whole: the input gathered first): each rank is given its
+    rows (a leaf of its own); (the worst relative gap of its gradient to one process's rows, of the
+    loss, and the program's code)."""
+    from models import MLP
+    torch.manual_seed(0)
+    model = MLP(d_in=16, hidden=32, d_out=8, depth=2)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    mesh = autopar.Mesh((world_size,), ("dp",), device="cpu")
+    pins = {**{n: ("R",) for n, _ in model.named_parameters()}, "linear": (first,)}
+    dmodel = autopar.autoparallelize(model, mesh, (x,), pins=pins, batch_axes=("dp",), memory_budget=float("inf"))
+    mine = mesh.local_batch((x,), ("dp",))[0].clone().requires_grad_()
+    loss = (dmodel(mine) ** 2).sum()
+    loss.backward()
+    whole = x.clone().requires_grad_()
+    ref_loss = (model(whole) ** 2).sum()
+    ref_loss.backward()
+    rows = mesh.local_batch((whole.grad,), ("dp",))[0]
+    return rel(mine.grad, rows), rel(loss.detach(), ref_loss.detach()), dmodel.graph_module.code
+
+
+@pytest.mark.parametrize("first", ["S(0)", "R"])
+def test_an_input_that_needs_a_gradient_gets_the_gradient_of_its_rows(rank_pool, first):
+    """Taken as the tensor it was given (no DTensor made for it) or gathered first (a collective
+    issued at the program's start): autograd reaches the caller's tensor either way, with the
+    gradient one process gives those rows."""
+    for grad_gap, loss_gap, code in rank_pool(2).run(_input_gradient, first):
+        assert grad_gap < 1e-5 and loss_gap < 1e-5, (grad_gap, loss_gap)
+        assert ("reshard_linear_0(x)" in code) == (first == "R"), code

@@ -87,9 +87,15 @@ def _timeit_together(fn, reps: int, sync) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _measure_compute(device: str, quick: bool) -> dict:
+# compute rates (matmul, fused attention) are measured this many times, spread over the calibration
+# (before and after each phase), and their median kept: on a shared machine one round can catch a
+# passing slowdown (CPU, 4 ranks: one round 34 GFLOP/s, the rounds on either side 49-52)
+RATE_ROUNDS = 3
+
+
+def _measure_rates(device: str, quick: bool, sync) -> dict:
+    """One round of the compute rates: `matmul_flops` per dtype and fused attention's time."""
     import torch
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     n = (512 if quick else 1536) if device == "cpu" else (4096 if quick else 8192)
     reps = 3 if quick else 7
     out: dict = {"matmul_flops": {}, "matmul_n": n}
@@ -110,6 +116,25 @@ def _measure_compute(device: str, quick: bool) -> dict:
         t = _timeit_together(lambda: torch.mm(a, a), reps, sync)
         out["matmul_flops"]["tf32"] = 2 * n ** 3 / t
         torch.backends.cuda.matmul.allow_tf32 = False
+    out["attention"] = _measure_attention(device, reps, sync)
+    return out
+
+
+def median_rates(rounds: list[dict]) -> dict:
+    """The rounds of `_measure_rates` as one: each rate's median over the rounds (`rounds`: them all)."""
+    med = statistics.median
+    att = rounds[0]["attention"]
+    return {"matmul_flops": {k: med(r["matmul_flops"][k] for r in rounds) for k in rounds[0]["matmul_flops"]},
+            "matmul_n": rounds[0]["matmul_n"],
+            "attention": {**att, "seconds": med(r["attention"]["seconds"] for r in rounds)}, "rounds": rounds}
+
+
+def _measure_compute(device: str, quick: bool) -> dict:
+    """Everything measured on one device but the compute rates' later rounds (`_rank_main`)."""
+    import torch
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    reps = 3 if quick else 7
+    out: dict = _measure_rates(device, quick, sync)
     tiny = torch.randn(16, device=device)
     out["kernel_overhead"] = _timeit_together(lambda: tiny + 1.0, 200 if quick else 1000, sync)
     # ramp: a small fp32 matmul's time beyond its ideal time and the per-op overhead
@@ -129,7 +154,6 @@ def _measure_compute(device: str, quick: bool) -> dict:
     # at p = 0.1, the usual training rate: a CPU's sampling is branchy, so its cost depends on p
     t = _timeit_together(lambda: torch.ops.aten.native_dropout(src[:n_el], 0.1, True), reps, sync)
     out["rng_element_time"] = max(t - 9 * n_el / out["memory_bandwidth"], 0.0) / n_el
-    out["attention"] = _measure_attention(device, reps, sync)
     if device == "cuda":
         host = torch.empty(nbytes // 4, pin_memory=True)
         t = _timeit(lambda: src.copy_(host, non_blocking=True), reps, sync)
@@ -440,15 +464,22 @@ def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         dist.barrier()
         compute = _measure_compute(device, quick)      # every rank at once: shared cores, as in training
+        rounds = [{k: compute[k] for k in ("matmul_flops", "matmul_n", "attention")}]
         dist.barrier()
         axes = _measure_axes(rank, world, mesh_shape, names, device, quick)
         dist.barrier()
         compute["step_collectives"] = _measure_step_collectives(mesh_shape, names, device, quick)
         dist.barrier()
+        rounds.append(_measure_rates(device, quick, sync))
+        dist.barrier()
         compute["runtime"] = _measure_runtime(mesh_shape, names, device, quick)
         dist.barrier()
+        while len(rounds) < RATE_ROUNDS:
+            rounds.append(_measure_rates(device, quick, sync))
+        compute.update(median_rates(rounds))
         queue.put((rank, compute, axes))
     finally:
         dist.destroy_process_group()
@@ -571,7 +602,8 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     d = json.loads(path.read_text())
     d["_notes"] = {
         "peak_flops": f"torch.mm of square matrices (n={comp[0]['matmul_n']}, smaller for dtypes without a fast "
-                      "kernel), median over ranks: achieved rates, hence matmul_efficiency = 1",
+                      f"kernel), median over {RATE_ROUNDS} rounds spread over the calibration, then over ranks: "
+                      "achieved rates, hence matmul_efficiency = 1",
         "memory_bandwidth": "y.copy_(x), read + write bytes, median over ranks",
         "links": "ring alpha-beta fits per mesh axis of all_reduce and all_gather issued as a training step issues "
                  "them (a compute burst, then DTensor redistribute; minus the burst alone), median over ranks: "
@@ -582,7 +614,8 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
         "attention_efficiency": "causal scaled_dot_product_attention, forward + backward, at (batch, heads, sequence, "
                                 f"head dim) {comp[0]['attention']['shape']} ({comp[0]['attention']['dtype']}): the "
-                                "planner's price of it at the matmul rate over its time, median over ranks",
+                                "planner's price of it at the matmul rate over its time (median over "
+                                f"{RATE_ROUNDS} rounds, then over ranks)",
         "disk_link": "a file of 64 MiB written, fsync'ed and read back memory-mapped (torch.from_file), as the "
                      "disk offload tier does, minus the same for 4 KiB (latency: half of that small round trip); "
                      "median over ranks",

@@ -15,6 +15,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
 from ..compat import pytree
 from ..cost_model.comm import async_output_axis
@@ -23,7 +24,7 @@ from ..plan import Plan
 from ..runtime.async_output import AsyncOutput
 from ..runtime.attention import context_executor
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from ..runtime.reshard import Reshard
+from ..runtime.reshard import Reshard, over_one_device
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .capture import Captured
 from .parameter_side import parameter_side
@@ -32,42 +33,65 @@ from .shape_prop import tensor_meta
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
 
 
-def reshards_edge(src_executor: str | None, src_layout, want) -> bool:
+def reshards_edge(src_executor: str | None, src_layout, want, mesh_shape) -> bool:
     """Does the rewrite put a Reshard between a producer and a consumer's input? Always after a
     parameter (its stored shard becomes a DTensor there) and after anything the plan does not know;
-    otherwise where the layouts differ. (`autopar.estimate` counts runtime modules with this.)"""
-    return src_executor in (None, "param") or src_layout != want
+    otherwise where the layouts differ over an axis of more than one device (over axes of one device
+    every layout holds the same local tensor: the consumer takes the producer's as it is).
+    (`autopar.estimate` counts runtime modules with this.)"""
+    return src_executor in (None, "param") or not over_one_device(mesh_shape, parse_layout(src_layout),
+                                                                   parse_layout(want))
 
 
-def passes_local(node: fx.Node, planned: dict, mesh_ndim: int, side: dict[str, tuple] | None = None) -> bool:
+def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side: dict[str, tuple] | None = None,
+                 whole_outputs: bool = True) -> bool:
     """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
-    it in a DTensor and unwrapping it again would do nothing, forward or backward: a single tensor
-    output with no Partial axis (so no gradient scaling, no reduction), every consumer a LocalOp
-    taking it in that very layout (no Reshard on the edge) and sending its gradient back in it too.
+    it in a DTensor and unwrapping it again would do nothing, forward or backward: a tensor output
+    (or a split's parts, each through its getitem) with no partial average over more than one device (its gradient is scaled on the way
+    back), every consumer a LocalOp taking it in that very layout (no Reshard on the edge) and sending
+    its gradient back in it too (unless no gradient can flow: an integer or boolean result), "that
+    very layout" up to axes of one device (`reshards_edge`), or the program's
+    output where that is whole already (`output_modules`; `whole_outputs`: outputs are made whole).
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
     almost every op). `side`: the parameter-side nodes' axes (`parameter_side_ops`)."""
     side = side or {}
     np = planned.get(node.name)
     val = node.meta.get("val")
-    if np is None or np.executor != "local" or not isinstance(val, torch.Tensor) or "P" in "".join(np.output):
+    if np is None or np.executor != "local" or any(p.startswith("P(") and n > 1 for p, n in zip(np.output, mesh_shape)):
         return False
+    if isinstance(val, (tuple, list)):      # split, chunk, unbind: each part taken by its getitems' consumers
+        return bool(node.users) and all(
+            user.target is operator.getitem and isinstance(val[user.args[1]], torch.Tensor)
+            and _taken_local(user, val[user.args[1]], np, planned, mesh_shape, side, whole_outputs) for user in node.users)
+    return isinstance(val, torch.Tensor) and _taken_local(node, val, np, planned, mesh_shape, side, whole_outputs)
+
+
+def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape, side: dict, whole_outputs: bool) -> bool:
+    """Does every consumer of `node` (a tensor in the layout of `np`, the plan of the op making it)
+    take it as the local tensor it is (`passes_local`)?"""
+    grad_flows = val.dtype.is_floating_point or val.dtype.is_complex
+    arrives = output_grad_layout(parse_layout(np.output), side.get(np.name, ()))
     for user in node.users:
+        if user.op == "output" and whole_outputs and not output_modules(False, np.output, mesh_shape):
+            continue
         up = planned.get(user.name)
         if up is None or up.executor != "local" or user.target is operator.getitem:
             return False
         slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
         grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(user.name, ()))
-        arrives = output_grad_layout(parse_layout(np.output), side.get(node.name, ()))
-        if not slots or any(tuple(up.inputs[k]) != tuple(np.output) or grads[k] != arrives for k in slots):
+        if not slots or any(not over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output))
+                            or (grad_flows and not over_one_device(mesh_shape, grads[k], arrives)) for k in slots):
             return False
     return True
 
 
-def output_modules(sharded_outputs: bool) -> int:
-    """Runtime modules the rewrite adds per tensor output: a Reshard to whole and a ToLocal, or none
-    when outputs stay sharded."""
-    return 0 if sharded_outputs else 2
+def output_modules(sharded_outputs: bool, src_layout, mesh_shape) -> int:
+    """Runtime modules the rewrite adds per tensor output in `src_layout`: a Reshard to whole and a
+    ToLocal, or none when outputs stay sharded or the output is whole already (up to axes of one
+    device: then its op hands it on as a plain tensor, `passes_local`)."""
+    whole = tuple(Replicate() for _ in mesh_shape)
+    return 0 if sharded_outputs or over_one_device(mesh_shape, parse_layout(src_layout), whole) else 2
 
 
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
@@ -89,6 +113,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     whole = tuple("R" for _ in device_mesh.shape)
+    sharded = plan.options.get("sharded_outputs", False)
     device = mesh_device(device_mesh)      # where the program runs: not the capture's device (cpu, meta)
 
     def add_module(name: str, mod: torch.nn.Module, *args, **kwargs) -> fx.Node:
@@ -108,8 +133,10 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
             outs = []
             for k, a in enumerate(leaves):
                 v = env[a] if isinstance(a, fx.Node) else a
-                if is_tensor(a) and output_modules(plan.options.get("sharded_outputs", False)):
-                    src = planned.get(a.name)
+                src = planned.get(a.name) if isinstance(a, fx.Node) else None
+                handed_whole = (src is not None and v.op == "call_module"      # its op's local result is whole
+                                and getattr(root.get_submodule(v.target), "local_out", False))
+                if is_tensor(a) and not sharded and not handed_whole:
                     axis = None if src is None else async_output_axis(parse_layout(src.output), parse_layout(whole))
                     v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)) if axis is None
                                    else AsyncOutput(axis), v)
@@ -128,7 +155,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
             if is_tensor(a) and np is not None and node.target is not operator.getitem:
                 want = np.inputs[slot]
                 src = planned.get(a.name)
-                if reshards_edge(src.executor if src else None, src.output if src else None, want):
+                if reshards_edge(src.executor if src else None, src.output if src else None, want, device_mesh.shape):
                     grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
                     v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
                 slot += 1
@@ -142,7 +169,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
                      {"side_axes": side.get(node.name, ())} if np.executor == "local" else {})
             mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                           device_mesh, metas[0].shape if metas else None, **extra)
-            mod.local_out = pass_local and passes_local(node, planned, len(whole), side)
+            mod.local_out = pass_local and passes_local(node, planned, tuple(device_mesh.shape), side, not sharded)
             mod.capacity_factor = plan.options.get("moe_capacity_factor")
             env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)

@@ -29,6 +29,7 @@ printable as the plan's program.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,8 +45,9 @@ from ..placement import layout_str, parse_layout
 from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, write_grad
-from .ops import EXCHANGE, LOCALIZE, LocalOp, ReplicateOp
+from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
 from .reshard import Reshard, over_one_device, reduce_local_grad, to_layout
+from .vocab import splits_vocab
 
 
 class _ParamEdge(torch.autograd.Function):
@@ -177,6 +179,28 @@ class LeafParams:
         return leaf
 
 
+def local_inputs(gm: fx.GraphModule, cap: Captured, layouts: dict[str, tuple]) -> frozenset[str]:
+    """The user inputs of `gm` (placeholder name -> the layout it arrives in) that can be fed as the
+    local tensor the caller gave, with no DTensor made: every use a `LocalOp` taking it in that layout
+    and sending its gradient back in it, if one can flow (up to axes of one device: `over_one_device`)."""
+    captured = {n.name: n for n in cap.gm.graph.nodes}
+    out = set()
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in layouts and n.users]:
+        layout, dtype = layouts[ph.name], ph.meta["val"].dtype
+        for user in ph.users:
+            mod = gm.get_submodule(user.target) if user.op == "call_module" else None
+            slot = _tensor_slot(user, ph, captured.get(user.meta.get("autopar_node")))
+            if type(mod) is not LocalOp or slot is None:
+                break
+            grad_flows = dtype.is_floating_point or dtype.is_complex
+            wants = (mod.inputs[slot], mod.grad_layouts[slot]) if grad_flows else (mod.inputs[slot],)
+            if not all(over_one_device(mod.mesh.shape, want, layout) for want in wants):
+                break
+        else:
+            out.add(ph.name)
+    return frozenset(out)
+
+
 def _tensor_slot(user: fx.Node, node: fx.Node, captured: fx.Node | None) -> int | None:
     """The index of `node` among the tensor inputs of `user` (as `LocalOp` counts them: the captured
     op's tensor arguments in flattening order); None if it is not there exactly once."""
@@ -205,9 +229,11 @@ def direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str] = frozenset())
     return done
 
 
-def _plain(mod) -> bool:
-    return (type(mod) is LocalOp and mod.local_out and mod.target not in rng.DROPOUT_OPS
-            and mod.target not in EXCHANGE and mod.target not in LOCALIZE)
+def _plain(mod, node: fx.Node) -> bool:
+    if type(mod) is not LocalOp or not mod.local_out:
+        return False
+    exchanges = mod.target in EXCHANGE and (mod.target not in VOCAB or splits_vocab(mod, node))
+    return mod.target not in rng.DROPOUT_OPS and not exchanges and mod.target not in LOCALIZE
 
 
 def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
@@ -217,10 +243,10 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(mod, ParamEdge) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
-                or node.meta.get("autopar_local"):
+                or node.meta.get("autopar_local") or (node.target is operator.getitem and node.args[0] in local):
             local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
                                     # gather's member handed on local: layer_gather.py)
-        if not _plain(mod) or not all(a in local for a in tensor_args(node)):
+        if not _plain(mod, node) or not all(a in local for a in tensor_args(node)):
             continue
         args = list(node.args)
         if mod.local_out_shape is not None:

@@ -285,12 +285,22 @@ def flat_group(device_mesh, axes: tuple[int, ...]):
     once: a group every rank must create (DeviceMesh._flatten: every rank makes every flattened
     group) would leave the ranks' counts of groups apart, and the next group made on all ranks (a
     new DeviceMesh, a checkpoint's) would wait forever. Every member asks for the same axes in the
-    same order: the members of such a group run the same stage's program."""
+    same order: the members of such a group run the same stage's program. Made once per process and
+    set of ranks (every module on the mesh shares it), as DeviceMesh keeps its axes' groups; a new
+    default group (the job's process group made again) makes them anew."""
     if len(axes) == 1:
         return device_mesh.get_group(axes[0])
     coord = device_mesh.get_coordinate()
     index = tuple(slice(None) if a in axes else c for a, c in enumerate(coord))
-    return dist.new_group(device_mesh.mesh[index].flatten().tolist(), use_local_synchronization=True)
+    ranks = tuple(device_mesh.mesh[index].flatten().tolist())
+    world, group = _FLAT_GROUPS.get(ranks, (None, None))
+    if world is not dist.group.WORLD:
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        _FLAT_GROUPS[ranks] = (dist.group.WORLD, group)
+    return group
+
+
+_FLAT_GROUPS: dict[tuple[int, ...], tuple] = {}     # ranks -> (the default group it was made in, the group)
 
 
 def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from ..passes.rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
 from .early import early_reshards
-from .fastpath import LeafParams, direct_calls, fuse_param_edges
+from .fastpath import LeafParams, direct_calls, fuse_param_edges, local_inputs
 from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
@@ -143,28 +143,53 @@ class DistributedModule(torch.nn.Module):
         leaves = fuse_param_edges(graph, cap, a["plan"], self._param_of, self._grad_sync.alone,
                                   frozenset(self._memory.params_off_device))
         graph = apply_memory_plan(graph, a["plan"], self._param_of, self._memory)
-        direct_calls(graph, frozenset(leaves))
+        arriving = self._arriving(cap)
+        inputs = local_inputs(graph, cap, arriving)
+        direct_calls(graph, frozenset(leaves) | inputs)
         early_reshards(graph, frozenset(n for n, slot in cap.inputs.items() if slot.kind == "input"))
         graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
-        graph.feeds = self._feeds(cap, leaves)
+        graph.feeds = self._feeds(cap, leaves, {n: arriving[n] for n in inputs})
         return graph
 
-    def _feeds(self, cap: Captured, local: dict) -> list:
-        """Per placeholder of a program, `feed(leaves)` -> its value this call (`input_value`), with
-        the lookups that are the same every call done once: a parameter is its owner's attribute."""
-        feeds = []
+    def _arriving(self, cap: Captured) -> dict[str, tuple]:
+        """User-input placeholder -> the layout its tensor arrives in, for those the program keeps in
+        it (not a pinned split taken on arrival: `_kept_as`)."""
+        whole = tuple(Replicate() for _ in self._input_layout)
+        out = {}
         for name, slot in cap.inputs.items():
+            val = cap.gm.graph.find_nodes(op="placeholder", target=name)[0].meta.get("val")
+            if slot.kind == "input" and isinstance(val, torch.Tensor):
+                layout = self._input_layout if val.ndim else whole
+                if self._kept_as.get(name) in (None, layout):
+                    out[name] = layout
+        return out
+
+    def _feeds(self, cap: Captured, leaves_of: dict, local_in: dict):
+        """`feed(leaves)` -> the program's placeholder values this call (`input_value`), with the
+        lookups that are the same every call done once: a parameter is an entry of its owner's
+        parameters; `leaves_of` are fed their local shard (`LeafParams`), `local_in` (user input ->
+        its layout) the local tensor the caller gave (`local_input`)."""
+        params, others = [], []
+        for k, (name, slot) in enumerate(cap.inputs.items()):
             if slot.kind == "param":
                 path, _, attr = str(slot.target).rpartition(".")
-                owner = self.get_submodule(path)
-                if name in local:
-                    feeds.append(lambda leaves, o=owner, a=attr, spec=local[name]: self._leaves.value(getattr(o, a), spec))
-                else:
-                    feeds.append(lambda leaves, o=owner, a=attr: getattr(o, a))
+                params.append((k, self.get_submodule(path)._parameters, attr, leaves_of.get(name)))
+            elif name in local_in:
+                others.append((k, lambda leaves, i=slot.target, layout=local_in[name]:
+                               local_input(self._autopar["mesh"], leaves[i], layout)))
             else:
-                feeds.append(lambda leaves, slot=slot, kept=self._kept_as.get(name), cap=cap:
-                             input_value(self, cap, slot, leaves, self._input_layout, kept))
-        return feeds
+                others.append((k, lambda leaves, slot=slot, kept=self._kept_as.get(name), cap=cap:
+                               input_value(self, cap, slot, leaves, self._input_layout, kept)))
+        n, leaf_value = len(cap.inputs), self._leaves.value
+
+        def feed(leaves: list) -> list:
+            values = [None] * n
+            for k, owned, attr, spec in params:
+                values[k] = owned[attr] if spec is None else leaf_value(owned[attr], spec)
+            for k, f in others:
+                values[k] = f(leaves)
+            return values
+        return feed
 
     def _program(self, args, kwargs, leaves):
         """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
@@ -188,7 +213,7 @@ class DistributedModule(torch.nn.Module):
         self._grad_sync.reset()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
-        values = [feed(leaves) for feed in graph.feeds]
+        values = graph.feeds(leaves)
         mem = self._memory
         if mem.routes:       # saved-tensor routers run: they keep what lives anyway where it is
             mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
@@ -234,6 +259,14 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
         if x.ndim and kept_as is not None and kept_as != layout:
             x = to_layout(x, kept_as)
     return x
+
+
+def local_input(mesh, x, layout: tuple):
+    """A user input the program takes as its local tensor (`fastpath.local_inputs`): the tensor this
+    rank was given, on the mesh's device (a DTensor given instead: its local shard in `layout`)."""
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, layout).to_local()
+    return x.to(_device(mesh)) if isinstance(x, torch.Tensor) else x
 
 
 def split_outputs(cap: Captured, outs, buffers: torch.nn.Module | None):

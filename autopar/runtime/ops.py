@@ -62,6 +62,8 @@ EXCHANGE = {torch.ops.autopar.moe_experts.default: run_experts,
             aten.embedding.default: vocab_embedding, aten.cross_entropy_loss.default: vocab_cross_entropy,
             aten.log_softmax.int: vocab_log_softmax, aten._log_softmax.default: vocab_log_softmax,
             aten.nll_loss.default: vocab_nll_loss, aten.nll_loss_nd.default: vocab_nll_loss}
+# those of them that are the plain op where their strategy does not split the vocabulary (vocab.splits_vocab)
+VOCAB = frozenset(t for t, fn in EXCHANGE.items() if fn is not run_experts)
 
 
 class _ToLocal(torch.autograd.Function):

@@ -88,6 +88,7 @@ class PlannedOptimizer:
         for tier, ms in self._masters.items():
             self._inner[tier] = cls([m.master for m in ms], **kwargs)
         self._placed: set[int] = set()     # storages of state tensors already in their tier
+        self._params = list(params.values())     # each once (tied ones too), for zero_grad
 
     @property
     def param_groups(self) -> list[dict]:
@@ -167,7 +168,7 @@ class PlannedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._mem.grads is not None:
             self._mem.grads.clear()
-        for p in self.module.parameters():
+        for p in self._params:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:

@@ -30,9 +30,17 @@ import torch
 import torch.distributed as dist
 
 from ..placement import block_index
-from ..strategies.vocab import CLASS_DIM, vocab_axes
+from ..strategies.vocab import CLASS_DIM, op_class_dim, vocab_axes
 
 _STATS_DTYPE = torch.float32      # the max and sums are kept in fp32 whatever the logits' dtype
+
+
+def splits_vocab(op, node) -> bool:
+    """Does the LocalOp `op` of vocab op `node` (a rank-graph node: embedding, a loss, log_softmax) run
+    on a slice of the vocabulary? If not, it is the plain op on local shards."""
+    dim = (0 if op.target is torch.ops.aten.embedding.default
+           else op_class_dim(op.target, node.args, node.meta["val"].ndim))
+    return bool(vocab_axes(op.inputs[0], dim))
 
 
 def _groups(op, dim: int) -> tuple:

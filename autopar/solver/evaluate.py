@@ -225,11 +225,11 @@ def node_modules(p: Problem, choice: Mapping[str, int]):
     for e, a, b in picked_edges(p, choice):
         src = p.decisions[e.src]
         if e.dst == "output":
-            yield "output", output_modules(False)
+            yield "output", output_modules(False, tuple(src.strategies[choice[src.leader]].output), p.mesh.shape)
         else:
             t = p.decisions[e.dst].strategies[choice[p.decisions[e.dst].leader]]
             yield e.dst, int(reshards_edge(src.kind, tuple(src.strategies[choice[src.leader]].output),
-                                           tuple(t.inputs[e.slot])))
+                                           tuple(t.inputs[e.slot]), p.mesh.shape))
 
 
 def effective_options(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int]) -> dict[str, int]:
