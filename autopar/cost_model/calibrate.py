@@ -104,9 +104,11 @@ def _measure_rates(device: str, quick: bool, sync) -> dict:
         a = torch.randn(n, n, device=device).to(dt)
         b = torch.randn(n, n, device=device).to(dt)
         c = torch.empty(n, n, device=device, dtype=dt)
-        # a dtype without a fast kernel (fp16 on most CPUs) would take minutes at full size
+        # a dtype without a fast kernel (fp16 on most CPUs) would take minutes at full size; the ranks
+        # agree on the size (the fastest probe decides: a rank whose probe was slowed by a neighbour
+        # must not time a smaller product while the others' larger ones hold the barrier)
         probe = _timeit(lambda: torch.mm(a[:128, :128], b[:128, :128]), 1, sync)
-        m = n if 2 * 128 ** 3 / probe > 2e10 or device == "cuda" else 256
+        m = n if device == "cuda" or _fastest(2 * 128 ** 3 / probe) > 2e10 else 256
         a2, b2, c2 = a[:m, :m].contiguous(), b[:m, :m].contiguous(), c[:m, :m].contiguous()
         t = _timeit_together(lambda: torch.mm(a2, b2, out=c2), reps, sync)
         out["matmul_flops"][key] = 2 * m ** 3 / t
@@ -118,6 +120,17 @@ def _measure_rates(device: str, quick: bool, sync) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False
     out["attention"] = _measure_attention(device, reps, sync)
     return out
+
+
+def _fastest(rate: float) -> float:
+    """The highest of the ranks' `rate` (this rank's alone without a process group)."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rate
+    t = torch.tensor([rate], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX)      # a CPU tensor: gloo (GPUs never probe)
+    return float(t)
 
 
 def median_rates(rounds: list[dict]) -> dict:
