@@ -115,8 +115,9 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     assert p.intra_node.bandwidth > 1e6 and p.intra_node.latency >= 0 and p.kernel_overhead > 0
     raw = json.loads(out.read_text())
     assert raw["_measured"]["axes"]["axis0"]["size"] == 2 and len(raw["_measured"]["per_rank"]) == 2
-    # the runtime's and the step's costs, measured (values vary; presence and sign do not)
-    assert p.runtime_op_overhead > 0 and p.optimizer_param_overhead > 0 and p.collective_overhead >= 0
+    # the runtime's and the step's costs, measured (values vary; presence and sign do not). The
+    # runtime's per node may be nil: its replicated program is the model's ops called directly
+    assert p.runtime_op_overhead >= 0 and p.optimizer_param_overhead > 0 and p.collective_overhead >= 0
     assert p.optimizer_element_time > 0
     assert p.rng_element_time > 0 and "rng_element_time" in raw["_notes"]    # a CPU's generator is slow
     assert raw["_measured"]["launch"]["ranks"] == 2 and raw["_measured"]["launch"]["cores"] == os.cpu_count()
