@@ -129,13 +129,15 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
     # fused attention measured against the planner's own price of it at the matmul rate
     assert raw["_measured"]["per_rank"][0]["attention"]["flops"] > 0
     assert 0 < p.attention_efficiency <= 1 and "attention_efficiency" in raw["_notes"]
-    # compute rates: rounds spread over the calibration, each the group's time of the same products
-    # on every rank at once, so the ranks' rates agree (a rank timing smaller products than the others
-    # while they held the barrier once read 0.3 against 64 GFLOP/s)
+    # compute rates: rounds spread over the calibration (the machine's load may change between them),
+    # each the group's time of the same products on every rank at once, so within a round the ranks'
+    # rates agree (a rank timing smaller products than the others while they held the barrier once
+    # read 0.3 against 64 GFLOP/s)
     per_rank = raw["_measured"]["per_rank"]
     assert all(len(r["rounds"]) == 3 for r in per_rank)
-    rates = [x["matmul_flops"]["float32"] for r in per_rank for x in r["rounds"]]
-    assert max(rates) < 3 * min(rates), rates
+    for k in range(3):
+        rates = [r["rounds"][k]["matmul_flops"]["float32"] for r in per_rank]
+        assert max(rates) < 2 * min(rates), (k, rates)
 
 
 def test_calibrate_on_a_world_of_one(tmp_path):
