@@ -47,6 +47,9 @@ def build(name: str):
         model = GPTNll(vocab=64, seq=16, hidden=32, heads=4, layers=1)
         idx, tgt = gpt_inputs(batch=4, seq=16, vocab=64)
         return model, (idx, tgt.index_fill(1, torch.tensor([15]), -100)), lambda out: out
+    if name == "gpt-nll3d":   # log_softmax over the classes of the 3-D logits, then nll_loss on them flattened
+        model = GPTNll3d(vocab=64, seq=16, hidden=32, heads=4, layers=1)
+        return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
     if name == "llama":
         model = Llama(vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=16)
         return model, gpt_inputs(batch=4, seq=16, vocab=64), lambda out: out
@@ -63,6 +66,17 @@ class GPTNll(GPT):
         logits = self.lm_head(self.ln_f(x))
         logp = torch.nn.functional.log_softmax(logits.view(-1, logits.size(-1)), dim=-1)
         return torch.nn.functional.nll_loss(logp, targets.view(-1))
+
+
+class GPTNll3d(GPT):
+    """The GPT with log_softmax over the last dim of its (batch, seq, vocab) logits, then nll_loss."""
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logp = torch.nn.functional.log_softmax(self.lm_head(self.ln_f(x)), dim=-1)
+        return torch.nn.functional.nll_loss(logp.view(-1, logp.size(-1)), targets.view(-1))
 
 
 def shard_happy_profile():

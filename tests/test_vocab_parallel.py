@@ -5,7 +5,8 @@
   on the classes) trains 2 AdamW steps like one process (loss, gradients, parameters within 1e-4);
   the plan never gathers the logits and labels those nodes "vocab_parallel". Also on a (dp, tp) mesh,
   for a Hugging Face Llama (its loss ignores the last position), for a GPT whose loss is
-  log_softmax + nll_loss, and with the vocabulary split over two axes.
+  log_softmax + nll_loss (on the flattened logits, and on the 3-D logits: the classes are dim 2
+  there), and with the vocabulary split over two axes.
 * The planner chooses them by itself where the logits are large: a wide-vocabulary model on a tp axis.
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ TOL = 1e-4
 VOCAB = "vocab_parallel"
 # per model: its head's linear (-> logits) and the view that flattens the logits for the loss
 LOGITS = {"gpt": ("linear_4", "view_4"), "gpt-nll": ("linear_4", "view_4", "log_softmax"),
-          "zoo:llama": ("linear_14", "view_10")}
+          "gpt-nll3d": ("linear_4", "view_4", "log_softmax"), "zoo:llama": ("linear_14", "view_10")}
 # per model: its loss's nodes and the label of their batch split (others: cross_entropy_loss, "batch")
-LOSS = {"gpt-nll": {"log_softmax": "split", "nll_loss*": "batch"}}
+LOSS = {"gpt-nll": {"log_softmax": "split", "nll_loss*": "batch"},
+        "gpt-nll3d": {"log_softmax": "split", "nll_loss*": "batch"}}
 
 
 def vocab_pins(name: str, axis_names: tuple) -> dict:
@@ -54,11 +56,12 @@ def _gathers_logits(plan, logits) -> list[str]:
 
 
 CASES = [("gpt", (4,), ("tp",)), ("gpt", (2, 2), ("dp", "tp")), ("zoo:llama", (4,), ("tp",)),
-         ("gpt-nll", (2, 2), ("dp", "tp")), ("gpt", (2, 2), ("tp0", "tp1"))]
+         ("gpt-nll", (2, 2), ("dp", "tp")), ("gpt-nll3d", (2, 2), ("dp", "tp")), ("gpt", (2, 2), ("tp0", "tp1"))]
 
 
 @pytest.mark.parametrize("name,mesh_shape,axis_names", CASES,
-                         ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2", "gpt-vocab-over-2-axes"])
+                         ids=["gpt-tp4", "gpt-dp2xtp2", "llama-tp4", "nll-dp2xtp2", "nll-3d-logits-dp2xtp2",
+                              "gpt-vocab-over-2-axes"])
 def test_vocab_parallel_trains_like_one_process(rank_pool, name, mesh_shape, axis_names):
     pins = vocab_pins(name, axis_names)
     plan = _plan(mesh_shape, axis_names, pins, name)
