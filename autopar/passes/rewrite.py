@@ -47,11 +47,12 @@ def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side
                  whole_outputs: bool = True) -> bool:
     """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
     it in a DTensor and unwrapping it again would do nothing, forward or backward: a tensor output
-    (or a split's parts, each through its getitem) with no partial average over more than one device (its gradient is scaled on the way
-    back), every consumer a LocalOp taking it in that very layout (no Reshard on the edge) and sending
-    its gradient back in it too (unless no gradient can flow: an integer or boolean result), "that
-    very layout" up to axes of one device (`reshards_edge`), or the program's
-    output where that is whole already (`output_modules`; `whole_outputs`: outputs are made whole).
+    (or a split's parts, each through its getitem) with no partial average over more than one
+    device (its gradient is scaled on the way back), every consumer a LocalOp taking it in that very
+    layout (no Reshard on the edge) and sending its gradient back in it too (unless no gradient can
+    flow: an integer or boolean result), "that very layout" up to axes of one device
+    (`reshards_edge`), or the program's output where that is whole already (`output_modules`;
+    `whole_outputs`: outputs are made whole).
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
     almost every op). `side`: the parameter-side nodes' axes (`parameter_side_ops`)."""
     side = side or {}
@@ -62,11 +63,13 @@ def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side
     if isinstance(val, (tuple, list)):      # split, chunk, unbind: each part taken by its getitems' consumers
         return bool(node.users) and all(
             user.target is operator.getitem and isinstance(val[user.args[1]], torch.Tensor)
-            and _taken_local(user, val[user.args[1]], np, planned, mesh_shape, side, whole_outputs) for user in node.users)
+            and _taken_local(user, val[user.args[1]], np, planned, mesh_shape, side, whole_outputs)
+            for user in node.users)
     return isinstance(val, torch.Tensor) and _taken_local(node, val, np, planned, mesh_shape, side, whole_outputs)
 
 
-def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape, side: dict, whole_outputs: bool) -> bool:
+def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape, side: dict,
+                 whole_outputs: bool) -> bool:
     """Does every consumer of `node` (a tensor in the layout of `np`, the plan of the op making it)
     take it as the local tensor it is (`passes_local`)?"""
     grad_flows = val.dtype.is_floating_point or val.dtype.is_complex
