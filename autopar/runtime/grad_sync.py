@@ -244,10 +244,14 @@ class GradSync:
         if not self.deferred and not self._armed:      # forget the parameters at the backward's end
             at_backward_end(self.finish)
             self._armed = True
+        with torch.no_grad():
+            write_grad(self._param(name), local.contiguous())
+
+    def _param(self, name: str) -> torch.nn.Parameter:
+        """The module's parameter `name` (by FQN, aliases too), looked up once per backward."""
         if self._params is None:
             self._params = dict(self.module.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            write_grad(self._params[name], local.contiguous())
+        return self._params[name]
 
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
@@ -257,12 +261,10 @@ class GradSync:
         """Wait for bucket b and write its reduced gradients to `.grad`."""
         with watched(self.mesh, lambda: self._what(b)):
             b.work.wait()
-        if self._params is None:
-            self._params = dict(self.module.named_parameters(remove_duplicate=False))
         n = math.prod(self.mesh.size(a) for a in b.kind.axes)
         with torch.no_grad():
             for name, reduced in b.results(n):
-                write_grad(self._params[name], reduced)
+                write_grad(self._param(name), reduced)
         b.send, b.written = None, True
 
     def finish(self) -> None:

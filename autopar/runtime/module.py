@@ -157,8 +157,10 @@ class DistributedModule(torch.nn.Module):
         whole = tuple(Replicate() for _ in self._input_layout)
         out = {}
         for name, slot in cap.inputs.items():
+            if slot.kind != "input":
+                continue
             val = cap.gm.graph.find_nodes(op="placeholder", target=name)[0].meta.get("val")
-            if slot.kind == "input" and isinstance(val, torch.Tensor):
+            if isinstance(val, torch.Tensor):
                 layout = self._input_layout if val.ndim else whole
                 if self._kept_as.get(name) in (None, layout):
                     out[name] = layout
