@@ -9,7 +9,8 @@ the cores):
 
 Each compute and runtime figure is the group's time over several repeats run back to back by
 every rank at once (barrier to barrier: the rate a rank gets while the others run, as in a step),
-the collectives' the median of several repeats; then the median over ranks.
+the collectives' what they add to a burst of compute (median of several repeats); then the median
+over ranks.
 
 * matmul throughput per dtype (torch.mm of square matrices; the median over ranks) -> peak_flops,
   with matmul_efficiency = 1 (the figures are achieved rates); the time a small matmul loses
@@ -305,11 +306,13 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
     with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
     Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once, `reps` times in a
-    row. Each iteration times the collective alone, from the end of this rank's burst to its
-    return: DTensor's Python, gloo's transfer, and waiting for the peers (with more ranks than
-    cores, a peer may be descheduled mid-burst). Per point, the median over iterations; the
-    caller averages over ranks (in lockstep every rank's iteration takes as long, so the mean
-    wait is what a step adds beyond the mean burst the compute model prices)."""
+    row. A collective's cost is what it adds to the iteration: the median iteration (burst and
+    collective) less the burst's time when every rank runs bursts alone, barrier to barrier (the
+    shared rate the compute model prices). Not the collective's own span: with more ranks than
+    cores a rank's burst often runs unshared while the rank sharing its core waits in the previous
+    collective, so the span of one collective holds a peer's burst and the span of a burst is short
+    (4 ranks on 2 cores, 128x512x512 matmuls: 0.75 ms each inside an iteration against 1.5 ms shared;
+    after 4 of them the collective's span was 4.9 ms, the iteration less the shared burst 3.2 ms)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -328,8 +331,11 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     sizes = (4096, 256 * 2 ** 10) if quick else (4096, 512 * 2 ** 10, 2 * 2 ** 20)
 
     def timed(src, dst, local) -> tuple[float, float]:
-        """(median seconds of the collective after a burst, median seconds of the burst)"""
-        coll, comp = [], []
+        """(median seconds an iteration of burst and collective takes beyond the burst alone, median
+        seconds of this rank's burst inside it); the burst alone is timed next to each point, so a
+        change of load between points moves both alike"""
+        burst_alone = _timeit_together(burst, reps, sync)
+        its, comp = [], []
         dist.barrier()
         for r in range(reps + 1):
             t0 = time.perf_counter()
@@ -340,9 +346,9 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
             sync()
             t2 = time.perf_counter()
             if r:                                     # the first is a warm-up
-                coll.append(t2 - t1)
+                its.append(t2 - t0)
                 comp.append(t1 - t0)
-        return statistics.median(coll), statistics.median(comp)
+        return statistics.median(its) - burst_alone, statistics.median(comp)
 
     out = {"burst_repeats": BURST_REPEATS, "axes": {}}
     burst_s = None                          # stays None where no axis has two devices (a world of one)
