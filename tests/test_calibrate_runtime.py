@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import autopar
-from autopar.cost_model.calibrate import _fit_overhead
+from autopar.cost_model.calibrate import _fit_links
 from autopar.cost_model.profiles import load_profile, save_profile
 from autopar.estimate import estimate
 
@@ -31,12 +31,38 @@ def test_shipped_profiles_default_the_new_fields_and_round_trip(tmp_path):
         dataclasses.replace(p, collective_overhead=-1.0)
 
 
-def test_fit_overhead_splits_per_collective_and_per_step():
-    # 2 devices: all_reduce = c + 2 alpha, all_gather = c + alpha
-    c, alpha = _fit_overhead(2, {"all_reduce": 1e-3 + 2 * 2e-4, "all_gather": 1e-3 + 2e-4})
-    assert c == pytest.approx(1e-3) and alpha == pytest.approx(2e-4)
-    c, alpha = _fit_overhead(2, {"all_reduce": 1e-3, "all_gather": 2e-3})     # noise: alpha < 0 -> 0
-    assert alpha == 0.0 and c == pytest.approx(1.5e-3)
+def _step_record(per_coll: float, seconds_per_byte: float, latency: float) -> dict:
+    """One rank's `_measure_step_collectives` on a (2, 2) mesh whose collectives cost exactly
+    per_coll + ring latency + bytes * seconds_per_byte."""
+    pts = {kind: [(nb, per_coll + steps * latency + nb * seconds_per_byte) for nb in (4096.0, 2.0 ** 21)]
+           for kind, steps in (("all_reduce", 2), ("all_gather", 1))}
+    # two all_reduces of 4 KiB at the bandwidth the fit will find (all_gather's slope: half the bytes)
+    ring = 2 * latency + 4096.0 * (seconds_per_byte / 0.5 if seconds_per_byte else 1e-9)
+    both = {"nbytes": 4096.0, "collectives": 2, "sizes": [2, 2], "seconds": 2 * (per_coll + ring)}
+    return {"step_collectives": {"cycle": ["axis0", "axis1"], "burst_repeats": 4, "points": pts,
+                                 "all_axes_all_reduce": both}}
+
+
+def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_collective_cost():
+    latency, kernel = 2e-4, 1e-5
+    iso = {ax: {"size": 2, "fits": {k: {"bandwidth": 1e9, "latency": latency} for k in ("all_reduce", "all_gather")}}
+           for ax in ("axis0", "axis1")}
+    for ax in iso:      # a reduce_scatter 2.5x slower per byte than the all_gather (gloo's)
+        iso[ax]["fits"]["reduce_scatter"] = {"bandwidth": 4e8, "latency": 1e-3}
+    # a step moves bytes at 1/4 of the isolated bandwidth (all_reduce over 2 puts 1x its bytes on the wire)
+    axes, record, links, overhead = _fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
+    assert overhead == pytest.approx(3e-3 - kernel)
+    assert [link.latency for link in links] == [latency, latency]
+    assert [link.reduce_scatter_factor for link in links] == [pytest.approx(2.5)] * 2
+    assert links[0].bandwidth == pytest.approx(min(1 / 4e-9, 0.5 / 4e-9))      # all_gather: (n-1)/n on the wire
+    assert set(axes) == {"axis0", "axis1"} and set(record["per_collective"]) == {"all_reduce", "all_gather",
+                                                                              "all_axes_all_reduce"}
+    # a step cannot move bytes faster than isolated collectives: a flat line is bounded by them
+    _, _, links, _ = _fit_links([_step_record(3e-3, 0.0, latency)] * 4, iso, kernel)
+    assert links[0].bandwidth == pytest.approx(1e9)
+    # a world of one measures no collective
+    none = {"step_collectives": {"cycle": [], "burst_repeats": 4, "points": {}}}
+    assert _fit_links([none], {}, kernel) == ({}, {}, [], 0.0)
 
 
 def _est(profile, plan_kw):

@@ -59,6 +59,10 @@ def test_profile_json_round_trip(tmp_path):
     q = load_profile(path)
     assert q == p and q.intra_node == Link(250e9, 3e-6) and dict(q.peak_flops) == dict(p.peak_flops)
     assert load_profile(str(path)) == p and load_profile(p) is p
+    r = dataclasses.replace(p, intra_node=Link(1e9, 3e-4, reduce_scatter_factor=2.5))   # a calibrated gloo link
+    assert load_profile(save_profile(r, tmp_path / "gloo.json")).intra_node.reduce_scatter_factor == 2.5
+    with pytest.raises(ValueError):
+        Link(1e9, 3e-4, reduce_scatter_factor=0.0)
 
 
 def test_profile_pickles_and_deep_copies():
@@ -176,6 +180,10 @@ def test_all_reduce_8_devices_1GB_nvlink():
 def test_gather_scatter_all_to_all_formulas():
     assert all_gather_time(1e9, 8, NVLINK) == pytest.approx(7 / 8 * 1e9 / 300e9 + 7 * 2e-6)
     assert reduce_scatter_time(1e9, 8, NVLINK) == all_gather_time(1e9, 8, NVLINK)
+    # a backend whose reduce_scatter is slower than the ring's (gloo's): its bytes term scaled
+    slow = Link(300e9, 2e-6, reduce_scatter_factor=2.5)
+    assert reduce_scatter_time(1e9, 8, slow) == pytest.approx(2.5 * 7 / 8 * 1e9 / 300e9 + 7 * 2e-6)
+    assert all_gather_time(1e9, 8, slow) == all_gather_time(1e9, 8, NVLINK)
     assert all_to_all_time(1e9, 8, NVLINK) == pytest.approx(7 / 64 * 1e9 / 300e9 + 7 * 2e-6)
     assert collective_bytes_on_wire("all_reduce", 1e9, 4) == 1.5e9
     assert collective_bytes_on_wire("all_gather", 1e9, 4) == 0.75e9

@@ -20,12 +20,13 @@ over ranks.
 * per-op overhead (a 16-element add) -> kernel_overhead;
 * causal SDPA forward + backward at a layer's shape, against the planner's price of it at the matmul
   rate -> attention_efficiency;
-* per mesh axis, all_reduce and all_gather as a training step issues them (a compute burst, then
-  the runtime's DTensor redistribute, all ranks at once) at 4 KiB, 512 KiB and 2 MiB, fitted to
-  the ring alpha-beta model of `cost_model.comm` plus a per-collective cost -> intra_node (the
-  slowest axis; one machine is one node), inter_node (the same unless the base profile's is
-  slower), collective_overhead, and the per-axis fits under `_measured` (with the isolated,
-  back-to-back raw collectives for comparison);
+* all_reduce and all_gather as a training step issues them (a compute burst, then the runtime's
+  DTensor redistribute, all ranks at once, cycling over the mesh axes; what each adds to the
+  bursts' time when every rank bursts alone) at 4 KiB, 512 KiB and 2 MiB, and per mesh axis
+  isolated back-to-back raw collectives, fitted to the ring alpha-beta model of `cost_model.comm`
+  plus a per-collective cost (`_fit_links`) -> intra_node (the slowest axis; one machine is one
+  node), inter_node (the same unless the base profile's is slower), collective_overhead, and the
+  fits under `_measured`;
 * autopar's runtime against eager PyTorch on a 2-block transformer of width 16 (all replicated)
   -> runtime_op_overhead per node of the rank's graph (as the evaluator counts them); AdamW's step
   through `dmodel.optimizer` ->
@@ -47,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .comm import collective_bytes_on_wire, latency_steps
+from .comm import collective_bytes_on_wire, collective_time, latency_steps
 
 __all__ = ["calibrate"]
 
@@ -270,13 +271,15 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
         if n == 1:
             continue
         res = {}
-        for kind in ("all_reduce", "all_gather"):
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             pts = []
             for nbytes in sizes:
                 full = torch.zeros(nbytes // 4, device=device)
                 part = torch.zeros(nbytes // 4 // n, device=device)
                 if kind == "all_reduce":
                     fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
+                elif kind == "reduce_scatter":
+                    fn = lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * n], group=group)  # noqa: E731
                 else:
                     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                     fn = lambda: gather(full[: part.numel() * n], part, group=group)  # noqa: E731
@@ -288,13 +291,14 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
 
 
 # A compute burst between two collectives, as a training step has: BURST_REPEATS matmuls of
-# 128x512x512 (67 MFLOP each; ~10 ms in all on one core of this class of CPU, ~20 ms with two ranks
-# per core). It must outlast the scheduler's time slice (EEVDF's base slice is a few ms) so that,
-# as in a training step where every rank computes all the time, ranks sharing a core are preempted
-# mid-burst and arrive at the collective out of step; a sub-millisecond burst runs each rank alone
-# in its slice (one 0.6 ms matmul measured at the unshared rate) and understates the wait.
+# 128x512x512 (67 MFLOP each; ~1.5 ms with two ranks per core on this class of CPU), about the compute
+# a step runs between two of its collectives (the five plans of benchmarks/bench_cpu_plans.py: 1.6 ms
+# (ZeRO-3) to 6.5 ms (2-D) of compute per collective; data parallel's few buckets follow longer).
+# What a collective adds grows with the burst before it (4 ranks on 2 cores, small all_gathers cycling
+# over the axes: 1.8 ms after no compute, 2.3 after one matmul, 3.4 after 4, 4.5 after 16): ranks
+# sharing a core drift apart while they compute, and the collective waits for the one behind.
 BURST_SHAPE = (128, 512, 512)
-BURST_REPEATS = 16
+BURST_REPEATS = 4
 # The graph that measures autopar's runtime overhead: TINY_DEPTH transformer blocks (layer norm,
 # qkv projection, heads split by view/transpose, scaled dot-product attention, output projection,
 # residual adds, GELU MLP) of width TINY_WIDTH: the op mix of the models autopar runs, at sizes
@@ -305,14 +309,17 @@ TINY_WIDTH, TINY_DEPTH = 16, 2
 def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> dict:
     """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
     with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
-    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once, `reps` times in a
-    row. A collective's cost is what it adds to the iteration: the median iteration (burst and
-    collective) less the burst's time when every rank runs bursts alone, barrier to barrier (the
-    shared rate the compute model prices). Not the collective's own span: with more ranks than
-    cores a rank's burst often runs unshared while the rank sharing its core waits in the previous
-    collective, so the span of one collective holds a peer's burst and the span of a burst is short
-    (4 ranks on 2 cores, 128x512x512 matmuls: 0.75 ms each inside an iteration against 1.5 ms shared;
-    after 4 of them the collective's span was 4.9 ms, the iteration less the shared burst 3.2 ms)."""
+    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once; then a burst and the
+    same over the next axis, cycling over the axes of more than one device as a step's collectives
+    move from one group to another (a collective on the group of the one before meets peers already
+    in step: small all_gathers after 4 matmuls add 2 ms on one axis, 3.4 ms cycling over two).
+    A collective's cost is what it adds to the cycle: the median cycle less the bursts' time when
+    every rank runs bursts alone, barrier to barrier (the shared rate the compute model prices),
+    per collective. Not the collective's own span: with more ranks than cores a rank's burst often
+    runs unshared while the rank sharing its core waits in the previous collective, so the span of
+    a collective holds a peer's burst and the span of a burst is short (4 ranks on 2 cores: a
+    128x512x512 matmul took 0.75 ms inside such a loop against 1.5 ms shared; after 4 of them the
+    collective's span was 4.9 ms, the cycle less the shared bursts 3.2 ms)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -325,57 +332,42 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     a, b = torch.randn(m_, k_, device=device), torch.randn(k_, n_, device=device)
 
     def burst():
-        for _ in range(2 if quick else BURST_REPEATS):
+        for _ in range(BURST_REPEATS):
             torch.mm(a, b)
     reps = 9 if quick else 41
     sizes = (4096, 256 * 2 ** 10) if quick else (4096, 512 * 2 ** 10, 2 * 2 ** 20)
-
-    def timed(src, dst, local) -> tuple[float, float]:
-        """(median seconds an iteration of burst and collective takes beyond the burst alone, median
-        seconds of this rank's burst inside it); the burst alone is timed next to each point, so a
-        change of load between points moves both alike"""
-        burst_alone = _timeit_together(burst, reps, sync)
-        its, comp = [], []
-        dist.barrier()
-        for r in range(reps + 1):
-            t0 = time.perf_counter()
-            burst()
-            sync()
-            t1 = time.perf_counter()
-            to_layout(DTensor.from_local(local, dmesh, src, run_check=False), dst)
-            sync()
-            t2 = time.perf_counter()
-            if r:                                     # the first is a warm-up
-                its.append(t2 - t0)
-                comp.append(t1 - t0)
-        return statistics.median(its) - burst_alone, statistics.median(comp)
-
-    out = {"burst_repeats": BURST_REPEATS, "axes": {}}
-    burst_s = None                          # stays None where no axis has two devices (a world of one)
     whole = tuple(Replicate() for _ in names)
+    cycle = [i for i, n in enumerate(mesh_shape) if n > 1]
+
+    def timed(moves) -> float:
+        """Mean seconds one collective adds to a burst: `moves`, a list of (placements, local tensor),
+        each after a burst, `reps` times in a row (module docstring); the bursts alone are timed next
+        to it, so a change of load between points moves both alike. The mean, not the median: a step
+        is the sum of its collectives, and their cost is bimodal (the peer is scheduled or not)."""
+        def cycle():
+            for src, local in moves:
+                burst()
+                to_layout(DTensor.from_local(local, dmesh, src, run_check=False), whole)
+        burst_alone = _timeit_together(burst, reps, sync)
+        return (_timeit_together(cycle, reps, sync) - len(moves) * burst_alone) / len(moves)
+
+    out = {"burst_repeats": BURST_REPEATS, "cycle": [names[i] for i in cycle], "points": {}}
+    if not cycle:                                     # a world of one: nothing to measure
+        return out
     # every axis at once, as a gradient partial over all axes is reduced (one all_reduce per axis,
     # back to back: DTensor redistribute on a 2-D mesh), small message
-    split = [i for i, n in enumerate(mesh_shape) if n > 1]
-    if len(split) > 1:
-        t, burst_s = timed(tuple(Partial() for _ in names), whole, torch.ones(sizes[0] // 4, device=device))
-        out["all_axes_all_reduce"] = {"nbytes": float(sizes[0]), "collectives": len(split),
-                                      "sizes": [mesh_shape[i] for i in split], "seconds": t}
-        out["burst_s"] = burst_s
-    for i, name in enumerate(names):
-        n = mesh_shape[i]
-        if n == 1:
-            continue
-        res = {}
-        for kind, src_p in (("all_reduce", Partial()), ("all_gather", Shard(0))):
-            src = tuple(src_p if j == i else Replicate() for j in range(len(names)))
-            pts = []
-            for nbytes in sizes:
-                numel = nbytes // 4 if kind == "all_reduce" else nbytes // 4 // n
-                t, burst_s = timed(src, whole, torch.ones(numel, device=device))
-                pts.append((float(nbytes), t))
-            res[kind] = pts
-        out["axes"][name] = {"size": n, "points": res}
-    out.setdefault("burst_s", burst_s)
+    if len(cycle) > 1:
+        t = timed([(tuple(Partial() for _ in names), torch.ones(sizes[0] // 4, device=device))])
+        out["all_axes_all_reduce"] = {"nbytes": float(sizes[0]), "collectives": len(cycle),
+                                      "sizes": [mesh_shape[i] for i in cycle], "seconds": t}
+    for kind, src_p in (("all_reduce", Partial()), ("all_gather", Shard(0))):
+        pts = []
+        for nbytes in sizes:
+            moves = [(tuple(src_p if j == i else Replicate() for j in range(len(names))),
+                      torch.ones(nbytes // 4 if kind == "all_reduce" else nbytes // 4 // mesh_shape[i], device=device))
+                     for i in cycle]
+            pts.append((float(nbytes), timed(moves)))
+        out["points"][kind] = pts
     return out
 
 
@@ -460,18 +452,57 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
             "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
 
 
-def _fit_overhead(n: int, small: dict[str, float]) -> tuple[float, float]:
-    """(per-collective cost c, per-ring-step latency alpha) from the small-message times left after
-    the bandwidth term, all_reduce = c + 2(n-1) alpha and all_gather = c + (n-1) alpha (clamped >= 0)."""
-    s_ar, s_ag = latency_steps("all_reduce", n), latency_steps("all_gather", n)
-    t_ar, t_ag = small["all_reduce"], small["all_gather"]
-    alpha = (t_ar - t_ag) / (s_ar - s_ag)
-    c = t_ag - s_ag * alpha
-    if alpha < 0:
-        alpha, c = 0.0, (t_ar + t_ag) / 2
-    elif c < 0:
-        c, alpha = 0.0, (t_ar / s_ar + t_ag / s_ag) / 2
-    return c, alpha
+def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tuple[dict, dict, list, float]:
+    """(per-axis fits, the fit's record, a Link per axis, collective_overhead) from the ranks'
+    `_measure_step_collectives`
+    (mean over ranks: in lockstep each rank's cycle takes as long) and the isolated fits.
+
+    Per kind, a least-squares line of seconds against bytes over the cycled points. An axis's
+    bandwidth: the line's slope, bounded by the isolated collectives' (a step cannot move bytes
+    faster than back-to-back collectives do; the slope can be lost in scheduling noise). Its
+    latency per ring step: the isolated collectives' (the transport's). What the intercepts hold
+    beyond those ring steps (the cost of a collective that moves nothing) is a per-collective cost,
+    the same for every kind and axis as `Mesh.reshard_cost` charges it; an all_reduce over every
+    axis at once gives one more estimate. Splitting the intercepts into latency and per-collective
+    cost by fitting both instead gave 0-3.2 ms per ring step from one calibration to the next."""
+    from .profiles import Link
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    steps = comp[0]["step_collectives"]
+    if not steps["points"]:
+        return {}, {}, [], 0.0
+    pts = {kind: [(sz, mean([c["step_collectives"]["points"][kind][j][1] for c in comp]))
+                  for j, (sz, _) in enumerate(p)] for kind, p in steps["points"].items()}
+    lines = {kind: _line(p) for kind, p in pts.items()}
+    axes_fit, links = {}, []
+    for ax_name in steps["cycle"]:
+        iso = isolated[ax_name]
+        n = iso["size"]
+        bandwidth = min(min(collective_bytes_on_wire(kind, 1.0, n) / max(lines[kind][1], 1e-15),
+                            iso["fits"][kind]["bandwidth"]) for kind in pts)
+        latency = mean([iso["fits"][kind]["latency"] for kind in pts])
+        # a reduce_scatter moves its bytes this many times slower than an all_gather (the ring formula
+        # equates them); gloo's takes about an all_reduce's time
+        rs = iso["fits"].get("reduce_scatter")
+        factor = iso["fits"]["all_gather"]["bandwidth"] / rs["bandwidth"] if rs else 1.0
+        axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "reduce_scatter_factor": factor,
+                             "isolated": iso}
+        links.append(Link(bandwidth, latency, factor))
+    ring_latency = {kind: mean([latency_steps(kind, f["size"]) * f["latency"] for f in axes_fit.values()])
+                    for kind in pts}
+    overheads = [max(lines[kind][0] - ring_latency[kind], 0.0) for kind in pts]
+    both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
+    if both[0] is not None:
+        nb = both[0]["nbytes"]
+        secs = mean([x["seconds"] for x in both])
+        ring = sum(collective_time("all_reduce", nb, f["size"], Link(f["bandwidth"], f["latency"]))
+                   for f in axes_fit.values())
+        overheads.append(max(secs - ring, 0.0) / both[0]["collectives"])
+    record = {"cycle": steps["cycle"], "burst_repeats": steps["burst_repeats"], "points_s": pts,
+              "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
+              "per_collective": dict(zip([*pts, "all_axes_all_reduce"], overheads)),
+              "all_axes_all_reduce": both[0] and {**both[0], "seconds": mean([x["seconds"] for x in both])}}
+    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective
+    return axes_fit, record, links, max(mean(overheads) - kernel_overhead, 0.0)
 
 
 def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device: str, quick: bool, queue) -> None:
@@ -555,47 +586,15 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     bw = med([c["memory_bandwidth"] for c in comp])
     base_p = load_profile(base)
     kernel_overhead = med([c["kernel_overhead"] for c in comp])
-    # isolated collectives (back to back, raw torch.distributed): recorded for comparison only
+    # isolated collectives (back to back, raw torch.distributed): the transport's own latency per
+    # ring step, and a bound on the bandwidth
     isolated = {}
     for ax_name, info in results[0][2].items():
         n = info["size"]
         fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
         isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
                              "points_s": info["points"]}
-    # collectives as a training step issues them (_measure_step_collectives), mean over ranks (see
-    # there); per axis and kind a least-squares line of seconds against bytes: bandwidth from its
-    # slope (the lower of all_reduce's and all_gather's), and its intercept (the cost of a collective
-    # that moves nothing) split into a per-collective cost and a per-ring-step latency
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    axes_fit, links, overheads = {}, [], []
-    for ax_name, info in comp[0]["step_collectives"]["axes"].items():
-        n = info["size"]
-        pts = {kind: [(sz, mean([c["step_collectives"]["axes"][ax_name]["points"][kind][j][1] for c in comp]))
-                      for j, (sz, _) in enumerate(p)] for kind, p in info["points"].items()}
-        lines = {kind: _line(p) for kind, p in pts.items()}
-        # a step cannot move bytes faster than back-to-back collectives do: where the slope is lost in
-        # scheduling noise, the isolated fit's bandwidth bounds it
-        bandwidth = min(min(collective_bytes_on_wire(kind, 1.0, n) / max(lines[kind][1], 1e-15), isolated[ax_name]["fits"][kind]["bandwidth"])
-                        for kind in pts)
-        per_coll, latency = _fit_overhead(n, {kind: max(lines[kind][0], 0.0) for kind in pts})
-        axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "per_collective": per_coll,
-                             "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
-                             "points_s": pts, "isolated": isolated.get(ax_name)}
-        links.append(Link(bandwidth, latency))
-        overheads.append(per_coll)
-    # every axis at once: per collective, what is left after each axis's ring terms
-    both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
-    if both[0] is not None:
-        nb = both[0]["nbytes"]
-        secs = mean([x["seconds"] for x in both])
-        ring = sum(2 * (axes_fit[a]["size"] - 1) / axes_fit[a]["size"] * nb / axes_fit[a]["bandwidth"]
-                   + 2 * (axes_fit[a]["size"] - 1) * axes_fit[a]["latency"] for a in list(axes_fit))
-        per_coll = max(secs - ring, 0.0) / both[0]["collectives"]
-        axes_fit["all_axes_all_reduce"] = {**both[0], "seconds": secs, "per_collective": per_coll}
-        overheads.append(per_coll)
-    # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective, one figure for
-    # every axis: the mean of the per-collective estimates above
-    collective_overhead = max(mean(overheads) - kernel_overhead, 0.0) if overheads else 0.0
+    axes_fit, collectives, links, collective_overhead = _fit_links(comp, isolated, kernel_overhead)
     rt = [c["runtime"] for c in comp]
     intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
     inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
@@ -624,11 +623,11 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                       f"kernel), median over {RATE_ROUNDS} rounds spread over the calibration, then over ranks: "
                       "achieved rates, hence matmul_efficiency = 1",
         "memory_bandwidth": "y.copy_(x), read + write bytes, median over ranks",
-        "links": "ring alpha-beta fits per mesh axis of all_reduce and all_gather issued as a training step issues "
-                 "them (a compute burst, then DTensor redistribute; minus the burst alone), median over ranks: "
-                 "bandwidth from the slope between the two sizes, then the small message's remainder split into "
-                 "latency per ring step and collective_overhead (see _measured.axes; the isolated back-to-back "
-                 "fits are under each axis's 'isolated'); intra_node is the slowest axis; figures not measured "
+        "links": "ring alpha-beta fits per mesh axis: latency per ring step from isolated back-to-back collectives "
+                 "(the transport's, under each axis's 'isolated'); bandwidth from the slope of all_reduce and "
+                 "all_gather issued as a training step issues them (a compute burst, then DTensor redistribute, "
+                 "cycling over the axes; minus the bursts alone), mean over ranks, bounded by the isolated "
+                 "bandwidth (see _measured.collectives); intra_node is the slowest axis; figures not measured "
                  "come from the base profile " + base_p.name,
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
         "attention_efficiency": "causal scaled_dot_product_attention, forward + backward, at (batch, heads, sequence, "
@@ -644,7 +643,9 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                             "the time its bytes (read x, write y and a 1-byte mask) take at memory_bandwidth, per "
                             "element; median over ranks",
         "collective_overhead": "per collective beyond the ring terms and kernel_overhead: DTensor's redistribute and "
-                               "waiting for the peers to be scheduled; holds for the launch in _measured.launch",
+                               "waiting for the peers to be scheduled, after a burst of " + str(BURST_REPEATS) + " "
+                               "matmuls of " + "x".join(map(str, BURST_SHAPE)) + " (what a collective adds grows "
+                               "with the compute before it); holds for the launch in _measured.launch",
         "runtime_op_overhead": f"per node of the rank's graph (LocalOp, Reshard, ToLocal), forward + backward: a "
                                f"{TINY_DEPTH}-block transformer (attention, MLP) of width {TINY_WIDTH} through "
                                "autoparallelize (all replicated: no collective) minus the same model in eager "
@@ -656,6 +657,6 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                                   "per operation of the update (about 19 passes of 4 bytes, not the fused 28 bytes "
                                   "cost_model.compute assumes); median over ranks",
     }
-    d["_measured"] = {"launch": launch, "axes": axes_fit, "per_rank": comp}
+    d["_measured"] = {"launch": launch, "axes": axes_fit, "collectives": collectives, "per_rank": comp}
     path.write_text(json.dumps(d, indent=2) + "\n")
     return path

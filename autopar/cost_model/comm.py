@@ -11,6 +11,8 @@ one-direction bandwidth B and per-step latency alpha, with the ring algorithm:
                                                                    nbytes/n local buffer, sends the rest)
 
 The first factor is what each device sends (`collective_bytes_on_wire`). Every cost is 0 for n == 1.
+A backend whose reduce_scatter is slower than the ring's (gloo's takes about an all_reduce's time)
+multiplies its bytes term by the link's `reduce_scatter_factor`, measured by `autopar calibrate`.
 
 Tree all-reduce (NCCL's double binary tree, pipelined: a reduce up the tree then a broadcast
 down, each moving the whole buffer through the slowest link once):
@@ -61,6 +63,8 @@ division by the global count taken on each rank's partial sum) is all-reduced as
 waited at the caller's first use of it, after the backward in a training step: priced at its launch.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import math
 from collections.abc import Sequence
@@ -116,6 +120,8 @@ def _flat(kind: Collective, nbytes: float, n: int, link: Link, algorithm: Algori
     if n <= 1:
         return 0.0
     fraction, steps = _ring(kind, n)
+    if kind == "reduce_scatter":
+        fraction *= link.reduce_scatter_factor
     ring = fraction * nbytes / link.bandwidth + steps * link.latency
     if kind != "all_reduce" or algorithm == "ring":
         return ring
@@ -262,7 +268,7 @@ def async_output_axis(src: Sequence[Placement], dst: Sequence[Placement]) -> int
 def _no_latency(link: AnyLink) -> AnyLink:
     if isinstance(link, HierarchicalLink):
         return HierarchicalLink(_no_latency(link.intra), _no_latency(link.inter), link.local, link.size)
-    return Link(link.bandwidth, 0.0)
+    return dataclasses.replace(link, latency=0.0)
 
 
 def transfer_time(kind: Collective, nbytes: float, n: int, link: AnyLink) -> float:

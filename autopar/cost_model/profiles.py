@@ -38,10 +38,14 @@ _DTYPE_KEYS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 class Link:
     bandwidth: float   # bytes/s per device, one direction (what a ring collective's per-step transfer sees)
     latency: float     # seconds per message (alpha), charged once per ring step
+    # a reduce_scatter's bytes take this many times the ring's time: 1 for NCCL's ring; gloo's is measured
+    # by `autopar calibrate` (2 ranks, 8 MiB: 12.2 ms against 4.6 for the all_gather the ring formula
+    # equates it with; about an all_reduce's time)
+    reduce_scatter_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or not self.latency >= 0:
-            raise ValueError(f"{self!r}: bandwidth must be > 0 and latency >= 0")
+        if not self.bandwidth > 0 or not self.latency >= 0 or not self.reduce_scatter_factor > 0:
+            raise ValueError(f"{self!r}: bandwidth and reduce_scatter_factor must be > 0 and latency >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +181,10 @@ def _to_dict(p: DeviceProfile) -> dict[str, Any]:
     d = {f.name: getattr(p, f.name) for f in fields(DeviceProfile)}
     d["peak_flops"] = dict(p.peak_flops)
     for k in ("host_link", "intra_node", "inter_node", "disk_link"):
-        d[k] = {"bandwidth": d[k].bandwidth, "latency": d[k].latency}
+        link = d[k]
+        d[k] = {"bandwidth": link.bandwidth, "latency": link.latency}
+        if link.reduce_scatter_factor != 1.0:       # the shipped files leave the ring's 1 out
+            d[k]["reduce_scatter_factor"] = link.reduce_scatter_factor
     return d
 
 
