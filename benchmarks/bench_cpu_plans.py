@@ -208,7 +208,8 @@ def main(argv=None) -> list[dict]:
     print(json.dumps({"profile": {k: getattr(p, k) for k in (
         "kernel_overhead", "runtime_op_overhead", "collective_overhead", "optimizer_param_overhead",
         "optimizer_element_time")},
-        "link": {"bandwidth": p.intra_node.bandwidth, "latency": p.intra_node.latency},
+        "link": {"bandwidth": p.intra_node.bandwidth, "latency": p.intra_node.latency,
+                 "reduce_scatter_factor": p.intra_node.reduce_scatter_factor},
         "fp32_flops": p.peak_flops["float32"], "memory_bandwidth": p.memory_bandwidth}), flush=True)
     from rank_pool import get_pool, shutdown_all
     model, batch = build()

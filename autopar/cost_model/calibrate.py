@@ -9,8 +9,8 @@ the cores):
 
 Each compute and runtime figure is the group's time over several repeats run back to back by
 every rank at once (barrier to barrier: the rate a rank gets while the others run, as in a step),
-the collectives' what they add to a burst of compute (median of several repeats); then the median
-over ranks.
+the collectives' the mean time they add to a burst of compute over several repeats, mean over
+ranks; any other figure's median over ranks.
 
 * matmul throughput per dtype (torch.mm of square matrices; the median over ranks) -> peak_flops,
   with matmul_efficiency = 1 (the figures are achieved rates); the time a small matmul loses
@@ -292,8 +292,8 @@ def _measure_axes(rank: int, world: int, mesh_shape, names, device: str, quick: 
 
 # A compute burst between two collectives, as a training step has: BURST_REPEATS matmuls of
 # 128x512x512 (67 MFLOP each; ~1.5 ms with two ranks per core on this class of CPU), about the compute
-# a step runs between two of its collectives (the five plans of benchmarks/bench_cpu_plans.py: 1.6 ms
-# (ZeRO-3) to 6.5 ms (2-D) of compute per collective; data parallel's few buckets follow longer).
+# a step runs between two of its collectives (the five plans of benchmarks/bench_cpu_plans.py: 1.7 ms
+# (ZeRO-3) to 10 ms (2-D) of compute per collective; data parallel's few buckets follow longer).
 # What a collective adds grows with the burst before it (4 ranks on 2 cores, small all_gathers cycling
 # over the axes: 1.8 ms after no compute, 2.3 after one matmul, 3.4 after 4, 4.5 after 16): ranks
 # sharing a core drift apart while they compute, and the collective waits for the one behind.
@@ -313,7 +313,7 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     same over the next axis, cycling over the axes of more than one device as a step's collectives
     move from one group to another (a collective on the group of the one before meets peers already
     in step: small all_gathers after 4 matmuls add 2 ms on one axis, 3.4 ms cycling over two).
-    A collective's cost is what it adds to the cycle: the median cycle less the bursts' time when
+    A collective's cost is what it adds to the cycle: the mean cycle less the bursts' time when
     every rank runs bursts alone, barrier to barrier (the shared rate the compute model prices),
     per collective. Not the collective's own span: with more ranks than cores a rank's burst often
     runs unshared while the rank sharing its core waits in the previous collective, so the span of
@@ -454,8 +454,8 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
 
 def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tuple[dict, dict, list, float]:
     """(per-axis fits, the fit's record, a Link per axis, collective_overhead) from the ranks'
-    `_measure_step_collectives`
-    (mean over ranks: in lockstep each rank's cycle takes as long) and the isolated fits.
+    `_measure_step_collectives` (mean over ranks: in lockstep each rank's cycle takes as long) and
+    the isolated fits.
 
     Per kind, a least-squares line of seconds against bytes over the cycled points. An axis's
     bandwidth: the line's slope, bounded by the isolated collectives' (a step cannot move bytes
@@ -490,17 +490,15 @@ def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tupl
     ring_latency = {kind: mean([latency_steps(kind, f["size"]) * f["latency"] for f in axes_fit.values()])
                     for kind in pts}
     overheads = [max(lines[kind][0] - ring_latency[kind], 0.0) for kind in pts]
-    both = [c["step_collectives"].get("all_axes_all_reduce") for c in comp]
+    both, all_axes = [c["step_collectives"].get("all_axes_all_reduce") for c in comp], None
     if both[0] is not None:
-        nb = both[0]["nbytes"]
-        secs = mean([x["seconds"] for x in both])
-        ring = sum(collective_time("all_reduce", nb, f["size"], Link(f["bandwidth"], f["latency"]))
+        all_axes = {**both[0], "seconds": mean([x["seconds"] for x in both])}
+        ring = sum(collective_time("all_reduce", all_axes["nbytes"], f["size"], Link(f["bandwidth"], f["latency"]))
                    for f in axes_fit.values())
-        overheads.append(max(secs - ring, 0.0) / both[0]["collectives"])
+        overheads.append(max(all_axes["seconds"] - ring, 0.0) / all_axes["collectives"])
     record = {"cycle": steps["cycle"], "burst_repeats": steps["burst_repeats"], "points_s": pts,
               "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
-              "per_collective": dict(zip([*pts, "all_axes_all_reduce"], overheads)),
-              "all_axes_all_reduce": both[0] and {**both[0], "seconds": mean([x["seconds"] for x in both])}}
+              "per_collective": dict(zip([*pts, "all_axes_all_reduce"], overheads)), "all_axes_all_reduce": all_axes}
     # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective
     return axes_fit, record, links, max(mean(overheads) - kernel_overhead, 0.0)
 
