@@ -339,17 +339,46 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     whole = tuple(Replicate() for _ in names)
     cycle = [i for i, n in enumerate(mesh_shape) if n > 1]
 
+    class InBackward(torch.autograd.Function):
+        """Identity whose backward runs `fn` first: work issued by autograd's engine, as a step's
+        backward issues its collectives."""
+        @staticmethod
+        def forward(ctx, h, fn):  # type: ignore[override]
+            ctx.fn = fn
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            ctx.fn()
+            return g, None
+
+    def move(src, local):
+        to_layout(DTensor.from_local(local, dmesh, src, run_check=False), whole)
+
+    def in_backward(fns) -> None:
+        """`fns` run in order by one backward pass."""
+        h = torch.zeros(1, requires_grad=True)
+        for fn in reversed(fns):
+            h = InBackward.apply(h, fn)
+        h.sum().backward()
+
     def timed(moves) -> float:
         """Mean seconds one collective adds to a burst: `moves`, a list of (placements, local tensor),
-        each after a burst, `reps` times in a row (module docstring); the bursts alone are timed next
-        to it, so a change of load between points moves both alike. The mean, not the median: a step
-        is the sum of its collectives, and their cost is bimodal (the peer is scheduled or not)."""
-        def cycle():
+        each after a burst, `reps` times in a row (module docstring), half of the cycles in a forward
+        and half inside a backward (a step issues about half its collectives in each; a small
+        all_gather added 3.0-3.5 ms issued in the forward and 4.1-4.4 ms by the backward). The
+        bursts alone are timed next to them, so a change of load between points moves both alike.
+        The mean, not the median: a step is the sum of its collectives, and their cost is bimodal
+        (the peer is scheduled or not)."""
+        def forward_cycle():
             for src, local in moves:
                 burst()
-                to_layout(DTensor.from_local(local, dmesh, src, run_check=False), whole)
-        burst_alone = _timeit_together(burst, reps, sync)
-        return (_timeit_together(cycle, reps, sync) - len(moves) * burst_alone) / len(moves)
+                move(src, local)
+        steps = [f for src, local in moves for f in (burst, lambda src=src, local=local: move(src, local))]
+        fwd = _timeit_together(forward_cycle, reps, sync) - len(moves) * _timeit_together(burst, reps, sync)
+        bwd = (_timeit_together(lambda: in_backward(steps), reps, sync)
+               - _timeit_together(lambda: in_backward([burst] * len(moves)), reps, sync))
+        return (fwd + bwd) / (2 * len(moves))
 
     out = {"burst_repeats": BURST_REPEATS, "cycle": [names[i] for i in cycle], "points": {}}
     if not cycle:                                     # a world of one: nothing to measure
