@@ -364,8 +364,8 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
 
     def timed(moves) -> float:
         """Mean seconds one collective adds to a burst: `moves`, a list of (placements, local tensor),
-        each after a burst, `reps` times in a row (module docstring), half of the cycles in a forward
-        and half inside a backward (a step issues about half its collectives in each; a small
+        each after a burst, `reps` times in a row (module docstring), in a forward and again inside
+        a backward, the mean of the two (a step issues about half its collectives in each; a small
         all_gather added 3.0-3.5 ms issued in the forward and 4.1-4.4 ms by the backward). The
         bursts alone are timed next to them, so a change of load between points moves both alike.
         The mean, not the median: a step is the sum of its collectives, and their cost is bimodal
