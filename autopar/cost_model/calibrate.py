@@ -321,7 +321,6 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     128x512x512 matmul took 0.75 ms inside such a loop against 1.5 ms shared; after 4 of them the
     collective's span was 4.9 ms, the cycle less the shared bursts 3.2 ms)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from ..mesh import Mesh
@@ -414,7 +413,6 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
     node of the rank's graph (LocalOp: unwrap and rewrap DTensors in autograd functions; Reshard),
     forward + backward; and AdamW's step per parameter through `dmodel.optimizer`."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from ..api import autoparallelize

@@ -64,11 +64,9 @@ waited at the caller's first use of it, after the backward in a training step: p
 """
 from __future__ import annotations
 
-import dataclasses
-
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Literal
 
@@ -268,7 +266,7 @@ def async_output_axis(src: Sequence[Placement], dst: Sequence[Placement]) -> int
 def _no_latency(link: AnyLink) -> AnyLink:
     if isinstance(link, HierarchicalLink):
         return HierarchicalLink(_no_latency(link.intra), _no_latency(link.inter), link.local, link.size)
-    return dataclasses.replace(link, latency=0.0)
+    return replace(link, latency=0.0)
 
 
 def transfer_time(kind: Collective, nbytes: float, n: int, link: AnyLink) -> float:

@@ -24,7 +24,7 @@ from ..plan import Plan
 from ..runtime.async_output import AsyncOutput
 from ..runtime.attention import context_executor
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from ..runtime.reshard import Reshard, over_one_device
+from ..runtime.reshard import Reshard, carries_grad, over_one_device
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .capture import Captured
 from .parameter_side import parameter_side
@@ -72,7 +72,7 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
                  whole_outputs: bool) -> bool:
     """Does every consumer of `node` (a tensor in the layout of `np`, the plan of the op making it)
     take it as the local tensor it is (`passes_local`)?"""
-    grad_flows = val.dtype.is_floating_point or val.dtype.is_complex
+    grad_flows = carries_grad(val.dtype)
     arrives = output_grad_layout(parse_layout(np.output), side.get(np.name, ()))
     for user in node.users:
         if user.op == "output" and whole_outputs and not output_modules(False, np.output, mesh_shape):

@@ -46,7 +46,7 @@ from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
-from .reshard import Reshard, over_one_device, reduce_local_grad, to_layout
+from .reshard import Reshard, carries_grad, over_one_device, reduce_local_grad, to_layout
 from .vocab import splits_vocab
 
 
@@ -186,13 +186,12 @@ def local_inputs(gm: fx.GraphModule, cap: Captured, layouts: dict[str, tuple]) -
     captured = {n.name: n for n in cap.gm.graph.nodes}
     out = set()
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in layouts and n.users]:
-        layout, dtype = layouts[ph.name], ph.meta["val"].dtype
+        layout, grad_flows = layouts[ph.name], carries_grad(ph.meta["val"].dtype)
         for user in ph.users:
             mod = gm.get_submodule(user.target) if user.op == "call_module" else None
             slot = _tensor_slot(user, ph, captured.get(user.meta.get("autopar_node")))
             if type(mod) is not LocalOp or slot is None:
                 break
-            grad_flows = dtype.is_floating_point or dtype.is_complex
             wants = (mod.inputs[slot], mod.grad_layouts[slot]) if grad_flows else (mod.inputs[slot],)
             if not all(over_one_device(mod.mesh.shape, want, layout) for want in wants):
                 break

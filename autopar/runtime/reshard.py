@@ -71,6 +71,11 @@ def over_one_device(mesh_shape, cur: tuple, layout: tuple) -> bool:
     return all(n == 1 for n, c, t in zip(mesh_shape, cur, layout) if c != t)
 
 
+def carries_grad(dtype: torch.dtype) -> bool:
+    """Can a gradient flow through a tensor of `dtype` (floating or complex; not integers, bools)?"""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _relabel(x: DTensor, layout: tuple) -> DTensor:
     return DTensor.from_local(x.to_local(), x.device_mesh, layout, run_check=False, shape=x.shape, stride=x.stride())
 

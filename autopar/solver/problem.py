@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from ..cost_model import op_times
 from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_exchange_times,
@@ -39,7 +39,7 @@ from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
-from ..strategies.vocab import class_dim, vocab_axes
+from ..strategies.vocab import op_class_dim, vocab_axes
 from ..passes.layers import layer_key, module_path
 from ..passes.parameter_side import parameter_side
 from .families import Families
@@ -253,7 +253,7 @@ def vocab_reductions(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh
     op = op_name(node.target)
     if op not in VOCAB_REDUCES:
         return ()
-    x, dim = ins[0], class_dim(node, ins[0].ndim)
+    x, dim = ins[0], op_class_dim(node.target, node.args, ins[0].ndim)
     axes = vocab_axes(s.inputs[0], dim)
     split = 1
     for a in axes:

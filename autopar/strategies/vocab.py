@@ -77,13 +77,9 @@ def nll_loss_option(node, ins) -> list[AxisOption]:
     return [AxisOption((Shard(CLASS_DIM),) + (R,) * (len(ins) - 1), Partial(), VOCAB_PARALLEL)]
 
 
-def class_dim(node, ndim: int) -> int:
-    """The vocabulary's dim of an op's first input: a log_softmax's `dim`, a loss's class dim."""
-    return op_class_dim(node.target, node.args, ndim)
-
-
 def op_class_dim(target, args, ndim: int) -> int:
-    """`class_dim` of an op `target` called with `args` (a rank graph's op runs the captured one's target)."""
+    """The vocabulary's dim of the first input of op `target` called with `args`: a log_softmax's
+    `dim`, a loss's class dim (a rank graph's op runs the captured one's target)."""
     return args[1] % ndim if op_name(target) in LOG_SOFTMAX_OPS else CLASS_DIM
 
 
