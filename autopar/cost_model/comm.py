@@ -58,6 +58,13 @@ less), so that its reduction starts early in the backward; `bucket_count` counts
 gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term), and each
 bucket adds one latency and launch per step (`bucket_launch_time`).
 
+Resharding between layouts (`reshard_cost`) is priced step by step as the runtime moves the tensor
+(`runtime/reshard.py`, DTensor's redistribute: `_redistribute_steps`), each collective on the local
+tensor as it is at that step. Where two axes split one dim, an outer axis's change first gathers
+the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. On gloo a shard moved
+to another dim is an all-gather of the whole tensor (DTensor has no CPU all-to-all path).
+`tests/test_reshard_pricing.py` checks the priced collectives against those the runtime issues.
+
 A program output made whole from a partial sum over one axis (`async_output_axis`: a mean loss, its
 division by the global count taken on each rank's partial sum) is all-reduced asynchronously and
 waited at the caller's first use of it, after the backward in a training step: priced at its launch.
@@ -365,15 +372,6 @@ class ReshardCost:
     collectives: tuple[str, ...]          # e.g. ("all_reduce@tp", "all_gather@dp"), in execution order
 
 
-# Phases of a redistribution, run in this order so that collectives see the smallest local tensor:
-# free local slicing first, then reduce-scatters (which shrink it), size-neutral all-to-alls and
-# all-reduces, and the all-gathers (which grow it) last. Within a phase, by an exchange argument on
-# the ring formulas: reduce-scatters on the fastest link first (it carries the biggest tensor),
-# all-gathers on the slowest link first (it carries the smallest); total bytes are the same either way.
-_FREE, _SHRINK, _NEUTRAL, _GROW = range(4)
-_SUM_LIKE = ("sum", "avg")  # P(sum) <-> P(avg) is a local scale by the axis size
-
-
 _R, _S, _P = range(3)
 Code = tuple     # a placement as plain data: (_R,), (_S, dim) or (_P, reduce op); a subclass's adds itself
 
@@ -400,19 +398,52 @@ def layout_code(layout: Sequence[Placement]) -> tuple[Code, ...]:
 
 
 @cache      # a few hundred distinct pairs
-def _transition(cur: Code, tgt: Code) -> tuple[int, Collective | None]:
-    """(phase, collective or None if free) for one mesh axis going from cur to tgt."""
-    if cur == tgt or cur[0] == _R:                          # R -> S(d) slices, R -> P keeps one copy
-        return _FREE, None
+def _transition(cur: Code, tgt: Code) -> Collective | None:
+    """The collective taking one mesh axis from cur to tgt, as DTensor's redistribute issues it
+    (None: a local step). tgt is never Partial here (`_redistribute_steps` goes to R first)."""
+    if cur == tgt or cur[0] == _R:                          # R -> S(d) slices
+        return None
     if cur[0] == _P:
-        if tgt[0] == _S:
-            return _SHRINK, "reduce_scatter"
-        if tgt[0] == _P and cur[1] in _SUM_LIKE and tgt[1] in _SUM_LIKE:
-            return _FREE, None
-        return _NEUTRAL, "all_reduce"                        # -> R, or -> P(other op) via R
-    if tgt[0] == _S:
-        return _NEUTRAL, "all_to_all"                        # S(d) -> S(d')
-    return _GROW, "all_gather"                               # S(d) -> R, or -> P via R (rare)
+        return "reduce_scatter" if tgt[0] == _S else "all_reduce"
+    return "all_to_all" if tgt[0] == _S else "all_gather"   # S(d) -> S(d'), S(d) -> R
+
+
+def _shards(layout, dim: int, below: int) -> tuple[int, ...]:
+    return tuple(j for j in range(below) if layout[j][0] == _S and layout[j][1] == dim)
+
+
+@cache
+def _redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
+                        sizes: tuple[int, ...]) -> tuple[tuple[int, Code, Code], ...]:
+    """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`):
+    nothing where only axes of one device change (a relabelling); else every axis going to a Partial
+    (or between two Partial kinds) goes to Replicate, the local tensor zeroed or kept after (free),
+    and DTensor's redistribute runs its greedy plan to that layout (torch 2.13,
+    `_redistribute.generate_greedy_transform_infos`), read from it:
+      1. if src shards anything, the axes from the innermost out, each straight to its target, but
+         where the target shards dim d and the axes before it shard d differently in the current and
+         the target layout (nested sharding: (S(0), S(0)) -> (R, S(0))) to Replicate first;
+      2. the axes from the outermost in, each still off its target straight to it.
+    So (S(0), S(0)) -> (R, S(0)) is two all-gathers (tp, then dp) and a slice, not one all-gather
+    over dp: one over dp alone would leave each rank rows of both halves."""
+    changed = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if all(sizes[i] == 1 for i in changed):
+        return ()
+    mid = tuple((_R,) if b[0] == _P and (a != b) else b for a, b in zip(src, dst))
+    cur, steps = list(src), []
+    if math.prod(n for c, n in zip(src, sizes) if c[0] == _S) > 1:
+        for i in reversed(range(len(cur))):
+            tgt = mid[i]
+            if tgt[0] == _S and _shards(cur, tgt[1], i) != _shards(mid, tgt[1], i):
+                tgt = (_R,)
+            if cur[i] != tgt:
+                steps.append((i, cur[i], tgt))
+                cur[i] = tgt
+    for i, tgt in enumerate(mid):
+        if cur[i] != tgt:
+            steps.append((i, cur[i], tgt))
+            cur[i] = tgt
+    return tuple(steps)
 
 
 def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], sizes: Sequence[int]) -> float:
@@ -426,23 +457,25 @@ def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], si
 
 def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
                  axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                 launch_overhead: float = 0.0) -> ReshardCost:
+                 launch_overhead: float = 0.0, all_to_all: bool = True) -> ReshardCost:
     """Cost of redistributing a tensor from layout `src` to `dst` (one placement per mesh axis).
 
-    Axis by axis as DTensor's redistribute does, in the byte-minimising order above; the rewrite
-    should issue the collectives in the order listed. Shard dims must be normalised (>= 0).
+    Axis by axis in the steps the runtime takes (`_redistribute_steps`: DTensor's redistribute), each
+    collective on the local tensor as it is at that step. Shard dims must be normalised (>= 0).
     Collectives on different axes are charged one after another (no overlap). Works the same for
     gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
     collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
-    that move the same bytes).
+    that move the same bytes). `all_to_all` False: the backend's groups have none that DTensor uses
+    (gloo: its redistribute moves a shard to another dim by gathering the whole tensor and keeping
+    this rank's chunk, `Shard._to_new_shard_dim` in torch 2.13), so such a step is an all-gather.
     """
     return coded_reshard_cost(global_shape, itemsize, layout_code(src), layout_code(dst), axis_sizes,
-                              axis_links, axis_names, launch_overhead)
+                              axis_links, axis_names, launch_overhead, all_to_all)
 
 
 def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
                        axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                       launch_overhead: float = 0.0) -> ReshardCost:
+                       launch_overhead: float = 0.0, all_to_all: bool = True) -> ReshardCost:
     """`reshard_cost` of layouts given as `layout_code`s (the edge tables code each layout once)."""
     k = len(axis_sizes)
     if not len(src) == len(dst) == len(axis_links) == len(axis_names) == k:
@@ -452,29 +485,27 @@ def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Co
         if c[0] == _S and not 0 <= c[1] < len(global_shape):
             raise ValueError(f"reshard_cost: Shard({c[1]}) does not fit a tensor of shape {tuple(global_shape)}")
     rc = _reshard_cost(tuple(global_shape), itemsize, src, dst, tuple(axis_sizes), tuple(axis_links),
-                       tuple(axis_names))
+                       tuple(axis_names), all_to_all)
     if launch_overhead and rc.collectives:
         rc = ReshardCost(rc.seconds + launch_overhead * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
     return rc
 
 
 def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
-                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
-    steps, cur = [], list(dst)      # free steps (no bytes) first: a slice shrinks the later ones
-    for i, (a, b) in enumerate(zip(src, dst)):
-        phase, kind = _transition(a, b)
-        if kind is not None and sizes[i] > 1:
-            order = links[i].bandwidth if phase == _GROW else -links[i].bandwidth
-            steps.append((phase, order, i, kind))
-            cur[i] = a
-    if not steps:
-        return ReshardCost(0.0, (0.0,) * len(sizes), ())
+                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...],
+                  all_to_all: bool) -> ReshardCost:
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
+    cur = list(src)
     after = _local_bytes(shape, itemsize, cur, sizes)
-    for _, _, i, kind in sorted(steps):
+    for i, a, b in _redistribute_steps(src, dst, sizes):
         before = after
-        cur[i] = dst[i]
+        cur[i] = b
         after = _local_bytes(shape, itemsize, cur, sizes)
+        kind = _transition(a, b)
+        if kind is None or sizes[i] == 1:
+            continue
+        if kind == "all_to_all" and not all_to_all:
+            kind = "all_gather"         # the whole tensor gathered, this rank's new chunk kept
         full = before if kind == "all_reduce" else sizes[i] * smin(before, after)
         seconds += collective_time(kind, full, sizes[i], links[i])
         sent[i] += collective_bytes_on_wire(kind, full, sizes[i])

@@ -196,6 +196,10 @@ class GradSync:
             at_backward_end(self.finish)
             self._armed = True
         if entry is None:
+            if uses == 1:           # the common case (a leaf's hook: autograd summed the uses): no entry
+                self._done.add(name)
+                self._bucket(kind, name, local)
+                return True
             entry = self._pending[name] = [kind, local, 0]
         else:
             entry[1] = entry[1] + local
@@ -207,6 +211,10 @@ class GradSync:
     def _ready(self, name: str) -> None:
         kind, local, _ = self._pending.pop(name)
         self._done.add(name)
+        self._bucket(kind, name, local)
+
+    def _bucket(self, kind: SyncKind, name: str, local: torch.Tensor) -> None:
+        """Parameter `name`'s complete local gradient into the open bucket of `kind`, launched once full."""
         b = self._open.get(kind)
         if b is None:
             b = self._open[kind] = _Bucket(kind)
@@ -264,7 +272,7 @@ class GradSync:
         n = math.prod(self.mesh.size(a) for a in b.kind.axes)
         with torch.no_grad():
             for name, reduced in b.results(n):
-                write_grad(self._param(name), reduced)
+                write_grad(self._param(name), reduced, bucket=True)
         b.send, b.written = None, True
 
     def finish(self) -> None:
@@ -305,9 +313,16 @@ def flat_group(device_mesh, axes: tuple[int, ...]):
 _FLAT_GROUPS: dict[tuple[int, ...], tuple] = {}     # ranks -> (the default group it was made in, the group)
 
 
-def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
-    """`reduced` (this rank's part, in the parameter's layout) into `p.grad`: set, or added as autograd would."""
+def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor, bucket: bool = False) -> None:
+    """`reduced` (this rank's part, in the parameter's layout) into `p.grad`: set, or added as autograd
+    would. bucket: `reduced` is a view of a bucket's reduced buffer, which other parameters' `.grad`
+    views keep alive; a `.grad` already there (a tied weight's use that needed no reduction, an
+    accumulated step) is added into that view and replaced by it, so the buffer holds no dead copy
+    beside the old `.grad` (the sum is the same: IEEE addition commutes)."""
     if p.grad is None:
+        p.grad = dtensor_like(reduced, p)
+    elif bucket:
+        reduced.add_(p.grad.to_local().view_as(reduced))
         p.grad = dtensor_like(reduced, p)
     else:
         p.grad.to_local().add_(reduced.view_as(p.grad.to_local()))

@@ -1,0 +1,67 @@
+"""The cost model prices the collectives the runtime issues: for layout pairs on a (2, 2) mesh,
+the runtime's reshard (`Reshard`, which the rewrite puts on every edge that changes layout) runs on 4
+gloo ranks and the collectives it calls, in order and on which mesh axis, are those
+`Mesh.reshard_cost` lists. Nested sharding (two axes splitting one dim) is where a per-axis count
+goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar
+
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
+PAIRS = [((S0, S0), (R, S0)), ((S0, S0), (R, R)), ((S0, S0), (S0, R)), ((S0, S0), (S1, S0)),
+         ((S0, S0), (S0, S1)), ((P, P), (S0, S0)), ((P, P), (R, S0)), ((P, P), (S0, R)), ((P, P), (R, R)),
+         ((S0, S1), (R, S0)), ((S0, S1), (R, R)), ((S0, R), (R, S0)), ((R, S0), (S0, R)), ((P, S0), (S0, S0)),
+         ((S0, P), (S0, S0)), ((P, S0), (R, R)), ((S0, P), (R, S0)), ((S1, S0), (R, R)), ((R, P), (S1, R)),
+         ((S0, R), (S1, R)), ((R, R), (S0, P))]
+_KINDS = {"all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+          "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+          "allreduce_": "all_reduce", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
+
+
+def _issued(rank, world_size):
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime.reshard import reshard
+
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    dm = mesh.device_mesh()
+    axis_of = {dm.get_group(i).group_name: name for i, name in enumerate(("dp", "tp"))}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = func.overloadpacket.__name__
+            if op in _KINDS:
+                group = next(a for a in (*args, *(kwargs or {}).values())
+                             if isinstance(a, str) and a in axis_of or hasattr(a, "group_name"))
+                name = group if isinstance(group, str) else group.group_name
+                self.seen.append(f"{_KINDS[op]}@{axis_of[name]}")
+            return func(*args, **(kwargs or {}))
+
+    out = []
+    for src, dst in PAIRS:
+        torch.manual_seed(0)
+        whole = torch.randn(8, 12)
+        x = distribute_tensor(whole, dm, [R if isinstance(p, Partial) else p for p in src])
+        terms = 2 ** sum(isinstance(p, Partial) for p in src)
+        if terms > 1:                                     # a sum of equal terms over each partial axis
+            x = DTensor.from_local(x.to_local() / terms, dm, src, run_check=False)
+        rec = Record()
+        with rec:
+            y = reshard(x, dst)
+        assert torch.allclose(y.full_tensor(), x.full_tensor())
+        out.append((rec.seen, mesh.reshard_cost((8, 12), 4, src, dst).collectives))
+    return out
+
+
+def test_priced_collectives_are_those_the_reshard_issues(rank_pool):
+    wrong = [(src, dst, issued, priced) for (src, dst), (issued, priced) in zip(PAIRS, rank_pool(4).run(_issued)[0])
+             if tuple(issued) != priced]
+    assert not wrong, "\n".join(map(str, wrong))
