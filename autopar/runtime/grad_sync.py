@@ -22,8 +22,9 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
   the end of the backward (`cost_model.memory.BUCKETS_IN_FLIGHT` prices what the buckets hold);
 * at the end of the backward (`compat.at_backward_end`, the callback DDP and FSDP2 use) the open
   buckets and any parameter whose uses did not all arrive are launched, every bucket is waited in
-  launch order, and each parameter's `.grad` becomes a view of its bucket's reduced buffer (added
-  to a `.grad` already there: gradient accumulation works as in eager PyTorch).
+  launch order, and each parameter's `.grad` becomes a view of its bucket's reduced buffer (a
+  `.grad` already there is added into that view first: gradient accumulation works as in eager
+  PyTorch, and the buffer never holds a dead copy beside the old `.grad`).
 
 Buckets fill in the order gradients become ready, which is the same on every rank (the same graph
 runs on every rank, and autograd orders its work the same way), so every rank issues the same
