@@ -409,6 +409,7 @@ def _transition(cur: Code, tgt: Code) -> Collective | None:
 
 
 def _shards(layout, dim: int, below: int) -> tuple[int, ...]:
+    """The mesh axes before axis `below` that split tensor dim `dim` in `layout`."""
     return tuple(j for j in range(below) if layout[j][0] == _S and layout[j][1] == dim)
 
 
