@@ -2,7 +2,8 @@
 the runtime's reshard (`Reshard`, which the rewrite puts on every edge that changes layout) runs on 4
 gloo ranks and the collectives it calls, in order and on which mesh axis, are those
 `Mesh.reshard_cost` lists. Nested sharding (two axes splitting one dim) is where a per-axis count
-goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one."""
+goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. One known difference: a shard
+moved to another dim is priced as NCCL's all-to-all; gloo's DTensor path gathers the whole tensor."""
 from __future__ import annotations
 
 import torch
@@ -62,6 +63,8 @@ def _issued(rank, world_size):
 
 
 def test_priced_collectives_are_those_the_reshard_issues(rank_pool):
+    def on_gloo(priced):        # gloo's all-gather where a shard changes dim (module docstring)
+        return tuple(p.replace("all_to_all", "all_gather") for p in priced)
     wrong = [(src, dst, issued, priced) for (src, dst), (issued, priced) in zip(PAIRS, rank_pool(4).run(_issued)[0])
-             if tuple(issued) != priced]
+             if tuple(issued) != on_gloo(priced)]
     assert not wrong, "\n".join(map(str, wrong))

@@ -61,8 +61,7 @@ bucket adds one latency and launch per step (`bucket_launch_time`).
 Resharding between layouts (`reshard_cost`) is priced step by step as the runtime moves the tensor
 (`runtime/reshard.py`, DTensor's redistribute: `_redistribute_steps`), each collective on the local
 tensor as it is at that step. Where two axes split one dim, an outer axis's change first gathers
-the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. On gloo a shard moved
-to another dim is an all-gather of the whole tensor (DTensor has no CPU all-to-all path).
+the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one.
 `tests/test_reshard_pricing.py` checks the priced collectives against those the runtime issues.
 
 A program output made whole from a partial sum over one axis (`async_output_axis`: a mean loss, its
@@ -458,7 +457,7 @@ def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], si
 
 def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
                  axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                 launch_overhead: float = 0.0, all_to_all: bool = True) -> ReshardCost:
+                 launch_overhead: float = 0.0) -> ReshardCost:
     """Cost of redistributing a tensor from layout `src` to `dst` (one placement per mesh axis).
 
     Axis by axis in the steps the runtime takes (`_redistribute_steps`: DTensor's redistribute), each
@@ -466,17 +465,16 @@ def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Place
     Collectives on different axes are charged one after another (no overlap). Works the same for
     gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
     collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
-    that move the same bytes). `all_to_all` False: the backend's groups have none that DTensor uses
-    (gloo: its redistribute moves a shard to another dim by gathering the whole tensor and keeping
-    this rank's chunk, `Shard._to_new_shard_dim` in torch 2.13), so such a step is an all-gather.
+    that move the same bytes). A shard moved to another dim is priced as an all-to-all, as NCCL runs
+    it; on gloo DTensor gathers the whole tensor instead (docs/cost_model.md, Known limits).
     """
     return coded_reshard_cost(global_shape, itemsize, layout_code(src), layout_code(dst), axis_sizes,
-                              axis_links, axis_names, launch_overhead, all_to_all)
+                              axis_links, axis_names, launch_overhead)
 
 
 def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
                        axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                       launch_overhead: float = 0.0, all_to_all: bool = True) -> ReshardCost:
+                       launch_overhead: float = 0.0) -> ReshardCost:
     """`reshard_cost` of layouts given as `layout_code`s (the edge tables code each layout once)."""
     k = len(axis_sizes)
     if not len(src) == len(dst) == len(axis_links) == len(axis_names) == k:
@@ -486,15 +484,14 @@ def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Co
         if c[0] == _S and not 0 <= c[1] < len(global_shape):
             raise ValueError(f"reshard_cost: Shard({c[1]}) does not fit a tensor of shape {tuple(global_shape)}")
     rc = _reshard_cost(tuple(global_shape), itemsize, src, dst, tuple(axis_sizes), tuple(axis_links),
-                       tuple(axis_names), all_to_all)
+                       tuple(axis_names))
     if launch_overhead and rc.collectives:
         rc = ReshardCost(rc.seconds + launch_overhead * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
     return rc
 
 
 def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
-                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...],
-                  all_to_all: bool) -> ReshardCost:
+                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
     cur = list(src)
     after = _local_bytes(shape, itemsize, cur, sizes)
@@ -505,8 +502,6 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
         kind = _transition(a, b)
         if kind is None or sizes[i] == 1:
             continue
-        if kind == "all_to_all" and not all_to_all:
-            kind = "all_gather"         # the whole tensor gathered, this rank's new chunk kept
         full = before if kind == "all_reduce" else sizes[i] * smin(before, after)
         seconds += collective_time(kind, full, sizes[i], links[i])
         sent[i] += collective_bytes_on_wire(kind, full, sizes[i])
