@@ -318,15 +318,17 @@ def write_grad(p: torch.nn.Parameter, reduced: torch.Tensor, bucket: bool = Fals
     """`reduced` (this rank's part, in the parameter's layout) into `p.grad`: set, or added as autograd
     would. bucket: `reduced` is a view of a bucket's reduced buffer, which other parameters' `.grad`
     views keep alive; a `.grad` already there (a tied weight's use that needed no reduction, an
-    accumulated step) is added into that view and replaced by it, so the buffer holds no dead copy
-    beside the old `.grad` (the sum is the same: IEEE addition commutes)."""
+    accumulated step) of the same dtype is added into that view and replaced by it, so the buffer
+    holds no dead copy beside the old `.grad` (the sum is the same: IEEE addition commutes)."""
     if p.grad is None:
         p.grad = dtensor_like(reduced, p)
-    elif bucket:
-        reduced.add_(p.grad.to_local().view_as(reduced))
+        return
+    old = p.grad.to_local()
+    if bucket and old.dtype == reduced.dtype and old.is_contiguous():
+        reduced.add_(old.view_as(reduced))
         p.grad = dtensor_like(reduced, p)
     else:
-        p.grad.to_local().add_(reduced.view_as(p.grad.to_local()))
+        old.add_(reduced.view_as(old))
 
 
 @dataclass(frozen=True, slots=True)
