@@ -369,11 +369,11 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
         bursts alone are timed next to them, so a change of load between points moves both alike.
         The mean, not the median: a step is the sum of its collectives, and their cost is bimodal
         (the peer is scheduled or not)."""
-        def forward_cycle():
-            for src, local in moves:
-                burst()
-                move(src, local)
         steps = [f for src, local in moves for f in (burst, lambda src=src, local=local: move(src, local))]
+
+        def forward_cycle():
+            for f in steps:
+                f()
         fwd = _timeit_together(forward_cycle, reps, sync) - len(moves) * _timeit_together(burst, reps, sync)
         bwd = (_timeit_together(lambda: in_backward(steps), reps, sync)
                - _timeit_together(lambda: in_backward([burst] * len(moves)), reps, sync))

@@ -198,7 +198,6 @@ class GradSync:
             self._armed = True
         if entry is None:
             if uses == 1:           # the common case (a leaf's hook: autograd summed the uses): no entry
-                self._done.add(name)
                 self._bucket(kind, name, local)
                 return True
             entry = self._pending[name] = [kind, local, 0]
@@ -211,11 +210,11 @@ class GradSync:
 
     def _ready(self, name: str) -> None:
         kind, local, _ = self._pending.pop(name)
-        self._done.add(name)
         self._bucket(kind, name, local)
 
     def _bucket(self, kind: SyncKind, name: str, local: torch.Tensor) -> None:
         """Parameter `name`'s complete local gradient into the open bucket of `kind`, launched once full."""
+        self._done.add(name)
         b = self._open.get(kind)
         if b is None:
             b = self._open[kind] = _Bucket(kind)
