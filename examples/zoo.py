@@ -3,7 +3,8 @@
     model, args, kwargs, loss_fn = build("llama")                 # small: trains in tests
     model, args, kwargs, loss_fn = build("llama", full=True)      # Llama-2 7B, on the meta device
 
-Hugging Face transformers (GPT-2, Llama, BERT, T5, Mixtral, ViT) are called with labels so
+Hugging Face transformers (GPT-2, Llama, BERT, T5, Mixtral, ViT; Qwen2-MoE and DeepSeek-V3 kept out of
+the per-model suites) are called with labels so
 that they return their own loss; the hand-written models (a nanoGPT, a ResNet-style CNN with
 BatchNorm, an MLP-Mixer, a model with tied weights, one with a parameter used twice) return
 theirs too. `loss_fn(output)` picks the loss out of what the model returns.
@@ -23,7 +24,7 @@ HF_MODELS = ("gpt2", "llama", "bert", "t5", "mixtral", "vit")
 HAND_MODELS = ("nanogpt", "resnet", "mixer", "tied", "shared_param")
 MODELS = HF_MODELS + HAND_MODELS
 # small configs built like HF_MODELS but kept out of the per-model suites (tests/test_expert_parallel.py)
-EXTRA_HF_MODELS = ("qwen2_moe",)
+EXTRA_HF_MODELS = ("qwen2_moe", "deepseek_v3")
 # full-size configs planned on the meta device (the sizes)
 FULL = {"gpt2": "GPT-2 XL 1.5B", "llama": "Llama-2 7B", "mixtral": "Mixtral 8x7B", "t5": "T5 3B",
         "bert": "BERT-large 340M", "vit": "ViT-Large/16 304M"}
@@ -229,6 +230,16 @@ def hf_config(name: str, full: bool = False):
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=16, output_router_logits=True, router_aux_loss_coef=0.01,
                                 bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "deepseek_v3":
+        # one layer: multi-head latent attention (low-rank q and kv, a rotary key shared by the heads, the keys
+        # filled slice by slice in place), sigmoid-routed experts (grouped top-k, a correction bias) beside a
+        # shared expert
+        return T.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=4,
+                                  num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=2,
+                                  topk_group=1, num_experts_per_tok=2, q_lora_rank=24, kv_lora_rank=16,
+                                  qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=16,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "vit":
         if full:    # ViT-Large/16
             return T.ViTConfig(image_size=224, patch_size=16, hidden_size=1024, num_hidden_layers=24,
@@ -241,7 +252,8 @@ def hf_config(name: str, full: bool = False):
 
 _HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM",
                "t5": "T5ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "vit": "ViTForImageClassification", "qwen2_moe": "Qwen2MoeForCausalLM"}
+               "vit": "ViTForImageClassification", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def with_layers(config, layers: int):

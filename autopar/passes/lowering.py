@@ -102,7 +102,14 @@ def _bn_eval(x, weight, bias, running_mean, running_var, momentum, eps):
     return y, empty, empty
 
 
+def _copy(dst, src, non_blocking=False):
+    """The functional form of `dst.copy_(src)` (a slice filled in place, as DeepSeek-V3's attention fills
+    its keys) has no derivative in torch: written as the values it takes, `src` in dst's dtype and shape."""
+    return src.to(dst.dtype).expand(dst.shape).clone()
+
+
 DECOMPOSITIONS = {
+    aten.copy.default: _copy,
     aten._native_batch_norm_legit_functional.default: _bn_functional,
     aten._native_batch_norm_legit.no_stats: _bn_no_stats,
     aten._native_batch_norm_legit_no_training.default: _bn_eval,

@@ -106,6 +106,15 @@ def gather_rule(node, ins, outs):
     return opts
 
 
+@register(aten.scatter, family="indexing")
+def scatter_rule(node, ins, outs):
+    """out = x; out[i][index[i][j]] = src[i][j] (dim 1): split a dim x, index and src share whole."""
+    x = ins[0]
+    dim = node.args[1] % x.ndim
+    return [AxisOption((Shard(d),) * len(ins), Shard(d), "split") for d in range(x.ndim)
+            if d != dim and all(t.shape[d] == x.shape[d] for t in ins)]
+
+
 def _index_layout(node):
     """(positions of the tensor indices, whether they are adjacent, where their broadcast block
     sits in the result): adjacent indices keep their place, scattered ones put the block first."""
