@@ -27,6 +27,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
   and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
   `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
+* `GROUPED_MM`: aten._grouped_mm, the op `torch.nn.functional.grouped_mm` runs (torch's FLOP counter
+  has no formula for it: passes/lowering.py registers one under this name).
 * `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
   (torch._dynamo.config.fake_tensor_cache_enabled): with symbolic sizes, building and reading its
   entries costs more than the ops it saves (`passes/capture.py`).
@@ -42,7 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
-           "at_backward_end", "fake_tensor_cache"]
+           "at_backward_end", "fake_tensor_cache", "GROUPED_MM"]
+
+GROUPED_MM = torch.ops.aten._grouped_mm
 
 
 def fake_tensor_cache(enabled: bool):

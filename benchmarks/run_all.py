@@ -50,6 +50,8 @@ RUNS = [
     # issue 18: Mixtral-8x7B at 64 x 4096 on (dp=8, ep=8): expert parallelism vs the experts' older strategies;
     # EP x TP on (dp=8, ep=4, tp=2); EP with a capacity factor of 1.0
     ["bench_moe.py"],
+    # issue 35: FLOPs expert parallelism executes on 2 CPU ranks against one process (Qwen3-MoE style)
+    ["bench_moe.py", "--flops"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

@@ -13,7 +13,9 @@
   is captured as one op, `autopar::moe_experts`, instead of its data-dependent dispatch (sort
   by expert, gather, grouped matmul, scatter back), which no per-op rule can split exactly.
   Its rule splits tokens, or experts (each device runs its experts on every token routed to
-  them and the results are partial sums).
+  them and the results are partial sums), or both (strategies/moe.py). It runs as `moe_grouped`:
+  the token-slots sorted by expert through two `torch.nn.functional.grouped_mm` calls, their
+  backward autograd's (dX and dW grouped GEMMs; nothing recomputed).
 * Assertions that output nothing (`_assert_tensor_metadata`, ...) are dropped.
 """
 from __future__ import annotations
@@ -25,7 +27,9 @@ import math
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+from ..compat import GROUPED_MM
 
 aten = torch.ops.aten
 
@@ -121,55 +125,95 @@ DECOMPOSITIONS = {
 _ACTS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
          "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
          "gelu_new": functools.partial(F.gelu, approximate="tanh")}
+# the dtypes torch.nn.functional.grouped_mm takes (torch 2.11-2.13, CPU and CUDA; on CUDA bfloat16 runs
+# its grouped kernel on SM90+, the others torch's own per-group loop), and the alignment its kernels
+# need of every row stride (bytes)
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_MM_ALIGN = 16
 
 
-def moe_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: str, first_expert: int):
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, in], its rows sorted by group (group g: rows offs[g-1]:offs[g]); weight [G, out, in]:
+    each group's rows times its weight transposed, one grouped GEMM (autograd: two in the backward,
+    dX and dW, nothing run again). What grouped_mm cannot take (float64; a width whose rows are not
+    16-byte aligned) runs a product per group after reading the offsets once, as torch's own CUDA
+    fallback does."""
+    if x.dtype in GROUPED_MM_DTYPES and all(d * x.element_size() % GROUPED_MM_ALIGN == 0 for d in weight.shape[1:]):
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    ends = offs.tolist()
+    return torch.cat([F.linear(x[a:b], weight[g]) for g, (a, b) in enumerate(zip([0] + ends, ends))])
+
+
+def expert_mlp(x: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str):
+    """Rows x [S, H] sorted by local expert (offs: int32 end of each expert's rows) through their
+    experts' gated MLP: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    gate, up = _grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
+    return _grouped_linear(_ACTS[act](gate) * up, down, offs)
+
+
+def _offsets(local: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.bincount(local, minlength=experts + 1)[:experts].cumsum(0).to(torch.int32)
+
+
+def experts_in_order(rows: torch.Tensor, local: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     act: str) -> torch.Tensor:
+    """rows [S, H], each for local expert local[s] (all on this device): their outputs in the same
+    order (sorted by expert on the device, no host sync)."""
+    order = torch.argsort(local, stable=True)
+    y = expert_mlp(rows.index_select(0, order), _offsets(local, gate_up.shape[0]), gate_up, down, act)
+    return y.index_select(0, inverse_permutation(order))
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """p with p[order[i]] = i. Rows put back in order by gathering with it keep only it for their
+    backward (index_copy would keep the rows too)."""
+    return torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def moe_grouped(hidden, top_k_index, top_k_weights, gate_up, down, act: str, first_expert: int,
+                every_slot_local: bool = False) -> torch.Tensor:
     """Experts [first_expert, first_expert + E_local) applied to the tokens routed to them.
 
-    hidden [T, H]; top_k_index/top_k_weights [T, k]; gate_up_proj [E_local, 2I, H] (gate rows
-    first); down_proj [E_local, H, I]. Tokens routed elsewhere contribute zero, so summing the
-    results of devices holding disjoint experts gives the whole layer; so does a slot whose index
-    is -1 (dropped over its expert's capacity, runtime/experts.py)."""
-    T, k = top_k_index.shape
-    out = hidden.new_zeros(T, k, hidden.shape[-1])
-    fn = _ACTS[act]
-    for e in range(gate_up_proj.shape[0]):
-        tok, slot = torch.where(top_k_index == first_expert + e)
-        if tok.numel() == 0:
-            continue
-        gate, up = F.linear(hidden[tok], gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(fn(gate) * up, down_proj[e]) * top_k_weights[tok, slot, None]
-        out = out.index_put((tok, slot), y.to(out.dtype))
-    return out.sum(dim=1)
+    hidden [T, H]; top_k_index/top_k_weights [T, k]; gate_up [E_local, 2I, H] (gate rows first);
+    down [E_local, H, I]. The token-slots are sorted by expert (stable), run through two grouped
+    GEMMs, weighted and added into their tokens in expert order (as Hugging Face's loop adds them).
+    Slots routed elsewhere contribute zero, so summing the results of devices holding disjoint
+    experts gives the whole layer; so does a slot whose index is -1 (dropped over its expert's
+    capacity, runtime/experts.py). Unless `every_slot_local` (every expert here, none dropped), the
+    number of slots run here is read once (the layer's one host sync)."""
+    k, experts = top_k_index.shape[1], gate_up.shape[0]
+    local = top_k_index.reshape(-1) - first_expert
+    if not every_slot_local:            # elsewhere or dropped: after the last expert's slots
+        local = torch.where((local >= 0) & (local < experts), local, experts)
+    order = torch.argsort(local, stable=True)
+    offs = _offsets(local, experts)
+    if not every_slot_local:
+        order = order[:int(offs[-1])].clone()       # the backward keeps these slots' indices, not all
+    token = torch.div(order, k, rounding_mode="floor")
+    y = expert_mlp(hidden.index_select(0, token), offs, gate_up, down, act)
+    y = y * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    return add_into_tokens(hidden, token, y)
+
+
+def add_into_tokens(hidden: torch.Tensor, token: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Zeros like hidden with each row of y (cast to hidden's dtype) added into row token[s], in order.
+    index_put accumulates deterministically and keeps only the indices for its backward (index_add
+    would keep y as well)."""
+    return hidden.new_zeros(hidden.shape).index_put((token,), y.to(hidden.dtype), accumulate=True)
 
 
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str, first_expert: int) -> torch.Tensor:
-    return moe_reference(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, first_expert)
+    """The experts as one graph op (what the planner splits). Only traced and run without gradients:
+    a plan runs `moe_grouped` on its local shards (runtime/experts.py), whose autograd goes through
+    grouped_mm, nothing run twice."""
+    return moe_grouped(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, first_expert)
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, first_expert):
     return torch.empty_like(hidden)
-
-
-def _moe_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5])
-    ctx.args = inputs[5:]
-
-
-def _moe_backward(ctx, grad):
-    """Recompute the forward under autograd and differentiate it (exact; one extra forward)."""
-    hidden, idx, weights, gate_up, down = ctx.saved_tensors
-    leaves = [t.detach().requires_grad_(True) for t in (hidden, weights, gate_up, down)]
-    with torch.enable_grad():
-        out = moe_reference(leaves[0], idx, leaves[1], leaves[2], leaves[3], *ctx.args)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True, materialize_grads=True)
-    return grads[0], None, grads[1], grads[2], grads[3], None, None
-
-
-moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)
 
 
 def _moe_flops(hidden_shape, index_shape, weights_shape, gate_up_shape, down_shape, *args, **kwargs) -> int:
@@ -178,6 +222,22 @@ def _moe_flops(hidden_shape, index_shape, weights_shape, gate_up_shape, down_sha
 
 
 register_flop_formula(torch.ops.autopar.moe_experts)(_moe_flops)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """2 x the products' multiply-adds: a [M, K] x b [G, K, N] (forward, dX), a [K, M] x b [M, N] (dW,
+    groups along M), batched 3-D operands likewise."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
+if GROUPED_MM.default not in flop_registry:     # torch's counter has none (2.11-2.13)
+    register_flop_formula(GROUPED_MM)(_grouped_mm_flops)
 
 
 def _moe_act(module) -> str | None:
@@ -200,10 +260,12 @@ def _is_plain_hf_experts(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def experts_as_one_op(model: torch.nn.Module, route=None):
+def experts_as_one_op(model: torch.nn.Module, route=None, run=None):
     """While tracing, run each standard HF experts module as `autopar::moe_experts` (the model's
     own modules are restored afterwards; nothing else changes). `route(top_k_index, num_experts,
-    module)`, if given, rewrites each layer's routing first (a capacity's drops: runtime/experts.py)."""
+    module)`, if given, rewrites each layer's routing first (a capacity's drops: runtime/experts.py);
+    `run`, if given, is called instead of the op (eager: `moe_grouped`, differentiable)."""
+    run = run or torch.ops.autopar.moe_experts
     patched = []
     for m in model.modules():
         if _is_plain_hf_experts(m) and "forward" not in m.__dict__:
@@ -212,8 +274,7 @@ def experts_as_one_op(model: torch.nn.Module, route=None):
             def forward(hidden_states, top_k_index, top_k_weights, _m=m, _act=act):
                 if route is not None:
                     top_k_index = route(top_k_index, _m.gate_up_proj.shape[0], _m)
-                return torch.ops.autopar.moe_experts(hidden_states, top_k_index, top_k_weights, _m.gate_up_proj,
-                                                     _m.down_proj, _act, 0)
+                return run(hidden_states, top_k_index, top_k_weights, _m.gate_up_proj, _m.down_proj, _act, 0)
             m.forward = forward
             patched.append(m)
     try:

@@ -6,11 +6,14 @@ the device that holds its expert, over every mesh axis that splits both (one hop
 order: the slot's coordinate on that axis is its expert's block digit there), run through the local
 experts, and sent back the way it came; the router weights are applied where the token lives.
 
-The splits are the routing's real counts (uneven, exchanged first as a small all-to-all of counts).
-Forward and backward are exact: `torch.distributed.nn.functional.all_to_all_single` carries the
-gradient back by the reverse all-to-all, and the arithmetic per slot is the reference's
-(`passes.lowering.moe_reference`: the same products, the weight applied then cast, the k slots
-summed), so the result is one process's up to the matmuls' blocking.
+The splits are the routing's real counts (uneven, exchanged first as a small all-to-all of counts:
+the hop's one host sync). The received slots are sorted by expert on the device and run through
+two grouped GEMMs (`passes.lowering.experts_in_order`, `torch.nn.functional.grouped_mm`), and
+autograd differentiates them: nothing runs twice. Forward and backward are exact:
+`torch.distributed.nn.functional.all_to_all_single` carries the gradient back by the reverse
+all-to-all, and the arithmetic per slot is one process's (`passes.lowering.moe_grouped`: the same
+products, the weight applied then cast, added into the token), so the result is one process's up to
+the order the k slots are added in and the matmuls' blocking.
 
 Dropless by default: every slot is computed. With the plan option `moe_capacity_factor` (GShard,
 Switch Transformer) expert e takes at most C = ceil(factor * T * k / E) slots of the layer's T tokens
@@ -41,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
-from ..passes.lowering import experts_as_one_op
+from ..passes.lowering import add_into_tokens, experts_as_one_op, experts_in_order, inverse_permutation, moe_grouped
 from ..strategies.moe import check_capacity_factor, exchange_axes, expert_axes, tensor_axis, token_axes
 
 __all__ = ["expert_capacity", "routing_counts", "drop_over_capacity", "moe_capacity", "run_experts"]
@@ -104,7 +107,7 @@ def moe_capacity(model: torch.nn.Module, factor: float):
         kept = drop_over_capacity(top_k_index, num_experts, factor, routing_counts(top_k_index, num_experts)[None])
         dropped[names[module]] = dropped.get(names[module], 0) + int((kept < 0).sum())
         return kept
-    with experts_as_one_op(model, route):
+    with experts_as_one_op(model, route, run=moe_grouped):
         yield dropped
 
 
@@ -125,30 +128,36 @@ def _paired(op, gate_up: torch.Tensor, axis: int) -> torch.Tensor:
     return got.transpose(0, 1)
 
 
-def _hop(rows: torch.Tensor, expert: torch.Tensor, dest: torch.Tensor, n: int, group):
-    """Send each row (and its expert id) to device `dest` of the axis's group; return the received
-    rows and ids and what the way back needs (the permutation and the counts)."""
+def _hop(src: torch.Tensor, take: torch.Tensor | None, expert: torch.Tensor, dest: torch.Tensor, n: int, group):
+    """Send rows to device `dest` of the axis's group (dest n: dropped, sent nowhere): row `take[s]`
+    of src for slot s (take None: row s). Return the received rows and ids and what the way back
+    needs (the slots sent, in the order sent, and the counts). The counts are the hop's one host sync."""
     order = torch.argsort(dest, stable=True)
-    send = torch.bincount(dest, minlength=n)
+    send = torch.bincount(dest, minlength=n + 1)[:n]
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    send_l, recv_l = send.tolist(), recv.tolist()
-    rows = all_to_all_single(rows.new_empty((sum(recv_l), rows.shape[1])), rows.index_select(0, order),
-                             recv_l, send_l, group=group)
+    counts = torch.cat([send, recv]).tolist()
+    send_l, recv_l = counts[:n], counts[n:]
+    order = order[:sum(send_l)]
+    rows = src.index_select(0, order if take is None else take.index_select(0, order))
+    rows = all_to_all_single(rows.new_empty((sum(recv_l), rows.shape[1])), rows, recv_l, send_l, group=group)
     ids = expert.new_empty(sum(recv_l))
     dist.all_to_all_single(ids, expert.index_select(0, order), recv_l, send_l, group=group)
     return rows, ids, (order, send_l, recv_l, group)
 
 
-def _hop_back(rows: torch.Tensor, back) -> torch.Tensor:
+def _hop_back(rows: torch.Tensor, back, unsort: bool) -> torch.Tensor:
+    """Rows back to the devices they came from, in the order they were sent (`unsort`: in the order
+    the slots stood before the hop sorted them, every slot sent)."""
     order, send_l, recv_l, group = back
     rows = all_to_all_single(rows.new_empty((sum(send_l), rows.shape[1])), rows, send_l, recv_l, group=group)
-    return rows.index_select(0, torch.argsort(order))      # back into the order the slots left in
+    return rows.index_select(0, inverse_permutation(order)) if unsort else rows
 
 
 def run_experts(op, args, kwargs):
     """Run `autopar::moe_experts` for the LocalOp `op` (arguments already local, first_expert set):
-    the capacity's drops if the plan has one, then the dispatch over the exchange axes if any."""
+    the capacity's drops if the plan has one, then the grouped experts, with the dispatch over the
+    exchange axes if any."""
     hidden, top_k_index, top_k_weights, gate_up, down, act, first_expert = args
     split = expert_axes(op.inputs)
     e_local = gate_up.shape[0]
@@ -158,21 +167,31 @@ def run_experts(op, args, kwargs):
         top_k_index = _capped(op, top_k_index, e_local * math.prod(op.mesh.shape[a] for a in split))
     axes = exchange_axes(op.inputs)
     if not axes:
-        return op.target(hidden, top_k_index, top_k_weights, gate_up, down, act, first_expert, **kwargs)
+        return moe_grouped(hidden, top_k_index, top_k_weights, gate_up, down, act, first_expert,
+                           every_slot_local=not split and op.capacity_factor is None)
     T, k = top_k_index.shape
-    slots = (top_k_index.reshape(-1) >= 0).nonzero().squeeze(1)      # the slots computed (all, dropless)
-    rows = hidden.index_select(0, torch.div(slots, k, rounding_mode="floor"))
-    expert = top_k_index.reshape(-1).index_select(0, slots)
-    backs = []
-    for a in axes:
-        n = op.mesh.shape[a]
+    expert = top_k_index.reshape(-1)
+    token = torch.div(torch.arange(T * k, device=expert.device), k, rounding_mode="floor")
+
+    def digit(ids, a):          # the mesh coordinate on axis a of the device holding expert `ids`
         stride = math.prod(op.mesh.shape[b] for b in split if b > a)
-        dest = torch.div(expert, e_local * stride, rounding_mode="floor") % n
-        rows, expert, back = _hop(rows, expert, dest, n, op.mesh.get_group(a))
+        return torch.div(ids, e_local * stride, rounding_mode="floor") % op.mesh.shape[a]
+    # sent nowhere: a dropped slot (-1), and one whose expert another device holds on an axis splitting
+    # experts alone (there the tokens are whole, and that device runs the slot)
+    sent = expert >= 0
+    for a in split:
+        if a not in axes:
+            sent &= digit(expert, a) == op.mesh.get_coordinate()[a]
+    rows, take, backs = hidden, token, []
+    for i, a in enumerate(axes):
+        n = op.mesh.shape[a]
+        dest = digit(expert, a) if i else torch.where(sent, digit(expert, a), n)
+        rows, expert, back = _hop(rows, take, expert, dest, n, op.mesh.get_group(a))
+        take = None
         backs.append(back)
-    ones = rows.new_ones((rows.shape[0], 1))
-    out = op.target(rows, expert.view(-1, 1), ones, gate_up, down, act, first_expert)
-    for back in reversed(backs):
-        out = _hop_back(out, back)
-    out = out.new_zeros((T * k, out.shape[1])).index_copy(0, slots, out)
-    return (out.view(T, k, -1) * top_k_weights.unsqueeze(-1)).to(hidden.dtype).sum(dim=1)
+    out = experts_in_order(rows, expert - first_expert, gate_up, down, act)
+    for i, back in reversed(list(enumerate(backs))):
+        out = _hop_back(out, back, unsort=i > 0)
+    slots = backs[0][0]         # the slots sent, in the order the first hop sent them: out's rows
+    out = out * top_k_weights.reshape(-1).index_select(0, slots).unsqueeze(-1)
+    return add_into_tokens(hidden, token.index_select(0, slots), out)

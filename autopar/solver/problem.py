@@ -15,6 +15,7 @@ evaluation all read these same tables, so they price a plan identically.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_e
                                vocab_reduce_bytes_on_wire, vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
+from ..cost_model.experts import expert_pass_times, expert_saved_bytes
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
@@ -38,7 +40,7 @@ from ..placement import gathers, parse_pin, to_str
 from ..strategies import Strategy, op_name, rule_for
 from ..strategies.attention import context_axis, sdpa_args
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
-from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis
+from ..strategies.moe import MOE_OP, exchange_axes, expert_axes, tensor_axis, token_axes
 from ..strategies.vocab import op_class_dim, vocab_axes
 from ..passes.layers import layer_key, module_path
 from ..passes.parameter_side import parameter_side
@@ -227,6 +229,8 @@ class OpCostArgs(NamedTuple):
     exchange: tuple = ()     # (axis, its size, link, routed bytes on one device) per all-to-all axis of a MoE op
     vocab: tuple = ()        # (op, axis size, link, rows on one device, axis) per vocab axis of a vocab-split op
     paired: tuple = ()       # (axis, its size, link, gate/up shard bytes): a MoE op's expert_tp weight trade
+    slots: tuple = ()        # a MoE op's token-slots run on one device, hidden and intermediate widths, itemsize,
+                             # whether it exchanges them (cost_model/experts.py)
 
 
 def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: ContextComm | None = None,
@@ -237,13 +241,15 @@ def op_cost_args(info: NodeInfo, s: Strategy, shape, facts: OpFacts, context: Co
     out_b = info.out[0].nbytes / shard_count(s.output, shape)
     all_out_b = sum(m.nbytes for m in info.out) / shard_count(s.output, shape) if facts.work.all_passes else 0.0
     in_b = (info.bytes_moved - sum(m.nbytes for m in info.out)) / pf
-    routed, exchange, paired = 0.0, (), ()
+    routed, exchange, paired, slots = 0.0, (), (), ()
     if facts.op == MOE_OP:
         routed = moe_load if expert_axes(s.inputs) else 0.0
         exchange = moe_exchange(info.out[0], info.ins[1], s, shape, links) if links else ()
         paired = expert_tp_trade(info.ins[3], s, shape, links) if links else ()
+        run, _, hidden, inter = moe_slots(info, s, shape, moe_load)
+        slots = (run, hidden, inter, info.out[0].dtype.itemsize, bool(exchange_axes(s.inputs)))
     return OpCostArgs(info.flops / pf, info.bytes_moved / pf, info.out[0].dtype, in_b, out_b, all_out_b, facts,
-                      context, routed, exchange, vocab, paired)
+                      context, routed, exchange, vocab, paired, slots)
 
 
 def vocab_reductions(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Mesh) -> tuple:
@@ -281,9 +287,12 @@ def moe_routed_bytes(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape) 
 
 def moe_exchange(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape, links) -> tuple:
     """(axis, its size, link, routed bytes on one device) per axis on which a MoE op under s dispatches
-    its token-slots by all-to-all (`strategies.moe.exchange_axes`)."""
-    routed_b = moe_routed_bytes(out, top_k_index, s, shape)
-    return tuple((a, shape[a], links[a], routed_b) for a in exchange_axes(s.inputs))
+    its token-slots by all-to-all (`strategies.moe.exchange_axes`): the slots whose experts it holds on
+    the axes splitting experts alone (runtime/experts.py sends no other)."""
+    exchange = exchange_axes(s.inputs)
+    elsewhere = math.prod(shape[a] for a in expert_axes(s.inputs) if a not in exchange)
+    routed_b = moe_routed_bytes(out, top_k_index, s, shape) / elsewhere
+    return tuple((a, shape[a], links[a], routed_b) for a in exchange)
 
 
 def gate_up_shard_bytes(gate_up: fx.Node, s: Strategy, shape) -> float:
@@ -298,17 +307,29 @@ def expert_tp_trade(gate_up: fx.Node, s: Strategy, shape, links) -> tuple:
     return () if a is None else ((a, shape[a], links[a], gate_up_shard_bytes(gate_up, s, shape)),)
 
 
+def moe_slots(info: NodeInfo, s: Strategy, shape, moe_load: float) -> tuple:
+    """(token-slots the busiest device's experts run, token-slots added into one device's tokens, hidden
+    width, intermediate width on one device) of a MoE op under s: the slots split over every axis that
+    splits tokens or experts, the load imbalance where experts are split, the intermediate width over
+    the expert_tp axis."""
+    experts, tokens, tp = expert_axes(s.inputs), token_axes(s.inputs), tensor_axis(s.inputs)
+    slots = info.out[0].shape[0] * tensor_meta(info.ins[1].meta["val"])[0].shape[1]
+    run = slots / math.prod(shape[a] for a in set(experts) | set(tokens)) * (moe_load if experts else 1.0)
+    combined = slots / math.prod(shape[a] for a in tokens) if exchange_axes(s.inputs) else run
+    gate_up = tensor_meta(info.ins[3].meta["val"])[0].shape
+    return run, combined, gate_up[2], gate_up[1] / 2 / (shape[tp] if tp is not None else 1)
+
+
 def exchange_saved_bytes(info: NodeInfo, s: Strategy, shape, facts: OpFacts, moe_load: float) -> float:
-    """Bytes an op that exchanges data inside itself keeps for its backward besides its output: an
-    expert-parallel MoE layer keeps the token-slots it received (its experts' input) and their
-    outputs (for the router weights' gradient), each the busiest device's routed rows; under expert_tp
-    it keeps its traded gate/up shard (runtime/experts.py)."""
+    """Bytes an op keeps for its backward besides its inputs and output, where it runs more than one
+    kernel: a MoE layer keeps its grouped GEMMs' inputs and activations (`cost_model.experts`); under
+    expert_tp also its traded gate/up shard (runtime/experts.py)."""
     if facts.op != MOE_OP:
         return 0.0
     paired = 0.0 if tensor_axis(s.inputs) is None else gate_up_shard_bytes(info.ins[3], s, shape)
-    if not exchange_axes(s.inputs):
-        return paired
-    return 2 * moe_routed_bytes(info.out[0], info.ins[1], s, shape) * moe_load + paired
+    run, combined, hidden, inter = moe_slots(info, s, shape, moe_load)
+    experts = tensor_meta(info.ins[3].meta["val"])[0].shape[0] / math.prod(shape[a] for a in expert_axes(s.inputs))
+    return expert_saved_bytes(run, combined, hidden, inter, info.out[0].dtype.itemsize, experts) + paired
 
 
 def op_exchanges(problem: Problem, node: fx.Node, s: Strategy, metas: Mapping | None = None):
@@ -366,6 +387,9 @@ def op_cost(a: OpCostArgs, profile) -> tuple:
     for _, n, link, shard_b in a.paired:
         xf, xb = expert_tp_exchange_times(shard_b, n, link, profile.kernel_overhead + profile.collective_overhead)
         fwd, bwd = fwd + xf, bwd + xb
+    if a.slots:        # the grouped experts' sort, gathers, activation and weighting (cost_model/experts.py)
+        pf, pb = expert_pass_times(*a.slots, profile)
+        fwd, bwd = fwd + pf, bwd + pb
     if f.random:
         fwd = fwd + random_time(a.out_b / a.dtype.itemsize, profile)
     return fwd, bwd + grad_work_time(f.work, a.out_b, a.all_out_b, a.in_b, profile)
