@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 
 import torch
@@ -32,6 +33,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 from ..compat import GROUPED_MM
 
 aten = torch.ops.aten
+_log = logging.getLogger("autopar")
 
 
 # -- autopar::batch_stat_mean -------------------------------------------------------------------
@@ -140,8 +142,16 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     fallback does."""
     if x.dtype in GROUPED_MM_DTYPES and all(d * x.element_size() % GROUPED_MM_ALIGN == 0 for d in weight.shape[1:]):
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    _log_per_group(x.dtype, tuple(weight.shape))
     ends = offs.tolist()
     return torch.cat([F.linear(x[a:b], weight[g]) for g, (a, b) in enumerate(zip([0] + ends, ends))])
+
+
+@functools.cache
+def _log_per_group(dtype, shape) -> None:
+    _log.warning("experts of %s weight %s: not a grouped_mm shape or dtype (float32, bfloat16 or float16 with rows "
+                 "of a multiple of %d bytes); run one product per expert after one host sync", dtype, shape,
+                 GROUPED_MM_ALIGN)
 
 
 def expert_mlp(x: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str):

@@ -66,9 +66,10 @@ def drop_over_capacity(top_k_index: torch.Tensor, num_experts: int, factor: floa
                        block: int = 0) -> torch.Tensor:
     """`top_k_index` [T, k] with the slots past their expert's capacity set to -1. `counts` [D, k, E]:
     `routing_counts` of the D blocks of the global token set in token order; these tokens are block
-    `block` (one process: counts of these tokens alone, block 0)."""
+    `block` (one process: counts of these tokens alone, block 0). The capacity stays on the device
+    (`expert_capacity`'s arithmetic in float64): no host sync."""
     T, k = top_k_index.shape
-    cap = expert_capacity(int(counts[:, 0].sum()), k, num_experts, factor)
+    cap = torch.ceil(counts[:, 0].sum().double() * factor * k / num_experts)
     total = counts.sum(0)
     ahead = (total.cumsum(0) - total + counts[:block].sum(0)).reshape(-1)   # queued before, per (choice, expert)
     key = (top_k_index + num_experts * torch.arange(k, device=top_k_index.device)).reshape(-1)

@@ -15,10 +15,13 @@ Along one mesh axis the op has three ways to split its work:
                                                             columns, down by rows, outputs partial sums
 
 (inputs: hidden[T, H], top_k_index[T, k], top_k_weights[T, k], gate_up[E, 2I, H], down[E, H, I]).
-Only expert_parallel moves data inside the op: its dispatch and combine are priced with the op
+Under every option a device runs the token-slots its experts take as two grouped GEMMs
+(`passes.lowering.moe_grouped`; priced by `cost_model.experts` besides the FLOPs). Only
+expert_parallel moves data inside the op: its dispatch and combine are priced with the op
 (`solver.problem.op_cost`, `cost_model.comm.expert_exchange_time`), the other two move nothing
 the edges do not already show. Several axes may split experts; a device's experts are then block
-`mixed radix of its coordinates on those axes, in mesh order` (as DTensor chunks a dim).
+`mixed radix of its coordinates on those axes, in mesh order` (as DTensor chunks a dim); beside an
+experts axis, expert_parallel sends only the slots whose experts the device's block holds there.
 
 expert_tp: Hugging Face stores gate and up fused, gate_up[E, 2I, H] with the I gate rows first, so a
 Shard(1) of it gives device r rows [2rI/n, 2(r+1)I/n): gate rows or up rows, not the pairs Megatron
