@@ -98,7 +98,8 @@ def qwen3_moe():
     import transformers as T
     torch.manual_seed(0)
     model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**QWEN3_MOE)).train()
-    ids = torch.randint(1, QWEN3_MOE["vocab_size"], (FLOPS_BATCH, FLOPS_SEQ), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, QWEN3_MOE["vocab_size"], (FLOPS_BATCH, FLOPS_SEQ), generator=g)
     return model, {"input_ids": ids, "labels": ids}
 
 
@@ -118,9 +119,9 @@ def flops_rank(rank, world_size):
     mesh = autopar.Mesh((world_size,), ("ep",), device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dmodel = autopar.autoparallelize(model, mesh, (), example_kwargs=kwargs, pins={"moe_experts*": ("expert_parallel",)},
-                                         batch_axes=("ep",), symbolic=False, recompute="none", offload="none",
-                                         residency="keep")
+        dmodel = autopar.autoparallelize(model, mesh, (), example_kwargs=kwargs,
+                                         pins={"moe_experts*": ("expert_parallel",)}, batch_axes=("ep",),
+                                         symbolic=False, recompute="none", offload="none", residency="keep")
     local = dict(zip(kwargs, mesh.local_batch(tuple(kwargs.values()), ("ep",))))
 
     def step():

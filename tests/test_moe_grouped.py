@@ -24,7 +24,8 @@ def _inputs(inter=8, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     leaves = [torch.randn(T, H, generator=g), torch.rand(T, K, generator=g),
-              torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5, torch.randn(E, H, inter, generator=g) / inter ** 0.5]
+              torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5,
+              torch.randn(E, H, inter, generator=g) / inter ** 0.5]
     hidden, weights, gate_up, down = (t.to(dtype).requires_grad_() for t in leaves)
     return hidden, index, weights, gate_up, down
 
