@@ -57,19 +57,20 @@ def test_fingerprint_includes_constant_arguments():
 
 
 def test_status_words():
-    assert status_words("Optimal", 0.0, alternated=False, timed_out=False) == OPTIMAL
-    assert status_words("Optimal (the LP relaxation rounded, gap 0.01%)", 1e-4, alternated=False,
+    assert status_words("Optimal", 0.0, timed_out=False) == OPTIMAL
+    assert status_words("Optimal (the LP relaxation rounded, gap 0.01%)", 1e-4,
                         timed_out=True) == f"{OPTIMAL} (the LP relaxation rounded)"   # proven, whatever the clock
     raw = f"{ALTERNATED}, each optimal for the other; ...; the plan's layout solve: Optimal)"
-    assert status_words(raw, 1.0, alternated=True, timed_out=False) == OPTIMAL_ALTERNATION
+    assert status_words(raw, 1.0, timed_out=False) == OPTIMAL_ALTERNATION
     stopped = "Feasible (stopped: time limit reached, gap 3.25%)"
-    assert status_words(stopped, 0.0325, alternated=False, timed_out=True) == f"{AT_TIME_LIMIT}, gap 3.25%"
-    # the alternation's layout gap bounds nothing jointly: no gap is printed
-    assert status_words(f"{ALTERNATED} ...; stopped at the time limit", 1.0, alternated=True,
+    assert status_words(stopped, 0.0325, timed_out=True) == f"{AT_TIME_LIMIT}, gap 3.25%"
+    # no gap where none bounds the plan: the solver proved none (100%), or it bounds the alternation's
+    # layouts for fixed options only
+    assert status_words(stopped, 1.0, timed_out=True) == AT_TIME_LIMIT
+    assert status_words(f"{ALTERNATED} ...; the plan's layout solve: {stopped})", 0.0325,
                         timed_out=True) == AT_TIME_LIMIT
-    assert status_words("Feasible (the most sharded plan)", 1.0, alternated=False, timed_out=True) == AT_TIME_LIMIT
-    assert "gap" not in status_words("Feasible (solved in subspaces: ...)", math.nan, alternated=False,
-                                     timed_out=False)
+    assert status_words("Feasible (the most sharded plan)", 1.0, timed_out=True) == AT_TIME_LIMIT
+    assert "gap" not in status_words("Feasible (solved in subspaces: ...)", math.nan, timed_out=False)
 
 
 def test_a_solved_plan_says_optimal_in_its_report():

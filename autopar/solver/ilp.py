@@ -503,10 +503,8 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
     deadline = None if time_limit is None else t0 + time_limit
     r = _solve(problem, memory_budget, deadline, t0, progress)
     log.info("solver: %s (%s, %.2f s)", r.status, r.solver, r.seconds)
-    free = any(len(g.allowed) > 1 for g in problem.families.groups)
     timed_out = deadline is not None and time.perf_counter() >= deadline
-    words = status_words(r.status, r.gap, alternated=free and r.status.startswith(ALTERNATED), timed_out=timed_out)
-    return replace(r, status=words)
+    return replace(r, status=status_words(r.status, r.gap, timed_out=timed_out))
 
 
 OPTIMAL = "optimal"
@@ -517,26 +515,26 @@ SUBSPACES = "Feasible (solved in subspaces"
 LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `heuristic.start_plan`'s, near the minimum
 
 
-def status_words(raw: str, gap: float, *, alternated: bool, timed_out: bool) -> str:
+def status_words(raw: str, gap: float, *, timed_out: bool) -> str:
     """A solve's outcome in words a user can act on, from the solver's raw status: "optimal" (proven,
     within the MIP gap); OPTIMAL_ALTERNATION (layouts optimal for the memory options and the options
     for the layouts, not proven jointly); "best found at the time limit, gap x%" where the solver
-    proved a bound, without a gap where none was computed; the subspace search and the fallbacks
-    by what they are."""
-    stopped = raw.startswith("Feasible (stopped") or "time limit" in raw
+    proved a bound on the whole problem (not the alternation's layouts alone, not a trivial 100%),
+    without a gap otherwise; the subspace search and the fallbacks by what they are."""
+    stopped = "Feasible (stopped" in raw or "time limit" in raw
+    alternated = raw.startswith(ALTERNATED)
     if raw.startswith(SUBSPACES):
         return (f"{AT_TIME_LIMIT} (subspaces of merged mesh axes searched)" if timed_out or stopped else
                 "best found by searching subspaces of merged mesh axes (no bound computed)")
     if raw.startswith("Heuristic"):
         return "the most sharded plan: the solver stopped without a plan (raise time_limit)"
-    if raw == LEAST_STATUS:
+    if LEAST_STATUS in raw:
         return "the plan that needs least memory: the budget leaves no other choice found (not proven optimal)"
     if stopped or (timed_out and not raw.startswith(("Optimal", ALTERNATED))):
-        # a gap bounds the whole problem only where the layouts were solved alone (no options to alternate)
-        return f"{AT_TIME_LIMIT}, gap {gap:.2%}" if raw.startswith("Feasible (stopped") and not alternated \
-            else AT_TIME_LIMIT
+        proved = raw.startswith("Feasible (stopped") and 0.0 <= gap < 1.0
+        return f"{AT_TIME_LIMIT}, gap {gap:.2%}" if proved else AT_TIME_LIMIT
     if alternated:
-        return OPTIMAL_ALTERNATION
+        return OPTIMAL_ALTERNATION if "layout solve: Optimal" in raw else "best found (not proven optimal)"
     if raw.startswith("Optimal (the LP relaxation rounded"):         # within the MIP gap of the relaxation's bound
         return f"{OPTIMAL} (the LP relaxation rounded)"
     if raw.startswith("Optimal") or raw.endswith("solver: Optimal)"):    # the heuristic's plan ties the optimum
@@ -556,7 +554,7 @@ def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: f
     start = start_plan(problem, memory_budget, deadline, progress)
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
-        status = start.status if not free or not start.status.startswith("Optimal") else (
+        status = start.status if not free else (
             f"{ALTERNATED}, each optimal for the other; the joint model of {start.n_variables} layout columns times "
             f"the options was not built; the plan's layout solve: {start.status})")
         return SolveResult(start.plan[0], start.objective_s, status, start.solver, time.perf_counter() - t0,
