@@ -36,12 +36,15 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
     pins: {"param.fqn or glob": ("S(0)", "R"), "node_name": (...)} fixes those layouts.
     batch_axes: mesh axes over which inputs arrive already split on dim 0 (a DistributedSampler).
     sharded_outputs: return outputs as DTensors in their planned layout instead of whole.
-    time_limit: solver seconds; at the limit the best plan found is used and its gap reported.
+    time_limit: seconds for the whole call, the capture aside (every solve and the pipeline search share
+        them); at the limit the best plan found so far is returned, its status saying so
+        ("best found at the time limit", with the gap where the solver proved one).
     progress: say on stderr which phase runs once planning takes over 2 s, and a line every 5 s of
         solving (default: when stderr is a terminal).
     cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
     symbolic: also price the plan as a function of batch size and sequence length (`plan.estimate_at`,
-        `plan.largest_batch`, the report's scaling table); costs one more trace of the model.
+        `plan.largest_batch`, the report's scaling table, `plan.scaling`): one more trace of the model,
+        made when first asked for (or when the plan is saved), not inside this call.
     recompute: activation recomputation per layer: "auto" (the solver chooses), "none", "selective"
         (keep matmul outputs, recompute the rest) or "full" (`plan.recompute`).
     residency: a gathered copy is kept to the backward or freed and gathered again: "auto", "keep" or

@@ -26,10 +26,10 @@ from .passes.stages import microbatch
 from .passes.shape_prop import annotate
 from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
 from .pipelining import fixed_pipeline, lifted, stage_options
-from .planner import PlanOptions, assemble, frozen_gc, planning_problem
+from .planner import PlanOptions, assemble, deadline_of, frozen_gc, planning_problem, remaining
 from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
 from .solver.evaluate import Staging
-from .solver.ilp import solve
+from .solver.ilp import AT_TIME_LIMIT, solve
 
 log = logging.getLogger("autopar")
 
@@ -46,6 +46,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
 def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
             fixed: Mapping, captured: dict[int, tuple] | None) -> Plan:
     t0 = time.perf_counter()
+    deadline = deadline_of(opts)        # every candidate's solve within the one time limit
     _check(fixed, mesh)
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
@@ -59,6 +60,7 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     captured = {} if captured is None else captured
     stage_opts = replace(opts, symbolic=False)
     problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
+    statuses: dict[tuple, str] = {}         # (axis, microbatches) -> its last solve's status
 
     def solve_at(axis, m, scale):
         if m not in captured:
@@ -73,13 +75,17 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
             gc.freeze()
         problem = problems[axis, m]
         try:
-            result = solve(per_step_view(problem, m), budget * stages * scale, opts.time_limit)
+            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline))
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
+        statuses[axis, m] = result.status
         return problem, result.choice, result.options, cap.gm.graph
 
-    best, least = choose_pipeline(mesh, cands, solve_at, budget)
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
+
+    best, least = choose_pipeline(mesh, cands, solve_at, budget, out_of_time)
     if best is None:
         raise InfeasibleError(f"no pipeline of {len(cands)} candidates fits the budget of {budget / 2**30:.2f} GiB "
                               f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
@@ -93,10 +99,20 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
-    plan.solver = SolverInfo("search", f"{len(cands)} pipeline candidates", 0, 0, plan.estimate.step_time_s,
+    plan.solver = SolverInfo("search", _status(cands, statuses, c, out_of_time()), 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
+
+
+def _status(cands, statuses: dict[tuple, str], chosen, timed_out: bool) -> str:
+    """The search's outcome in words (`solver.ilp.status_words`): the chosen pipeline's own solve's
+    status, and how many of the (axis, microbatch count) groups were solved."""
+    groups = len(dict.fromkeys((c.axis, c.microbatches) for c in cands))
+    own = statuses.get((chosen.axis, chosen.microbatches), "")
+    head = AT_TIME_LIMIT if timed_out or own.startswith(AT_TIME_LIMIT) else "the best pipeline found"
+    return (f"{head}: {len(statuses)} of {groups} (axis, microbatch count) candidates solved, the chosen one's "
+            f"layouts {own}")
 
 
 def _check(fixed: Mapping, mesh: Mesh) -> None:

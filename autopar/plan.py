@@ -32,7 +32,9 @@ the other axes.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,9 @@ class Plan:
     residency: dict[str, str] = field(default_factory=dict)     # FQN or "activations:<layer>" -> RESIDENCY_MODES
     offload: dict[str, str] = field(default_factory=dict)       # "<class>:<layer or FQN>" -> TIERS
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
+    # the planner's way to price `scaling` once first read (`planner.lazy_scaling`): a trace at
+    # symbolic sizes that can take longer than the solve, so `plan()` leaves it to the first reader
+    pending_scaling: Callable[[], Scaling] | None = field(default=None, compare=False, repr=False)
 
     # -- lookups -------------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -221,8 +226,9 @@ class Plan:
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(self)        # reads `scaling` first: a pending one is priced (and saved) now
         d.pop("timings")
+        d.pop("pending_scaling")
         return d
 
     def to_json(self) -> str:
@@ -247,6 +253,29 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         from .plan_file import load_plan
         return load_plan(path)
+
+
+_SCALING_SLOT = Plan.scaling     # the slot `Plan.scaling` reads through the property below
+
+
+def _scaling(plan: Plan) -> Scaling:
+    """`plan.scaling`, priced first where it is pending (the time it took goes to `timings.scaling_s`)."""
+    pending = plan.pending_scaling
+    if pending is not None:
+        t0 = time.perf_counter()
+        _SCALING_SLOT.__set__(plan, pending())
+        plan.pending_scaling = None
+        plan.timings = replace(plan.timings, scaling_s=time.perf_counter() - t0)
+    return _SCALING_SLOT.__get__(plan, Plan)
+
+
+def _set_scaling(plan: Plan, value: Scaling) -> None:
+    _SCALING_SLOT.__set__(plan, value)
+    plan.pending_scaling = None
+
+
+Plan.scaling = property(_scaling, _set_scaling, doc="The plan's costs in batch size and sequence length "
+                        "(`Scaling`), priced when first read where the planner left them pending.")
 
 
 def _lay(layout) -> str:

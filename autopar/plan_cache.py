@@ -1,8 +1,10 @@
 """A cache of solved plans, keyed by everything a plan is a function of.
 
-Key: the captured graph's fingerprint (ops, shapes, dtypes), the mesh (shape, axis names), the
-device profile's full contents, the planning options, and a hash of autopar's own source (a
-new cost model must not serve old plans). Enabled by `cache_dir=` or `AUTOPAR_CACHE_DIR`.
+Key: the captured graph's fingerprint (ops, shapes, dtypes, constant arguments), the mesh (shape,
+axis names), the device profile's full contents, every planning option that can change the plan
+(`key_options`: the time limit too, as a plan cut short by it must not be served to a longer
+call), and a hash of autopar's own source (a new cost model must not serve old plans). Enabled by
+`cache_dir=` or `AUTOPAR_CACHE_DIR`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,17 @@ def _code_hash() -> str:
     return h.hexdigest()[:16]
 
 
+# PlanOptions fields that cannot change the plan: how planning reports progress and where it caches
+NOT_KEYED = ("progress", "cache_dir", "on_phase")
+
+
+def key_options(options) -> dict:
+    """The options a cached plan is a function of: every `PlanOptions` field but NOT_KEYED."""
+    d = options.to_dict()
+    d["time_limit"] = options.time_limit
+    return d
+
+
 class PlanCache:
     def __init__(self, directory: Path):
         self.dir = directory
@@ -41,11 +54,13 @@ class PlanCache:
         directory = directory or os.environ.get(ENV)
         return cls(Path(directory)) if directory else None
 
-    def key(self, fingerprint: str, mesh: Mesh, options: dict) -> str:
+    def key(self, fingerprint: str, mesh: Mesh, options) -> str:
+        """`options`: the `PlanOptions` of the call."""
         prof = mesh.profile
         profile = {f.name: repr(getattr(prof, f.name)) for f in fields(prof) if f.name != "peak_flops"}
         profile["peak_flops"] = dict(sorted(prof.peak_flops.items()))
-        blob = json.dumps([fingerprint, mesh.to_dict(), profile, options, _code_hash()], sort_keys=True, default=str)
+        blob = json.dumps([fingerprint, mesh.to_dict(), profile, key_options(options), _code_hash()], sort_keys=True,
+                          default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def get(self, key: str) -> Plan | None:

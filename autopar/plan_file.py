@@ -76,7 +76,7 @@ class _Reader:
         version = d.get("version")
         if version != PLAN_FORMAT_VERSION:
             self.fail("version", f"plan format version {version!r} is not {PLAN_FORMAT_VERSION}")
-        self.fields(d, "(top level)", Plan, optional=("scaling",), skip=("timings",))
+        self.fields(d, "(top level)", Plan, optional=("scaling",), skip=("timings", "pending_scaling"))
         mesh = self.mesh(d["mesh"])
         return Plan(model=self.string(d["model"], "model"), fingerprint=self.string(d["fingerprint"], "fingerprint"),
                     mesh=mesh, options=self.options(d["options"]), nodes=self.nodes(d["nodes"]),

@@ -86,12 +86,37 @@ class PlanOptions:
 
 
 def fingerprint(cap: Captured) -> str:
+    """The captured graph's identity: per node its op, target, output shapes and dtypes, and its
+    arguments with every constant among them (a softmax's dim, an attention's is_causal, a view's
+    sizes): two graphs that differ in any of these are different problems (the plan cache, `check_plan`)."""
     h = hashlib.sha256()
     for n in cap.gm.graph.nodes:
         metas = tensor_meta(n.meta.get("val")) if n.op != "output" else ()
         h.update(f"{n.op}|{n.name}|{op_name(n.target) if n.op == 'call_function' else n.target}|"
-                 f"{[(m.shape, str(m.dtype)) for m in metas]}\n".encode())
+                 f"{[(m.shape, str(m.dtype)) for m in metas]}|{_constant_text(n.args)}|"
+                 f"{_constant_text(n.kwargs)}\n".encode())
     return h.hexdigest()[:16]
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _constant_text(v) -> str:
+    """A node argument as text that is the same on every run: another node by its name, a constant
+    by its value, a container item by item; anything else by its type (a repr may hold an address)."""
+    if isinstance(v, torch.fx.Node):
+        return f"%{v.name}"
+    if isinstance(v, _PLAIN):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_constant_text(x) for x in v) + ")"
+    if isinstance(v, Mapping):
+        return "{" + ",".join(f"{k}:{_constant_text(x)}" for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(v, slice):
+        return f"slice({_constant_text(v.start)},{_constant_text(v.stop)},{_constant_text(v.step)})"
+    if isinstance(v, torch.Tensor):
+        return f"tensor{tuple(v.shape)}{v.dtype}"
+    return type(v).__qualname__
 
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
@@ -105,7 +130,7 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
     """Plan a captured graph; `source` = (model, args, kwargs) it came from, for symbolic costs."""
     t0 = time.perf_counter() if t0 is None else t0
     cache = PlanCache.open(opts.cache_dir)
-    key = cache.key(fingerprint(cap), mesh, opts.to_dict()) if cache else None
+    key = cache.key(fingerprint(cap), mesh, opts) if cache else None
     if cache and (hit := cache.get(key)) is not None:
         hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
         _phase(opts, "done", "from the plan cache")
@@ -140,6 +165,7 @@ def frozen_gc():
 
 
 def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
+    deadline = deadline_of(opts)         # the capture aside, the whole call within the time limit
     _phase(opts, "strategies")
     infos = annotate(cap.gm)
     problem = planning_problem(cap, infos, mesh, opts)
@@ -147,19 +173,21 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
-        result, priced = _solve_within(problem, budget, opts)
+        result, priced = solve_within(problem, budget, deadline, opts.progress)
     except InfeasibleError as e:
         raise _with_hint(e, cap, infos, mesh, opts) from None
     plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
-    _phase(opts, "scaling", f"{result.solver} {result.status}, gap {result.gap:.2%}")
-    t_scaling = time.perf_counter()
-    plan.scaling = _scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
-    t_scaling = time.perf_counter() - t_scaling
+    if not opts.symbolic:
+        plan.scaling = Scaling(unavailable="not asked for (symbolic=False)")
+    elif source is None:
+        plan.scaling = Scaling(unavailable="the graph was given without its model (torch.compile)")
+    else:
+        plan.pending_scaling = lazy_scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap)
-    plan.timings = Timings(result.seconds, time.perf_counter() - t0, scaling_s=t_scaling)
-    _phase(opts, "done")
+    plan.timings = Timings(result.seconds, time.perf_counter() - t0)
+    _phase(opts, "done", f"{result.solver}: {result.status}")
     return plan
 
 
@@ -171,13 +199,23 @@ def _phase(opts: PlanOptions, name: str, note: str = "") -> None:
 BUDGET_RETRIES = 3     # re-solves when the solver's feasibility tolerance lets a plan over the budget
 
 
-def _solve_within(problem: Problem, budget: float, opts: PlanOptions):
-    """(SolveResult, its Evaluation): solve, and check the answer with the evaluator: a MIP solver
+def deadline_of(opts: PlanOptions) -> float | None:
+    """When a planning call started now must end (`time_limit` from now; None: no limit)."""
+    return None if opts.time_limit is None else time.perf_counter() + opts.time_limit
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left to `deadline` (none left: 0, and the solver returns its first plan)."""
+    return None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+
+
+def solve_within(problem: Problem, budget: float, deadline: float | None, progress: bool = False):
+    """(SolveResult, its Evaluation) by `deadline`: solve, and check the answer with the evaluator: a MIP solver
     accepts rows a tolerance over their bound, so a plan it returns may price a few bytes over the
     budget; then solve again with the budget lowered by the excess."""
     target = budget
     for _ in range(BUDGET_RETRIES):
-        result = solve(problem, target, opts.time_limit, progress=opts.progress)
+        result = solve(problem, target, remaining(deadline), progress=progress)
         ev = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options))
         over = ev.peak_bytes - budget
         if over <= 0:
@@ -334,19 +372,25 @@ def communication(problem: Problem, choice: Mapping[str, int], cap: Captured):
     return collectives, per_axis
 
 
-def _scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan) -> Scaling:
-    if not opts.symbolic:
-        return Scaling(unavailable="not asked for (symbolic=False)")
-    if source is None:
-        return Scaling(unavailable="the graph was given without its model (torch.compile)")
-    try:
-        return build_scaling(cap, problem, choice, symbolic_graph(*source, cap, infos), opts, budget,
-                             {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload})
-    except SymbolicUnavailable as e:
-        return Scaling(unavailable=str(e))
-    except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report and the log say why
-        logging.getLogger("autopar").exception("pricing the plan at symbolic sizes failed")
-        return Scaling(unavailable=f"pricing at symbolic sizes failed ({type(e).__name__}: {e}); please report it")
+def lazy_scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, source, plan: Plan):
+    """`Plan.pending_scaling`: the plan priced at symbolic sizes (`scaling.build_scaling`) when
+    first read (the report, the HTML page, `estimate_at`, `largest_batch`, saving): it traces the
+    model once more, which on a model whose code branches on a size traces every layer (Mistral-7B:
+    125 s against a 2 s solve), so `plan()` does not wait for it. Holds the capture and the
+    chosen strategies (not the planning problem) until then."""
+    only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
+    mesh = problem.mesh
+    decided = {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload}
+
+    def price() -> Scaling:
+        try:
+            return build_scaling(cap, mesh, only, symbolic_graph(*source, cap, infos), opts, budget, decided)
+        except SymbolicUnavailable as e:
+            return Scaling(unavailable=str(e))
+        except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report and the log say why
+            logging.getLogger("autopar").exception("pricing the plan at symbolic sizes failed")
+            return Scaling(unavailable=f"pricing at symbolic sizes failed ({type(e).__name__}: {e}); please report it")
+    return price
 
 
 def _module_path(node) -> str:

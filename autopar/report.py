@@ -77,7 +77,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
              + "".join(f"; {_gib(v)} on {k}" for k, v in est.tier_bytes.items() if v),
              "  communication per device per step: " + ", ".join(
                  f"{ax} {_gib(b)}" for ax, b in est.comm_bytes_per_axis.items()),
-             f"  solver: {sol.solver} {sol.status} in {plan.timings.solve_s:.2f} s ({sol.n_variables} variables, "
+             f"  solver: {sol.status} ({sol.solver} in {plan.timings.solve_s:.2f} s; {sol.n_variables} variables, "
              f"{sol.n_constraints} constraints; {sol.n_decisions} decisions for {sol.n_nodes} nodes, "
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
              f"planning took {plan.timings.total_s:.2f} s", ""]

@@ -34,16 +34,16 @@ from .plan import Estimate, Scaling
 from .solver.decisions import add_families
 from .solver.families import Expr
 from .solver.evaluate import evaluate, recorded_options
-from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
+from .solver.problem import build_problem, chosen_edges, edge_legs, op_exchanges
 
 __all__ = ["build_scaling", "estimate_at", "largest_batch", "scaling_rows"]
 
 
-def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decided: dict) -> Scaling:
-    """Scaling of the plan `choice` on `problem`, from the symbolic graph `sym` (SymbolicGraph), with
-    the memory decisions `decided` (family -> {plan key -> option}, as the plan records them)."""
-    only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
-    sp = build_problem(cap, sym.infos, problem.mesh, only=only, optimizer=opts.optimizer,
+def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict) -> Scaling:
+    """Scaling of the plan that picks the strategies `only` (node -> Strategy) on `mesh`, from the
+    symbolic graph `sym` (SymbolicGraph), with the memory decisions `decided` (family -> {plan key ->
+    option}, as the plan records them)."""
+    sp = build_problem(cap, sym.infos, mesh, only=only, optimizer=opts.optimizer,
                        batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
                        saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
     one = {name: 0 for name in sp.decisions}
@@ -62,11 +62,11 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
     ev = evaluate(sp, one, recorded_options(sp.families, decided))
     other = ssum([*ev.family_s.values(), ev.grad_buckets_s, ev.optimizer_s, ev.runtime_s])
     points = [*ev.points, ev.state_bytes]
-    per_axis = {ax: [] for ax in problem.mesh.axis_names}
+    per_axis = {ax: [] for ax in mesh.axis_names}
     metas = {name: info.out[0] for name, info in sym.infos.items() if info.out}
     for c in chosen_edges(sp, one, cap, metas):
         for _, rc in edge_legs(sp, c):
-            for ax, nbytes in zip(problem.mesh.axis_names, rc.bytes_per_axis):
+            for ax, nbytes in zip(mesh.axis_names, rc.bytes_per_axis):
                 per_axis[ax].append(nbytes)
     for node in cap.gm.graph.nodes:         # collectives an op runs inside itself, as planner.communication
         d = sp.decisions.get(node.name)

@@ -1,6 +1,8 @@
 """Planning time per phase on the models users plan (issue 14), built on the meta device.
 
-    python benchmarks/bench_plan_speed.py --model llama3-8b|llama3-70b|gpt3-175b|gpt3-175b-stage
+    python benchmarks/bench_plan_speed.py --model llama3-8b|llama3-70b|gpt3-175b|gpt3-175b-stage|
+                                                  llama3-8b-node|qwen3-8b|gemma2-9b|phi3-mini|
+                                                  qwen3-30b-a3b|mistral-7b
                                           [--time-limit S] [--no-symbolic]
 
 * llama3-8b: Hugging Face LlamaForCausalLM from the Llama-3-8B config (32 layers, hidden 4096,
@@ -14,12 +16,18 @@
   batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with `pipeline={"axis": "pp"}`
   (stages, microbatches, schedule chosen by the pipeline search, issue 12) and the memory
   families; target: 30 s and 4 GiB RSS.
+* llama3-8b-node: Llama-3-8B on one node, `Mesh((8,), ("dp",), "h100")`, at 8 x 8192: it fits only
+  with memory decisions (recomputation, offload; issue 11); target: 10 s (issue 37).
+* held-out families (issue 37; `HELD_OUT`, their published configurations): Qwen3-8B, Gemma-2-9B,
+  Phi-3-mini, Qwen3-30B-A3B (128 experts, top 8) and Mistral-7B, bf16, 8 x 4096 on
+  `Mesh((8, 8), ("dp", "tp"), "h100")`; target: 10 s each.
 * gpt3-175b-stage: what the pipeline search (issue 12) solves per candidate: GPT-3 175B's 96
   linked layers on the (16, 8) data x tensor sub-mesh of one pipeline stage, at one microbatch
   (Megatron's micro-batch size 1 per data-parallel rank: 16 x 2048); target: a few seconds.
 Memory families are on ("auto"). Prints one JSON line: wall and CPU seconds per phase (capture,
-strategies, build: the solve phase less the time inside the MIP solver, solve: that time,
-scaling), end to end, peak RSS, ILP size, solver status and the plan's step time.
+strategies, build: the solve phase less the time inside the MIP solver, solve: that time; then
+scaling_on_first_read: the symbolic costs, priced lazily when the plan's `scaling` is first read,
+outside the planning call), end to end, peak RSS, ILP size, solver status and the plan's step time.
 The machine is shared: CPU seconds are the steadier measure when others load it (both are printed).
 `--all` runs every model, each in its own process (so that peak RSS is that run's own).
 """
@@ -50,10 +58,11 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
 
 
-def _llama(config: dict, batch: int, seq: int, mesh):
+def _llama(config: dict, batch: int, seq: int, mesh, family: str = "Llama"):
     import transformers
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
+        cfg = getattr(transformers, f"{family}Config")(**config)
+        model = getattr(transformers, f"{family}ForCausalLM")(cfg).to(torch.bfloat16)
         ids = torch.zeros(batch, seq, dtype=torch.long)
     return model, (ids,), {"labels": ids}, mesh
 
@@ -77,12 +86,42 @@ def gpt3_175b():
     return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")) + ({"axis": "pp"},)
 
 
+# held-out families (issue 37), their published configurations, on (8, 8) H100 at 8 x 4096 bf16
+HELD_OUT = {
+    "qwen3-8b": ("Qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960)),
+    "gemma2-9b": ("Gemma2", dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=256, vocab_size=256000, sliding_window=4096,
+                                max_position_embeddings=8192)),
+    "phi3-mini": ("Phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)),
+    "qwen3-30b-a3b": ("Qwen3Moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                      head_dim=128, num_experts=128, num_experts_per_tok=8, vocab_size=151936,
+                                      max_position_embeddings=40960)),
+    "mistral-7b": ("Mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                  num_key_value_heads=8, vocab_size=32000, sliding_window=4096,
+                                  max_position_embeddings=32768)),
+}
+
+
+def _held_out(name: str):
+    family, config = HELD_OUT[name]
+    return lambda: _llama(config, 8, 4096, autopar.Mesh((8, 8), ("dp", "tp"), device="h100"), family)
+
+
+def llama3_8b_node():
+    """Llama-3-8B on one node of 8 H100 at 8 x 8192: the memory decisions (issue 11) are needed to fit."""
+    return _llama(LLAMA3_8B, 8, 8192, autopar.Mesh((8,), ("dp",), device="h100"))
+
+
 def gpt3_175b_stage():
     return _gpt3(16, autopar.Mesh((16, 8), ("dp", "tp"), device="h100"))
 
 
 MODELS = {"llama3-8b": llama3_8b, "llama3-70b": llama3_70b, "gpt3-175b": gpt3_175b,
-          "gpt3-175b-stage": gpt3_175b_stage}
+          "gpt3-175b-stage": gpt3_175b_stage, "llama3-8b-node": llama3_8b_node,
+          **{name: _held_out(name) for name in HELD_OUT}}
 OPTIONS = {"llama3-70b": dict(sharded_outputs=True)}     # PlanOptions beyond the defaults, per model
 
 
@@ -133,9 +172,13 @@ def main(argv=None) -> dict:
         plan = search_pipeline(model, args, kwargs, mesh, opts, pipe) if pipe else make_plan(model, args, kwargs, mesh,
                                                                                                opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t1, c1 = time.perf_counter(), time.process_time()
+    scaling = plan.scaling.unavailable or "available"      # priced when first read (planner.lazy_scaling)
+    phases.seconds["scaling_on_first_read"] = round(time.perf_counter() - t1, 2)
+    phases.cpu["scaling_on_first_read"] = round(time.process_time() - c1, 2)
     out = {"bench": f"plan speed {a.model}", "mesh": mesh.shape, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
            "phases_s": phases.seconds, "phases_cpu_s": phases.cpu,
-           "solve_s": round(plan.timings.solve_s, 2), "scaling": plan.scaling.unavailable or "available",
+           "solve_s": round(plan.timings.solve_s, 2), "scaling": scaling,
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,
            "solver": plan.solver.solver, "status": plan.solver.status,

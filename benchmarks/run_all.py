@@ -43,10 +43,12 @@ RUNS = [
     # Megatron-SP on and off
     ["bench_sequence.py"],
     # issue 14: planning time per phase: HF Llama-3-8B at 64 x 4096 on (8, 8), Llama-3-70B as torchtitan
-    # trains it (32 x 8), GPT-3 175B at 1,536 on (16, 8, 8) and one pipeline stage's ILP on (16, 8)
+    # trains it (32 x 8), GPT-3 175B at 1,536 on (16, 8, 8) and one pipeline stage's ILP on (16, 8); issue 37:
+    # Llama-3-8B on (8,) at 8 x 8192, held-out families (Qwen3, Gemma-2, Phi-3, Qwen3-MoE, Mistral) on (8, 8)
     ["bench_plan_speed.py", "--all"],
-    # issue 14: solving time limits against the best plan found, HF Llama-3-8B on a (4, 4, 4) mesh
-    ["bench_time_limit.py"],
+    # issue 14: solving time limits against the best plan found, HF Llama-3-8B on a (4, 4, 4) mesh; issue 37:
+    # each call within its limit plus the capture, Llama-3-405B on (128, 16, 8) with the pipeline chosen too
+    ["bench_time_limit.py", "--llama3-405b", "60"],
     # issue 18: Mixtral-8x7B at 64 x 4096 on (dp=8, ep=8): expert parallelism vs the experts' older strategies;
     # EP x TP on (dp=8, ep=4, tp=2); EP with a capacity factor of 1.0
     ["bench_moe.py"],

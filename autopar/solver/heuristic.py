@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass, replace
 
 from .evaluate import evaluate
+from .ilp import LEAST_STATUS as LEAST
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
-LEAST = "Feasible (the plan that needs least memory)"
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
 
 

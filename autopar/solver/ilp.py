@@ -51,10 +51,11 @@ relaxation and rounds it: within the MIP gap of the relaxation's bound, that pla
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import InfeasibleError
 from .evaluate import evaluate
@@ -62,6 +63,8 @@ from .ilp_terms import FamilyTerms
 from .memory_rows import GIB, MemoryRows
 from .mip import INF, MIP_GAP, Defined, Mip, MipResult
 from .problem import Problem
+
+log = logging.getLogger("autopar")
 
 # HiGHS and CBC accept a MIP row within 1e-6 of its bound (their MIP feasibility tolerance); memory
 # rows are in GiB, so a plan up to ~1.07 kB over the budget could pass. The budget rows are
@@ -494,22 +497,66 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
     the joint model where that is built), never worse than the alternating heuristic's plan
     (`heuristic.py`). The joint model (layouts and family options together) is built only where
     the layout model has at most JOINT_MAX_COLUMNS columns; without free family options the
-    layout model is the joint model and its solve is the answer."""
-    from .heuristic import start_plan, subspace_plan
-    from .prune import too_large
+    layout model is the joint model and its solve is the answer. The status is in `status_words`'
+    words; how the solver got there is logged."""
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
+    r = _solve(problem, memory_budget, deadline, t0, progress)
+    log.info("solver: %s (%s, %.2f s)", r.status, r.solver, r.seconds)
+    timed_out = deadline is not None and time.perf_counter() >= deadline
+    return replace(r, status=status_words(r.status, r.gap, timed_out=timed_out))
+
+
+OPTIMAL = "optimal"
+OPTIMAL_ALTERNATION = "optimal for each family given the others (alternation)"
+AT_TIME_LIMIT = "best found at the time limit"
+ALTERNATED = "Feasible (layouts and memory options alternated"     # `_solve`'s raw status of that answer
+SUBSPACES = "Feasible (solved in subspaces"
+LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `heuristic.start_plan`'s, near the minimum
+
+
+def status_words(raw: str, gap: float, *, timed_out: bool) -> str:
+    """A solve's outcome in words a user can act on, from the solver's raw status: "optimal" (proven,
+    within the MIP gap); OPTIMAL_ALTERNATION (layouts optimal for the memory options and the options
+    for the layouts, not proven jointly); "best found at the time limit, gap x%" where the solver
+    proved a bound on the whole problem (not the alternation's layouts alone, not a trivial 100%),
+    without a gap otherwise; the subspace search and the fallbacks by what they are."""
+    stopped = "Feasible (stopped" in raw or "time limit" in raw
+    alternated = raw.startswith(ALTERNATED)
+    if raw.startswith(SUBSPACES):
+        return (f"{AT_TIME_LIMIT} (subspaces of merged mesh axes searched)" if timed_out or stopped else
+                "best found by searching subspaces of merged mesh axes (no bound computed)")
+    if raw.startswith("Heuristic"):
+        return "the most sharded plan: the solver stopped without a plan (raise time_limit)"
+    if LEAST_STATUS in raw:
+        return "the plan that needs least memory: the budget leaves no other choice found (not proven optimal)"
+    if stopped or (timed_out and not raw.startswith(("Optimal", ALTERNATED))):
+        proved = raw.startswith("Feasible (stopped") and 0.0 <= gap < 1.0
+        return f"{AT_TIME_LIMIT}, gap {gap:.2%}" if proved else AT_TIME_LIMIT
+    if alternated:
+        return OPTIMAL_ALTERNATION if "layout solve: Optimal" in raw else "best found (not proven optimal)"
+    if raw.startswith("Optimal (the LP relaxation rounded"):         # within the MIP gap of the relaxation's bound
+        return f"{OPTIMAL} (the LP relaxation rounded)"
+    if raw.startswith("Optimal") or raw.endswith("solver: Optimal)"):    # the heuristic's plan ties the optimum
+        return OPTIMAL
+    return "best found (not proven optimal)"
+
+
+def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: float,
+           progress: bool) -> SolveResult:
+    from .heuristic import start_plan, subspace_plan
+    from .prune import too_large
     if too_large(problem):
         start = subspace_plan(problem, memory_budget, deadline, progress)
-        return SolveResult(start.plan[0], start.objective_s, f"Feasible (solved in subspaces: {start.status})",
+        return SolveResult(start.plan[0], start.objective_s, f"{SUBSPACES}: {start.status})",
                            start.solver, time.perf_counter() - t0, start.n_variables, start.n_constraints,
                            known_gap(float("nan")), start.plan[1])
     start = start_plan(problem, memory_budget, deadline, progress)
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
         status = start.status if not free else (
-            f"Feasible (layouts and memory options alternated, each optimal for the other; the joint model of "
-            f"{start.n_variables} layout columns times the options was not built; the plan's layout solve: {start.status})")
+            f"{ALTERNATED}, each optimal for the other; the joint model of {start.n_variables} layout columns times "
+            f"the options was not built; the plan's layout solve: {start.status})")
         return SolveResult(start.plan[0], start.objective_s, status, start.solver, time.perf_counter() - t0,
                            start.n_variables, start.n_constraints, known_gap(start.gap if not free else float("nan")),
                            start.plan[1])

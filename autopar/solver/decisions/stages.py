@@ -220,16 +220,20 @@ TIGHTEN_ROUNDS = 2       # re-solves of one (axis, microbatches) whose every pip
 TIGHTEN_MARGIN = 0.95    # each aims the whole-model budget this much below the overflow seen
 
 
-def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float) -> tuple[Chosen | None, float]:
+def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
+                    out_of_time: Callable[[], bool] = lambda: False) -> tuple[Chosen | None, float]:
     """The fastest candidate whose every pipeline rank fits `budget` (None if none does) and the
     least peak memory seen. `solve_at(axis, microbatches, scale)` -> (problem of one microbatch on the
     mesh without `axis`, its layout choice, its family options, the captured graph), the ILP's
     whole-model budget scaled by `scale`; None when nothing fits. The whole-model budget only
     approximates the ranks' (a rank holds 1/stages of the parameters and several microbatches in
     flight): where no pipeline of an (axis, microbatches) fits its ranks, that ILP is solved again
-    with the budget lowered by the overflow, at most TIGHTEN_ROUNDS times."""
+    with the budget lowered by the overflow, at most TIGHTEN_ROUNDS times. Once `out_of_time()`, the
+    best found so far is the answer (the search goes on only while none fits)."""
     best, least = None, math.inf
     for key in dict.fromkeys((c.axis, c.microbatches) for c in cands):
+        if best is not None and out_of_time():
+            break
         group = [c for c in cands if (c.axis, c.microbatches) == key]
         scale = 1.0
         for _ in range(1 + TIGHTEN_ROUNDS):
