@@ -18,7 +18,7 @@ prices every plan the search returns or reports):
 * `estimate_s`, the order in which candidates are planned: a Megatron-style account of one step
   (Narayanan et al. 2021; Korthikanti et al. 2022) from the model's FLOPs, parameters and the size of
   one layer's output, with the mesh's links: compute at the profile's matmul efficiency, bubble,
-  tensor-parallel all-reduces, context-parallel K/V exchanges, expert all-to-alls, pipeline sends,
+  the slowest stage's whole layers, tensor-parallel all-reduces, context-parallel K/V exchanges, expert all-to-alls, pipeline sends,
   gradient sync, and full recomputation where the activations do not fit. Its constants are named
   below; it only decides which meshes the planner tries first.
 """
@@ -97,9 +97,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_candidates(size: int, devices_per_node: int, facts: ModelFacts) -> list[dict[str, int]]:
-    """Every role -> degree assignment (degrees multiplying to `size`) the model can use, in a fixed order."""
-    pps = [p for p in _divisors(size) if p == 1 or 2 <= p <= facts.layers]
+def mesh_candidates(size: int, devices_per_node: int, facts: ModelFacts, pipeline: bool = True) -> list[dict[str, int]]:
+    """Every role -> degree assignment (degrees multiplying to `size`) the model can use, in a fixed order
+    (`pipeline=False`: none with pipeline stages)."""
+    pps = [p for p in _divisors(size) if p == 1 or (pipeline and 2 <= p <= facts.layers)]
     cps = [c for c in _divisors(size) if c == 1 or (facts.attention and facts.seq and facts.seq >= CONTEXT_MIN_SEQ
                                                     and facts.seq % c == 0)]
     eps = [e for e in _divisors(size) if e == 1 or (facts.experts and facts.experts % e == 0)]
@@ -139,13 +140,14 @@ def screen(cluster, facts: ModelFacts, degrees: Mapping[str, int], budget: float
     pp = degrees["pp"]
     opts = [(c.microbatches, c.virtual_stages) for c in pipeline_candidates(mesh, facts.batch, None, facts.layers,
                                                                           {"axis": "pp"})] if pp > 1 else [(1, 1)]
+    # the microbatches the data axis can split (the screen's account splits a microbatch over "dp")
+    opts = [(m, v) for m, v in opts if (facts.batch // m) % degrees["dp"] == 0] or opts
     prof = mesh.profile
     floor = facts.flops * (1 + BACKWARD_FLOPS) / (mesh.size * max(prof.peak_flops.values()))
-    bound = min(floor * (1 + (pp - 1) / (m * v)) for m, v in opts) if opts else math.inf
-    best = min(((_estimate(mesh, facts, degrees, m, v, budget, optimizer, precision), m) for m, v in opts),
-               key=lambda t: (t[0][0], t[1]), default=((math.inf, False), 1))
-    (est, fits), m = best
-    return Screened(dict(degrees), mesh, m, bound, est, fits)
+    (est, fits), m = min(((_estimate(mesh, facts, degrees, m, v, budget, optimizer, precision), m) for m, v in opts),
+                         key=lambda t: (t[0][0], t[1]), default=((math.inf, False), 1))
+    v_most = max((v for mm, v in opts if mm == m), default=1)
+    return Screened(dict(degrees), mesh, m, floor * (1 + (pp - 1) / (m * v_most)), est, fits)
 
 
 def _link(mesh: Mesh, role: str):
@@ -161,6 +163,7 @@ def _estimate(mesh: Mesh, facts: ModelFacts, d: Mapping[str, int], m: int, v: in
     tokens_split = d["dp"] * d["cp"] * d["ep"] * m
     out = facts.layer_out_bytes / tokens_split           # one layer's output for one microbatch on one device
     per_rank_layers = facts.layers / d["pp"]
+    compute *= math.ceil(facts.layers / (d["pp"] * v)) * v / max(per_rank_layers, 1e-9) if d["pp"] > 1 else 1.0
     elems = facts.dense_elements / (d["tp"] * d["pp"]) + facts.expert_elements / (d["tp"] * d["pp"] * d["ep"])
     state = elems * state_bytes_per_element(facts.param_itemsize, optimizer, precision) / (d["dp"] * d["cp"])
     in_flight = min(m, d["pp"]) if d["pp"] > 1 else 1

@@ -5,6 +5,7 @@
 2. `mesh_screen.mesh_candidates` enumerates the meshes whose roles the model can use, and
    `mesh_screen.screen` gives each a lower bound and a quick estimate (with the microbatch count it
    prefers where it pipelines);
+   (`pipeline=False`: no "pp" axis);
 3. candidates are planned in the order of their estimates by the planner itself, every family on
    auto: a pipelined one by the pipeline search with its axis ("pp") and microbatch count fixed
    (schedule, virtual stages, layouts and memory decisions chosen), the others by one solve; a
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -50,6 +52,10 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
     if opts.pins or opts.batch_axes:
         raise PlanOptionError("pins and batch_axes name mesh axes: with a Cluster the planner chooses the mesh; "
                               "give a Mesh to pin layouts or to say which axes split the inputs")
+    if isinstance(opts.pipeline, Mapping) and opts.pipeline:
+        raise PlanOptionError(f"pipeline={dict(opts.pipeline)!r} fixes a pipeline on a mesh's axis: with a Cluster the "
+                              f"planner chooses the mesh and its pipeline (pipeline=None or {{}}), or forbids "
+                              f"pipelines (pipeline=False); give a Mesh to fix one")
     t0 = time.perf_counter()
     deadline = None if opts.time_limit is None else t0 + opts.time_limit
     with frozen_gc():
@@ -57,8 +63,8 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
         infos = annotate(cap.gm)
         facts = ModelFacts.of(cap, infos)
         budget = opts.memory_budget if opts.memory_budget is not None else cluster.profile.memory_capacity
-        screened = sorted((screen(cluster, facts, d, budget, opts.optimizer, opts.precision)
-                           for d in mesh_candidates(cluster.size, cluster.devices_per_node, facts)),
+        degrees = mesh_candidates(cluster.size, cluster.devices_per_node, facts, pipeline=opts.pipeline is not False)
+        screened = sorted((screen(cluster, facts, d, budget, opts.optimizer, opts.precision) for d in degrees),
                           key=lambda s: (not s.fits, s.estimate_s))
         best, rows = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
     if best is None:
