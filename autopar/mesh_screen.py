@@ -73,8 +73,8 @@ class ModelFacts:
         nodes = list(cap.gm.graph.nodes)
         params = {n.name: tensor_meta(n.meta.get("val")) for n in nodes
                   if n.op == "placeholder" and (s := cap.inputs.get(n.name)) is not None and s.kind == "param"}
-        first = next((m[0] for n in nodes if n.op == "placeholder" and n.name not in params
-                      and (m := tensor_meta(n.meta.get("val"))) and m[0].shape), None)
+        first = next((m[0] for n in nodes if n.op == "placeholder" and (s := cap.inputs.get(n.name)) is not None
+                      and s.kind == "input" and (m := tensor_meta(n.meta.get("val"))) and m[0].shape), None)
         moe = [n for n in nodes if n.op == "call_function" and op_name(n.target) == "autopar.moe_experts"]
         expert_params = {a.name for n in moe for a in n.args[3:5]}
         elements = {k: math.prod(m[0].shape) for k, m in params.items() if m}

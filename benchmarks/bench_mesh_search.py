@@ -6,7 +6,7 @@
   sequence 2,048, bf16, AdamW) at global batch 1,536 on `Cluster(nodes=128, devices_per_node=8,
   device="h100")`, time_limit 120 s; --baseline also plans Megatron-LM's mesh (16, 8, 8) dp/pp/tp with
   `pipeline={}` (every family on auto; issue 37 measured 7.29 s);
-* mixtral: Hugging Face Mixtral-8x7B at 8 x 4096 on 8 nodes of 8 H100;
+* mixtral: Hugging Face Mixtral-8x7B (examples/zoo.py, bf16) at 8 x 4096 on 8 nodes of 8 H100;
 * llama-cp: Hugging Face Llama-3-8B at 8 sequences of 131,072 tokens on 8 nodes of 8 H100
   (bench_context_parallel's sizes);
 * llama-node: Llama-3-8B at 8 x 8192 on one node of 8 H100; --baseline also plans the (8,) FSDP-style
@@ -57,6 +57,7 @@ def _llama(batch, seq, nodes, fsdp_mesh=None):
 def mixtral():
     from zoo import build
     model, args, kwargs, _ = build("mixtral", full=True, batch=8, seq=4096)
+    model = model.to(torch.bfloat16)
     return model, args, kwargs, autopar.Cluster(nodes=8, devices_per_node=8, device="h100"), None, {}
 
 

@@ -56,17 +56,18 @@ def _tiny():
 
 def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
     model, inputs = _tiny()
-    cluster = Cluster(nodes=2, devices_per_node=2, device="cpu")
-    plans = [autopar.plan(model, inputs, cluster, time_limit=None, symbolic=False, progress=False) for _ in range(2)]
+    cluster = Cluster(nodes=1, devices_per_node=2, device="cpu")
+    plans = [autopar.plan(model, inputs, cluster, time_limit=None, progress=False) for _ in range(2)]
     plan = plans[0]
     assert plans[0].to_json() == plans[1].to_json()
-    assert math.prod(plan.mesh["shape"]) == 4 and plan.mesh["devices_per_node"] == 2
+    assert math.prod(plan.mesh["shape"]) == 2 and plan.mesh["devices_per_node"] == 2
     chosen, *others = plan.mesh_search
     assert chosen.status == "chosen" and list(chosen.shape) == list(plan.mesh["shape"])
     assert chosen.step_time_s == plan.estimate.step_time_s
-    planned = [r for r in others if r.status == "planned"]
-    assert planned and all(r.step_time_s >= chosen.step_time_s for r in planned)
-    assert "Mesh search" in plan.report() and "planned" in plan.report()
+    assert {r.axis_names for r in plan.mesh_search} == {("dp",), ("pp",), ("tp",)}
+    assert all(r.step_time_s >= chosen.step_time_s for r in others if r.status == "planned")
+    assert all(r.note for r in others if r.status != "planned")      # why it was not planned
+    assert "Mesh search" in plan.report()
     assert autopar.Plan.from_json(plan.to_json()) == plan
     bad = json.loads(plan.to_json())
     bad["mesh_search"][0]["status"] = "best"
