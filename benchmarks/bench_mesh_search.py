@@ -87,7 +87,7 @@ def run(name: str, time_limit: float, baseline: bool) -> dict:
     e, pp = plan.estimate, plan.pipeline
     out = {"bench": f"mesh search {name}", "cluster": repr(cluster), "chosen": _mesh(plan.mesh),
            "step_s": round(e.step_time_s, 3), "peak_gib": round(e.peak_memory_bytes / GIB, 1),
-           "tokens_per_s": round(_tokens(args) / e.step_time_s),
+           "tokens_per_s": round(_tokens(args, kwargs) / e.step_time_s),
            "pipeline": [pp.axis, pp.stages, pp.virtual_stages, pp.microbatches, pp.schedule],
            "search_wall_s": round(wall, 1), "search_cpu_s": round(cpu, 1), "time_limit_s": time_limit,
            "load_avg_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],
@@ -100,15 +100,15 @@ def run(name: str, time_limit: float, baseline: bool) -> dict:
                                time_limit=600, **base_opts)
         out["baseline"] = {"mesh": _mesh(ref.mesh), "step_s": round(ref.estimate.step_time_s, 3),
                            "peak_gib": round(ref.estimate.peak_memory_bytes / GIB, 1),
-                           "tokens_per_s": round(_tokens(args) / ref.estimate.step_time_s),
+                           "tokens_per_s": round(_tokens(args, kwargs) / ref.estimate.step_time_s),
                            "wall_s": round(time.perf_counter() - t0, 1)}
         out["chosen_over_baseline_step"] = round(e.step_time_s / ref.estimate.step_time_s, 3)
     print(json.dumps(out), flush=True)
     return out
 
 
-def _tokens(args) -> int:
-    t = args[0]
+def _tokens(args, kwargs) -> int:
+    t = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
     return t.shape[0] * (t.shape[1] if t.ndim > 1 else 1)
 
 

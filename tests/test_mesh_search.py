@@ -68,6 +68,8 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
     assert all(r.step_time_s >= chosen.step_time_s for r in others if r.status == "planned")
     assert all(r.note for r in others if r.status != "planned")      # why it was not planned
     assert "Mesh search" in plan.report()
+    priced = autopar.estimate(model, inputs, cluster, plan)        # a Cluster where a Mesh goes: the plan's mesh
+    assert priced.devices == 2 and priced.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
     assert autopar.Plan.from_json(plan.to_json()) == plan
     bad = json.loads(plan.to_json())
     bad["mesh_search"][0]["status"] = "best"
@@ -79,6 +81,16 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
         autopar.Plan.from_dict(bad)
     with pytest.raises(PlanOptionError):
         autopar.plan(model, inputs, cluster, batch_axes=("dp",))
+
+
+def test_the_cli_takes_a_cluster_for_the_mesh():
+    from autopar.cli import CliError, _mesh, build_parser
+    a = build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--device", "a100"])
+    assert _mesh(a) == Cluster(4, 8, "a100")
+    with pytest.raises(CliError):
+        _mesh(build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--mesh", "32"]))
+    with pytest.raises(MeshError):
+        _mesh(build_parser().parse_args(["plan", "my_models:small", "--cluster", "4"]))
 
 
 TOL = 1e-4     # three SGD steps
