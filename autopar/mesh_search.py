@@ -93,21 +93,9 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
     for s in screened:
         row = MeshCandidate(s.mesh.shape, s.mesh.axis_names, "not planned", screen_s=_finite(s.estimate_s))
         left = None if deadline is None else deadline - time.perf_counter()
-        why = None
-        if best is not None and s.bound_s >= best[0].estimate.step_time_s:
-            row = replace(row, status="pruned", note=f"its lower bound {s.bound_s:.3f} s is above the chosen "
-                                                     f"plan's step")
-        elif best is not None and n_planned >= MAX_PLANNED:
-            why = f"{MAX_PLANNED} meshes planned already"
-        elif best is not None and s.estimate_s > SCREEN_SLACK * top:
-            why = f"its screen estimate is over {SCREEN_SLACK:g}x the best one's"
-        elif best is not None and left is not None and left < last_s:
-            why = "the time limit"
-        if why is not None:
-            rows.append(replace(row, note=why))
-            continue
-        if row.status == "pruned":
-            rows.append(row)
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, left, last_s)
+        if skip is not None:
+            rows.append(replace(row, status=skip[0], note=skip[1]))
             continue
         t = time.perf_counter()
         plan = _plan_one(model, args, kwargs, captured, s, opts, left)
@@ -122,6 +110,20 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
         if best is None or e.step_time_s < best[0].estimate.step_time_s * (1 - 1e-12):
             best = (plan, row)
     return best, rows
+
+
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, left: float | None,
+             last_s: float) -> tuple[str, str] | None:
+    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already)."""
+    if s.bound_s >= best_s:
+        return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
+    if n_planned >= MAX_PLANNED:
+        return "not planned", f"{MAX_PLANNED} meshes planned already"
+    if s.estimate_s > SCREEN_SLACK * top:
+        return "not planned", f"its screen estimate is over {SCREEN_SLACK:g}x the best one's"
+    if left is not None and left < last_s:
+        return "not planned", "the time limit"
+    return None
 
 
 def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, left: float | None):
@@ -154,7 +156,7 @@ def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate]) -> str
         return f"{base}; the only mesh planned"
     gap = runner.step_time_s / chosen.step_time_s - 1
     return (f"{base}; fastest predicted step of {sum(r.status == 'planned' for r in planned) + 1} meshes planned, "
-            f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.3f} s)")
+            f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)")
 
 
 def _label(r: MeshCandidate) -> str:

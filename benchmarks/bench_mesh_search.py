@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
+from autopar.report import tensor_parallel_family  # noqa: E402
 
 GIB = 2**30
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -89,6 +90,9 @@ def run(name: str, time_limit: float, baseline: bool) -> dict:
            "step_s": round(e.step_time_s, 3), "peak_gib": round(e.peak_memory_bytes / GIB, 1),
            "tokens_per_s": round(_tokens(args, kwargs) / e.step_time_s),
            "pipeline": [pp.axis, pp.stages, pp.virtual_stages, pp.microbatches, pp.schedule],
+           "parallelism": tensor_parallel_family(plan).describe(),
+           "experts": sorted({"/".join(n.labels) for n in plan.nodes if n.op == "autopar.moe_experts"}),
+           "attention": sorted({"/".join(n.labels) for n in plan.nodes if "scaled_dot_product" in n.op}),
            "search_wall_s": round(wall, 1), "search_cpu_s": round(cpu, 1), "time_limit_s": time_limit,
            "load_avg_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],
            "meshes": [_row(c) for c in plan.mesh_search]}
