@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .cluster import Cluster
-from .errors import AutoparError, PlanFileError, PlanMismatchError, PlanOptionError
+from .errors import AutoparError, MeshError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
@@ -33,7 +33,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
     mesh: a `Mesh`, or a `Cluster`: the planner then chooses the mesh as well (`autopar/mesh_search.py`;
-        `plan.mesh` records it, `plan.mesh_search` the meshes weighed; `time_limit` bounds the whole search).
+        `plan.mesh` records it, `plan.mesh_search` the meshes weighed; `time_limit` bounds the whole search;
+        `pipeline=None` or `{}` lets it choose pipelines, `False` forbids them).
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
     memory_budget: bytes per device (default: the device profile's capacity).
@@ -127,11 +128,10 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
 
 
 def _on_cluster(model, cluster: Cluster, example_inputs, example_kwargs, given: Plan | None, options: dict):
-    """(the Mesh to run on, its plan): `plan`'s recorded mesh on `cluster`, or the mesh search's choice
+    """(the Mesh to run on, its plan): `given`'s recorded mesh on `cluster`, or the mesh search's choice
     made on rank 0 and broadcast; the world size is checked first, on every rank, before any collective."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() != cluster.size:
-        from .errors import MeshError
         raise MeshError(f"{cluster} has {cluster.size} devices but the job has world size {dist.get_world_size()}: "
                         f"launch {cluster.size} processes or describe the cluster the job runs on")
     if given is None:

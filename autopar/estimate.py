@@ -158,7 +158,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, plan:
             name, "it is not an argument of estimate()"))
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(mesh, Cluster):
-        mesh, plan = _on_cluster(model, args, example_kwargs, mesh, plan, optimizer, precision, time_limit)
+        mesh, plan = _on_cluster(model, args, example_kwargs, mesh, plan, optimizer, precision, time_limit,
+                                 (batch_axes, pipeline, recompute, residency, offload))
     mesh = _priced_on(mesh, grad_overlap, bucket_bytes)
     if isinstance(plan, Plan):
         if (pipeline is not None or recompute is not None or residency is not None or offload is not None
@@ -175,14 +176,15 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, plan:
     return _estimate_plan(cap, infos, mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
 
 
-def _on_cluster(model, args, kwargs, cluster: Cluster, plan, optimizer: str, precision: str, time_limit):
+def _on_cluster(model, args, kwargs, cluster: Cluster, plan, optimizer: str, precision: str, time_limit, fixed):
     """(the mesh, the plan) to price on a `Cluster`: a Plan's recorded mesh, or the mesh search's plan
     (`autopar/mesh_search.py`) where none is given."""
     if isinstance(plan, Plan):
         return cluster.mesh_of(plan.mesh), plan
-    if plan is not None:
-        raise PlanOptionError("pins name mesh axes: with a Cluster give a Plan (or none: the planner chooses the "
-                              "mesh), or give a Mesh with the pins")
+    if plan is not None or any(x is not None for x in fixed):
+        raise PlanOptionError("pins, batch_axes, pipeline=, recompute=, residency= and offload= describe a plan on a "
+                              "mesh: with a Cluster give a Plan (or none of them: the planner chooses the mesh and "
+                              "the plan), or give a Mesh")
     from .mesh_search import search_mesh
     found = search_mesh(model, args, kwargs, cluster, PlanOptions(optimizer=optimizer, precision=precision,
                                                                   time_limit=time_limit, progress=False))
