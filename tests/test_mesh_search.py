@@ -37,6 +37,20 @@ def test_candidates_cover_the_devices_with_the_roles_the_model_can_use():
     assert all(d["cp"] == 1 for d in mesh_candidates(32, 8, _facts(seq=65536, attention=False)))
 
 
+def test_the_facts_come_from_the_captured_graph():
+    import zoo
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    model, args, kwargs, _ = zoo.build("mixtral")
+    cap = capture(model, args, kwargs)
+    f = ModelFacts.of(cap, annotate(cap.gm))
+    cfg = model.config
+    assert (f.experts, f.top_k, f.layers) == (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers)
+    assert f.expert_elements > 0 and f.attention and f.flops > 0 and f.layer_out_bytes > 0
+    assert f.dense_elements + f.expert_elements == sum(p.numel() for p in model.parameters())
+    assert (f.batch, f.seq) == tuple(kwargs.get("input_ids", args[0] if args else None).shape)
+
+
 def test_a_cluster_lays_inner_axes_inside_a_node():
     c = Cluster(nodes=4, devices_per_node=8, device="h100")
     mesh = c.mesh((4, 8), ("dp", "tp"))
