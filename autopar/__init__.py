@@ -11,6 +11,7 @@ from .cost_model.pipeline import Pipeline
 from .errors import (AutoparError, CaptureError, CollectiveError, InfeasibleError, MeshError, PlanFileError,
                      PlanMismatchError, ShardingError)
 from .mesh import Mesh
+from .cluster import Cluster
 from .plan import Estimate, Plan
 from .estimate import StepEstimate, estimate  # noqa: E402  (binds the function over the submodule's name)
 from .explain import Explanation, explain  # noqa: E402  (likewise)
@@ -23,6 +24,6 @@ def compile_backend(mesh: Mesh, **options):
     return _cb(mesh, **options)
 
 
-__all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
+__all__ = ["Mesh", "Cluster", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
            "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CollectiveError",
            "InfeasibleError", "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .errors import AutoparError, PlanFileError, PlanMismatchError, PlanOptionError
+from .cluster import Cluster
+from .errors import AutoparError, MeshError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan
@@ -22,7 +23,7 @@ def _as_tuple(example_inputs) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: dict | None = None,
+def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, example_kwargs: dict | None = None,
          memory_budget: float | None = None, pins: Mapping[str, Sequence[str]] | None = None,
          batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False, optimizer: str = "adamw",
          time_limit: float | None = 60.0, progress: bool | None = None, cache_dir: str | None = None,
@@ -30,6 +31,10 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
          precision: str = "auto", pipeline: Mapping | bool | None = None,
          moe_capacity_factor: float | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
+
+    mesh: a `Mesh`, or a `Cluster`: the planner then chooses the mesh as well (`autopar/mesh_search.py`;
+        `plan.mesh` records it, `plan.mesh_search` the meshes weighed; `time_limit` bounds the whole search;
+        `pipeline=None` or `{}` lets it choose pipelines, `False` forbids them).
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
     memory_budget: bytes per device (default: the device profile's capacity).
@@ -69,6 +74,9 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
                            on_phase=phases, recompute=recompute, residency=residency, offload=offload,
                            precision=precision, pipeline=pipeline, moe_capacity_factor=moe_capacity_factor)
         args = _as_tuple(example_inputs)
+        if isinstance(mesh, Cluster):
+            from .mesh_search import search_mesh
+            return search_mesh(model, args, example_kwargs, mesh, opts)
         if isinstance(pipeline, Mapping):
             return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)
         if pipeline is not None and pipeline is not False:
@@ -76,13 +84,15 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh, *, example_kwargs: 
         return make_plan(model, args, example_kwargs, mesh, opts)
 
 
-def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan: Plan | None = None,
+def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs, *, plan: Plan | None = None,
                     example_kwargs: dict | None = None, offload_dir: str | None = None,
                     collective_timeout: float | None = None, **options):
     """Return a module that runs `model` over `mesh` on this rank (call on every rank).
 
     Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree); `options` are
     `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
+    A `Cluster` for `mesh`: rank 0 chooses the mesh with the plan (`plan()`), and every rank builds
+    the DeviceMesh it records (or `plan.mesh`'s, where a plan is given).
     A pipelined plan (`pipeline=` given, or `plan.pipeline.stages > 1`) returns a
     `runtime.pipeline.PipelinedModule`: each call runs one training step through the schedule.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
@@ -94,6 +104,8 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
     unknown = sorted(set(options) - set(PlanOptions.__dataclass_fields__))
     if unknown:
         raise TypeError(f"autoparallelize() got unknown option(s) {unknown}")
+    if isinstance(mesh, Cluster):
+        mesh, plan = _on_cluster(model, mesh, example_inputs, example_kwargs, plan, options)
     device_mesh = mesh.device_mesh()          # validates world size before anything else
     if collective_timeout is not None:
         from .runtime.faults import watch_mesh
@@ -116,6 +128,20 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh, example_inputs, *, plan:
                                grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
                              grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
+
+
+def _on_cluster(model, cluster: Cluster, example_inputs, example_kwargs, given: Plan | None, options: dict):
+    """(the Mesh to run on, its plan): `given`'s recorded mesh on `cluster`, or the mesh search's choice
+    made on rank 0 and broadcast; the world size is checked first, on every rank, before any collective."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != cluster.size:
+        raise MeshError(f"{cluster} has {cluster.size} devices but the job has world size {dist.get_world_size()}: "
+                        f"launch {cluster.size} processes or describe the cluster the job runs on")
+    if given is None:
+        from .mesh_search import search_mesh
+        given = planned_on_rank0(lambda: search_mesh(model, _as_tuple(example_inputs), example_kwargs, cluster,
+                                                     PlanOptions(**options)))
+    return cluster.mesh_of(given.mesh), given
 
 
 def planned_on_rank0(make) -> Plan:

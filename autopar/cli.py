@@ -44,7 +44,9 @@ def _model_args(p: argparse.ArgumentParser, required_mesh: bool = True) -> None:
     g.add_argument("--seq", type=int, help=f"sequence length for --hf-config (default {HF_SEQ}); likewise")
     g.add_argument("--layers", type=int, help="override the config's number of layers (--hf-config)")
     m = p.add_argument_group("mesh")
-    m.add_argument("--mesh", required=required_mesh, help="mesh shape, e.g. 8x8 (or 8,8)")
+    m.add_argument("--mesh", help="mesh shape, e.g. 8x8 (or 8,8)" + (" (or give --cluster)" if required_mesh else ""))
+    m.add_argument("--cluster", metavar="NODESxDEVICES", help="nodes x devices per node, e.g. 128x8, instead of "
+                                                             "--mesh: the planner chooses the mesh (docs/mesh_search.md)")
     m.add_argument("--axes", help="axis names, e.g. dp,tp (default axis0,axis1,...)")
     m.add_argument("--device", help="device profile: a100, h100, h200, cpu or a profile JSON (default h100; "
                                     "for explain, the plan's)")
@@ -120,9 +122,14 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
 
 
 def _mesh(a):
+    from .cluster import Cluster
     from .mesh import Mesh
+    if a.cluster:
+        if a.mesh or a.axes:
+            raise CliError("give --cluster (the planner chooses the mesh) or --mesh/--axes, not both")
+        return Cluster.parse(a.cluster, a.device or "h100")
     if not a.mesh:
-        raise CliError("give the mesh: --mesh 8x8 --axes dp,tp")
+        raise CliError("give the mesh: --mesh 8x8 --axes dp,tp (or the cluster: --cluster 2x8)")
     shape = parse_mesh_shape(a.mesh)
     return Mesh(shape, a.axes.split(",") if a.axes else None, a.device or "h100")
 
@@ -188,7 +195,7 @@ def cmd_plan(a) -> int:
     if a.html:
         _write(a.html, plan.to_html())
     for name in a.explain:
-        print(autopar.explain(src.model, src.args, mesh, plan, name, example_kwargs=src.kwargs))
+        print(autopar.explain(src.model, src.args, _plan_mesh(plan, a.device), plan, name, example_kwargs=src.kwargs))
     return 0
 
 
@@ -245,12 +252,21 @@ def cmd_estimate(a) -> int:
 def cmd_explain(a) -> int:
     import autopar
     plan = _load_plan(a.plan)
-    m = plan.mesh
-    mesh = autopar.Mesh(tuple(m["shape"]), m["axis_names"], a.device or m["device"])
+    mesh = _plan_mesh(plan, a.device)
     src = _source(a)
     for name in a.name:
         print(autopar.explain(src.model, src.args, mesh, plan, name, example_kwargs=src.kwargs))
     return 0
+
+
+def _plan_mesh(plan, device: str | None):
+    """The mesh a plan records (on its cluster where the planner chose it: `autopar.Cluster`)."""
+    from .cluster import Cluster
+    from .mesh import Mesh
+    m = plan.mesh
+    if "devices_per_node" in m:
+        return Cluster(m["nodes"], m["devices_per_node"], device or m["device"]).mesh_of(m)
+    return Mesh(tuple(m["shape"]), m["axis_names"], device or m["device"])
 
 
 def cmd_calibrate(a) -> int:

@@ -35,6 +35,7 @@ from .cost_model.pipeline import Pipeline
 from .cost_model.profiles import DDP_BUCKET_BYTES
 from .cost_model.recompute import saved_under_selective
 from .errors import PlanMismatchError, PlanOptionError
+from .cluster import Cluster
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.shape_prop import annotate
@@ -124,7 +125,7 @@ class StepEstimate:
         return "\n".join(lines)
 
 
-def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Mapping | None = None, *,
+def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, plan: Plan | Mapping | None = None, *,
              example_kwargs: dict | None = None, batch_axes: Sequence[str] | None = None,
              sharded_outputs: bool = False, pipeline: Pipeline | Mapping | None = None,
              recompute: bool | str | None = None,
@@ -134,7 +135,8 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
     """Price one training step of `model` on `mesh` under `plan` (see the module docstring).
 
     example_inputs: the global batch of one step (meta tensors are fine).
-    mesh: every axis, the pipeline axis (`pipeline.axis`) included.
+    mesh: every axis, the pipeline axis (`pipeline.axis`) included; or a `Cluster`: the mesh a given Plan
+      records, or, with no plan, the mesh and plan the planner chooses (`autopar/mesh_search.py`).
     plan: a `Plan` (priced as planned: give none of pipeline=, recompute=, residency=, offload=), a dict
       of pins, or None (autopar chooses the layouts; the other families are fixed as given).
     batch_axes: mesh axes over which inputs arrive split on dim 0 (data parallelism).
@@ -154,8 +156,11 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
         name = sorted(removed)[0]
         raise PlanOptionError(f"estimate() no longer takes {name}=: " + _REMOVED.get(
             name, "it is not an argument of estimate()"))
-    mesh = _priced_on(mesh, grad_overlap, bucket_bytes)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if isinstance(mesh, Cluster):
+        mesh, plan = _on_cluster(model, args, example_kwargs, mesh, plan, optimizer, precision, time_limit,
+                                 (batch_axes, pipeline, recompute, residency, offload))
+    mesh = _priced_on(mesh, grad_overlap, bucket_bytes)
     if isinstance(plan, Plan):
         if (pipeline is not None or recompute is not None or residency is not None or offload is not None
                 or sharded_outputs):
@@ -169,6 +174,21 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh, plan: Plan | Ma
                                          pipeline, recompute, residency, offload, optimizer, precision, time_limit)
     pp = plan.pipeline
     return _estimate_plan(cap, infos, mesh, mesh.stage_mesh(pp.axis if pp.stages > 1 else None), plan)
+
+
+def _on_cluster(model, args, kwargs, cluster: Cluster, plan, optimizer: str, precision: str, time_limit, fixed):
+    """(the mesh, the plan) to price on a `Cluster`: a Plan's recorded mesh, or the mesh search's plan
+    (`autopar/mesh_search.py`) where none is given."""
+    if isinstance(plan, Plan):
+        return cluster.mesh_of(plan.mesh), plan
+    if plan is not None or any(x is not None for x in fixed):
+        raise PlanOptionError("pins, batch_axes, pipeline=, recompute=, residency= and offload= describe a plan on a "
+                              "mesh: with a Cluster give a Plan (or none of them: the planner chooses the mesh and "
+                              "the plan), or give a Mesh")
+    from .mesh_search import search_mesh
+    found = search_mesh(model, args, kwargs, cluster, PlanOptions(optimizer=optimizer, precision=precision,
+                                                                  time_limit=time_limit, progress=False))
+    return cluster.mesh_of(found.mesh), found
 
 
 def _priced_on(mesh: Mesh, grad_overlap: float | None, bucket_bytes: float | None) -> Mesh:

@@ -157,6 +157,22 @@ class Scaling:
     unavailable: str = ""
 
 
+MESH_CANDIDATE_STATUS = ("chosen", "planned", "infeasible", "pruned", "not planned")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshCandidate:
+    """A mesh the mesh search (`autopar/mesh_search.py`, a `Cluster` given) looked at: the chosen one
+    first, then the others planned by predicted step, then those left unplanned and why (`note`)."""
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    status: str                               # MESH_CANDIDATE_STATUS
+    step_time_s: float | None = None          # the evaluator's price of its best plan (None: not planned)
+    peak_memory_bytes: float | None = None
+    screen_s: float = 0.0                     # the screen's quick account that ordered the search (not a price)
+    note: str = ""
+
+
 @dataclass(slots=True)
 class Plan:
     model: str
@@ -179,6 +195,7 @@ class Plan:
     # the planner's way to price `scaling` once first read (`planner.lazy_scaling`): a trace at
     # symbolic sizes that can take longer than the solve, so `plan()` leaves it to the first reader
     pending_scaling: Callable[[], Scaling] | None = field(default=None, compare=False, repr=False)
+    mesh_search: list[MeshCandidate] = field(default_factory=list)   # the meshes a Cluster's search weighed
 
     # -- lookups -------------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:

@@ -26,13 +26,16 @@ from .errors import PlanFileError
 from .expr import ExprError, compile_expr
 from .placement import from_str, parse_pin
 from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
-                   PIPELINE_KEYS, TIERS, Collective, Estimate, NodePlan, PipelinePlan, Plan, Scaling, SolverInfo)
+                   MESH_CANDIDATE_STATUS, PIPELINE_KEYS, TIERS, Collective, Estimate, MeshCandidate, NodePlan,
+                   PipelinePlan, Plan, Scaling, SolverInfo)
 
 __all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
 
 EXECUTORS = ("param", "input", "local", "context", "replicate", "output")
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 _PHASES = ("forward", "backward")
+_CLUSTER_KEYS = ("nodes", "devices_per_node", "device_order")   # plan.mesh of a mesh chosen on a Cluster
+DEVICE_ORDER = "row-major"     # autopar.cluster.DEVICE_ORDER (imported there from here: plan files know no Cluster)
 _FIXED = ("batch", "seq")
 _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
                  "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
@@ -91,18 +94,44 @@ class _Reader:
                     recompute=self.modes(d.get("recompute", {}), "recompute", RECOMPUTE_MODES),
                     residency=self.modes(d.get("residency", {}), "residency", RESIDENCY_MODES),
                     offload=self.offload(d.get("offload", {})),
-                    pipeline=self.pipeline(d.get("pipeline", {})))
+                    pipeline=self.pipeline(d.get("pipeline", {})),
+                    mesh_search=[self.mesh_candidate(c, f"mesh_search[{i}]") for i, c in
+                                 enumerate(self.array(d.get("mesh_search", []), "mesh_search"))])
 
     def mesh(self, m: Any) -> dict:
         self.check_dict(m, "mesh")
-        self.keys(m, "mesh", required=("shape", "axis_names", "device"))
+        self.keys(m, "mesh", required=("shape", "axis_names", "device"), optional=_CLUSTER_KEYS)
         shape = [self.integer(s, f"mesh.shape[{i}]", least=1) for i, s in enumerate(self.array(m["shape"], "mesh.shape"))]
         names = [self.string(s, f"mesh.axis_names[{i}]") for i, s in
                  enumerate(self.array(m["axis_names"], "mesh.axis_names"))]
         if not shape or len(names) != len(shape) or len(set(names)) != len(names):
             self.fail("mesh", f"shape {shape} and axis_names {names} must be non-empty, of one length, names unique")
         self.naxes, self.axis_names = len(shape), names
-        return {"shape": shape, "axis_names": names, "device": self.string(m["device"], "mesh.device")}
+        out = {"shape": shape, "axis_names": names, "device": self.string(m["device"], "mesh.device")}
+        if any(k in m for k in _CLUSTER_KEYS):      # a mesh chosen on a Cluster (autopar/mesh_search.py)
+            self.keys(m, "mesh", required=("shape", "axis_names", "device") + _CLUSTER_KEYS)
+            per = self.integer(m["devices_per_node"], "mesh.devices_per_node", least=1)
+            nodes = self.integer(m["nodes"], "mesh.nodes", least=1)
+            if nodes * per != math.prod(shape):
+                self.fail("mesh", f"shape {shape} has {math.prod(shape)} devices, not nodes x devices_per_node "
+                                  f"= {nodes} x {per}")
+            out.update(nodes=nodes, devices_per_node=per,
+                       device_order=self.choice(m["device_order"], "mesh.device_order", (DEVICE_ORDER,)))
+        return out
+
+    def mesh_candidate(self, c: Any, f: str) -> MeshCandidate:
+        self.check_dict(c, f)
+        self.fields(c, f, MeshCandidate)
+        shape = tuple(self.integer(s, f"{f}.shape[{i}]", least=1) for i, s in enumerate(self.array(c["shape"], f"{f}.shape")))
+        names = tuple(self.string(s, f"{f}.axis_names[{i}]") for i, s in
+                      enumerate(self.array(c["axis_names"], f"{f}.axis_names")))
+        if len(names) != len(shape):
+            self.fail(f, f"shape {list(shape)} and axis_names {list(names)} differ in length")
+        opt = {k: None if c.get(k) is None else self.number(c[k], f"{f}.{k}", least=0)
+               for k in ("step_time_s", "peak_memory_bytes")}
+        return MeshCandidate(shape, names, self.choice(c["status"], f"{f}.status", MESH_CANDIDATE_STATUS), **opt,
+                             screen_s=self.number(c.get("screen_s", 0.0), f"{f}.screen_s", least=0),
+                             note=self.string(c.get("note", ""), f"{f}.note"))
 
     def options(self, o: Any) -> dict:
         self.check_dict(o, "options")

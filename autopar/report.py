@@ -81,6 +81,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
              f"{sol.n_constraints} constraints; {sol.n_decisions} decisions for {sol.n_nodes} nodes, "
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
              f"planning took {plan.timings.total_s:.2f} s", ""]
+    lines += _mesh_search_lines(plan)
     lines += _pipeline_lines(plan)
     lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]
     # parameters, grouped by module
@@ -140,6 +141,31 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
     else:
         lines.append("Ops with no sharding rule: none")
     return "\n".join(lines)
+
+
+MESH_ROWS = 12      # meshes the report lists (the chosen one, the planned ones first)
+
+
+def _mesh_search_lines(plan: Plan) -> list[str]:
+    """The meshes a Cluster's search weighed (`plan.mesh_search`): the chosen one and why, the runners-up
+    with the evaluator's step and peak memory, and those not planned with the reason."""
+    rows = plan.mesh_search
+    if not rows:
+        return []
+    m = plan.mesh
+    planned = sum(r.status in ("chosen", "planned") for r in rows)
+    lines = [f"Mesh search: {m.get('nodes')} nodes x {m.get('devices_per_node')} devices, {len(rows)} meshes weighed, "
+             f"{planned} planned ({m.get('device_order')} over ranks: the last axes inside a node)",
+             f"  {'mesh':<30} {'status':<12} {'step':>11} {'peak memory':>12} {'screen':>10}  note"]
+    for r in rows[:MESH_ROWS]:
+        label = "(" + ", ".join(f"{n}={s}" for n, s in zip(r.axis_names, r.shape)) + ")"
+        step = "-" if r.step_time_s is None else _ms(r.step_time_s)
+        peak = "-" if r.peak_memory_bytes is None else _gib(r.peak_memory_bytes)
+        lines.append(f"  {label:<30} {r.status:<12} {step:>11} {peak:>12} {_ms(r.screen_s):>10}  {r.note}")
+    if len(rows) > MESH_ROWS:
+        lines.append(f"  ... {len(rows) - MESH_ROWS} more (plan.mesh_search)")
+    lines.append("")
+    return lines
 
 
 TIMELINE_COLUMNS = 96      # characters of the widest timeline row

@@ -54,6 +54,12 @@ RUNS = [
     ["bench_moe.py"],
     # issue 35: FLOPs expert parallelism executes on 2 CPU ranks against one process (Qwen3-MoE style)
     ["bench_moe.py", "--flops"],
+    # issue 38: the planner choosing the mesh from a Cluster: GPT-3 175B on 128 x 8 H100, Mixtral-8x7B and
+    # Llama-3-8B at 131,072 tokens on 8 x 8, Llama-3-8B on one node against the (8,) FSDP-style plan
+    ["bench_mesh_search.py", "gpt3"],
+    ["bench_mesh_search.py", "mixtral"],
+    ["bench_mesh_search.py", "llama-cp"],
+    ["bench_mesh_search.py", "llama-node", "--baseline"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

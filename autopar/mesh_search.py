@@ -1,0 +1,170 @@
+"""The planner choosing the mesh: from a `Cluster` to the best mesh shape, axis roles and plan.
+
+1. one capture of the whole batch gives the model's facts (`mesh_screen.ModelFacts`): its layers,
+   FLOPs, parameters, experts, attention and sequence length;
+2. `mesh_screen.mesh_candidates` enumerates the meshes whose roles the model can use, and
+   `mesh_screen.screen` gives each a lower bound and a quick estimate (with the microbatch count it
+   prefers where it pipelines);
+   (`pipeline=False`: no "pp" axis);
+3. candidates are planned in the order of their estimates by the planner itself, every family on
+   auto: a pipelined one by the pipeline search with its axis ("pp") and microbatch count fixed
+   (schedule, virtual stages, layouts and memory decisions chosen), the others by one solve; a
+   candidate is not planned when its bound is above the best plan found ("pruned"), when its
+   estimate is over SCREEN_SLACK times the best estimate, or when the time is out;
+4. the fastest plan that fits wins (ties: the earlier candidate); `plan.mesh` records its mesh and
+   the cluster, `plan.mesh_search` every candidate with its price or why it was not planned.
+
+`time_limit` bounds the whole search: the candidates share one deadline, each solve gets the time
+left, and a candidate is started only while the time left is at least what the last one took (the
+first always runs, so that there is a plan). Without a time limit the result depends on the
+inputs alone; with one, on how far the search got (the report says how many were planned).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from .cluster import DEVICE_ORDER, Cluster
+from .errors import InfeasibleError, PlanOptionError
+from .mesh_screen import ModelFacts, Screened, mesh_candidates, screen
+from .passes.capture import capture
+from .passes.shape_prop import annotate
+from .pipeline_search import search_pipeline
+from .plan import MeshCandidate, Plan, Timings
+from .planner import PlanOptions, frozen_gc, plan_captured
+
+log = logging.getLogger("autopar")
+
+SCREEN_SLACK = 2.0       # candidates whose screen estimate is over this many times the best are not planned:
+                         # the screen is a rough account (transformer constants, no layout choice), so a
+                         # margin of 2x leaves it room to misjudge a contender
+MAX_PLANNED = 8          # at most this many candidates are planned (each is one or a few ILP solves)
+
+
+def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluster: Cluster,
+                opts: PlanOptions) -> Plan:
+    """The best plan over every mesh of `cluster` the model can use (see the module docstring)."""
+    if opts.pins or opts.batch_axes:
+        raise PlanOptionError("pins and batch_axes name mesh axes: with a Cluster the planner chooses the mesh; "
+                              "give a Mesh to pin layouts or to say which axes split the inputs")
+    if isinstance(opts.pipeline, Mapping) and opts.pipeline:
+        raise PlanOptionError(f"pipeline={dict(opts.pipeline)!r} fixes a pipeline on a mesh's axis: with a Cluster the "
+                              f"planner chooses the mesh and its pipeline (pipeline=None or {{}}), or forbids "
+                              f"pipelines (pipeline=False); give a Mesh to fix one")
+    t0 = time.perf_counter()
+    deadline = None if opts.time_limit is None else t0 + opts.time_limit
+    with frozen_gc():
+        cap = capture(model, args, kwargs)
+        infos = annotate(cap.gm)
+        facts = ModelFacts.of(cap, infos)
+        budget = opts.memory_budget if opts.memory_budget is not None else cluster.profile.memory_capacity
+        degrees = mesh_candidates(cluster.size, cluster.devices_per_node, facts, pipeline=opts.pipeline is not False)
+        screened = sorted((screen(cluster, facts, d, budget, opts.optimizer, opts.precision) for d in degrees),
+                          key=lambda s: (not s.fits, s.estimate_s))
+        best, rows = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
+    if best is None:
+        raise InfeasibleError(f"no mesh of {cluster} fits a plan in the memory budget of {budget / 2**30:.2f} GiB "
+                              f"per device ({len(rows)} meshes weighed; " + "; ".join(
+                                  f"{r.shape}: {r.note}" for r in rows[:3] if r.note) + ")")
+    plan, chosen = best
+    rows.remove(chosen)
+    planned = sorted((r for r in rows if r.status in ("planned", "infeasible")),
+                     key=lambda r: (r.step_time_s is None, r.step_time_s or 0.0))
+    rest = [r for r in rows if r.status not in ("planned", "infeasible")]
+    plan.mesh = dict(plan.mesh, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+                     device_order=DEVICE_ORDER)
+    plan.mesh_search = [replace(chosen, status="chosen", note=_why(plan, chosen, planned))] + planned + rest
+    plan.timings = Timings(plan.timings.solve_s, time.perf_counter() - t0)
+    return plan
+
+
+def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], opts: PlanOptions,
+                   deadline: float | None):
+    captured = {1: (cap, infos)}        # microbatch count -> (capture of one microbatch, its annotations)
+    best: tuple[Plan, MeshCandidate] | None = None
+    rows: list[MeshCandidate] = []
+    last_s, n_planned = 0.0, 0
+    top = screened[0].estimate_s if screened else math.inf
+    for s in screened:
+        row = MeshCandidate(s.mesh.shape, s.mesh.axis_names, "not planned", screen_s=_finite(s.estimate_s))
+        left = None if deadline is None else deadline - time.perf_counter()
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, left, last_s)
+        if skip is not None:
+            rows.append(replace(row, status=skip[0], note=skip[1]))
+            continue
+        t = time.perf_counter()
+        plan = _plan_one(model, args, kwargs, captured, s, opts, left)
+        last_s, n_planned = time.perf_counter() - t, n_planned + 1
+        if isinstance(plan, str):
+            rows.append(replace(row, status="infeasible", note=plan))
+            continue
+        e = plan.estimate
+        row = replace(row, status="planned", step_time_s=e.step_time_s, peak_memory_bytes=e.peak_memory_bytes,
+                      note=_shape_note(plan))
+        rows.append(row)
+        if best is None or e.step_time_s < best[0].estimate.step_time_s * (1 - 1e-12):
+            best = (plan, row)
+    return best, rows
+
+
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, left: float | None,
+             last_s: float) -> tuple[str, str] | None:
+    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already)."""
+    if s.bound_s >= best_s:
+        return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
+    if n_planned >= MAX_PLANNED:
+        return "not planned", f"{MAX_PLANNED} meshes planned already"
+    if s.estimate_s > SCREEN_SLACK * top:
+        return "not planned", f"its screen estimate is over {SCREEN_SLACK:g}x the best one's"
+    if left is not None and left < last_s:
+        return "not planned", "the time limit"
+    return None
+
+
+def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, left: float | None):
+    """The planner's best plan on candidate `s`'s mesh, or why none fits (text)."""
+    limit = opts.time_limit if left is None else max(left, 1.0)
+    sub = replace(opts, time_limit=limit, symbolic=False, pipeline=False)
+    try:
+        if s.degrees["pp"] > 1:
+            return search_pipeline(model, args, kwargs, s.mesh, replace(sub, pipeline={"axis": "pp"}),
+                                   {"axis": "pp", "microbatches": s.microbatches}, captured=captured)
+        return plan_captured(captured[1][0], s.mesh, sub, source=(model, args, kwargs))
+    except InfeasibleError as e:
+        log.info("mesh %s %s: no plan fits (%s)", s.mesh.shape, s.mesh.axis_names, e)
+        return f"no plan fits the memory budget ({str(e).split(';')[0][:160]})"
+
+
+def _shape_note(plan: Plan) -> str:
+    pp = plan.pipeline
+    if pp.stages <= 1:
+        return "no pipeline"
+    return (f"{pp.stages} stages x {pp.virtual_stages} virtual, {pp.microbatches} microbatches, {pp.schedule}; "
+            f"bubble {plan.estimate.bubble_s:.3f} s")
+
+
+def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate]) -> str:
+    """Why the winner won: its margin over the runner-up, and where their prices differ most."""
+    base = _shape_note(plan)
+    runner = next((r for r in planned if r.step_time_s is not None), None)
+    if runner is None:
+        return f"{base}; the only mesh planned"
+    gap = runner.step_time_s / chosen.step_time_s - 1
+    return (f"{base}; fastest predicted step of {sum(r.status == 'planned' for r in planned) + 1} meshes planned, "
+            f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)")
+
+
+def _label(r: MeshCandidate) -> str:
+    return "(" + ", ".join(f"{n}={s}" for n, s in zip(r.axis_names, r.shape)) + ")"
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+__all__ = ["search_mesh", "SCREEN_SLACK", "MAX_PLANNED"]

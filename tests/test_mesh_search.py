@@ -1,0 +1,135 @@
+"""A Cluster instead of a Mesh: the planner chooses the mesh shape, the axes' roles and their order on
+the devices (autopar/mesh_search.py), records the mesh in the plan, and autoparallelize runs it."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.errors import MeshError, PlanFileError, PlanOptionError
+from autopar.mesh_screen import ModelFacts, mesh_candidates
+from dist_checks import grad_gap, param_gap, rel, step_both
+from models import GPT, gpt_inputs
+
+
+def _facts(**kw) -> ModelFacts:
+    base = dict(batch=64, seq=2048, layers=16, flops=1e15, dense_elements=1e9, expert_elements=0.0, param_itemsize=2,
+                layer_out_bytes=1e9, experts=0, top_k=0, attention=True)
+    return ModelFacts(**{**base, **kw})
+
+
+def test_candidates_cover_the_devices_with_the_roles_the_model_can_use():
+    dense = mesh_candidates(32, 8, _facts())
+    assert dense and all(math.prod(d.values()) == 32 for d in dense)
+    assert all(d["ep"] == 1 and d["cp"] == 1 for d in dense)             # no experts, a short sequence
+    assert all(d["tp"] * d["ep"] <= 8 for d in dense)                    # tensor axes stay inside a node
+    assert {d["pp"] for d in dense} >= {1, 2, 4, 8, 16}
+    assert all(d["pp"] == 1 for d in mesh_candidates(32, 8, _facts(), pipeline=False))
+    moe = mesh_candidates(32, 8, _facts(experts=4, top_k=2, expert_elements=1e9))
+    assert {d["ep"] for d in moe} == {1, 2, 4}                          # divisors of the expert count
+    long = mesh_candidates(32, 8, _facts(seq=65536, batch=2))
+    assert max(d["cp"] for d in long) > 1 and all(64 % d["dp"] == 0 or d["dp"] <= 2 for d in long)
+    assert all(d["cp"] == 1 for d in mesh_candidates(32, 8, _facts(seq=65536, attention=False)))
+
+
+def test_the_facts_come_from_the_captured_graph():
+    import zoo
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    model, args, kwargs, _ = zoo.build("mixtral")
+    cap = capture(model, args, kwargs)
+    f = ModelFacts.of(cap, annotate(cap.gm))
+    cfg = model.config
+    assert (f.experts, f.top_k, f.layers) == (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers)
+    assert f.expert_elements > 0 and f.attention and f.flops > 0 and f.layer_out_bytes > 0
+    assert f.dense_elements + f.expert_elements == sum(p.numel() for p in model.parameters())
+    assert (f.batch, f.seq) == tuple(kwargs.get("input_ids", args[0] if args else None).shape)
+
+
+def test_a_cluster_lays_inner_axes_inside_a_node():
+    c = Cluster(nodes=4, devices_per_node=8, device="h100")
+    mesh = c.mesh((4, 8), ("dp", "tp"))
+    assert [a.scope for a in mesh.axes] == ["inter-node", "intra-node"]
+    assert Cluster.parse("128x8") == Cluster(128, 8)
+    for bad in (dict(nodes=0), dict(nodes=2, devices_per_node=1.5)):
+        with pytest.raises(MeshError):
+            Cluster(**bad)
+    with pytest.raises(MeshError):
+        c.mesh((4, 4), ("dp", "tp"))
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2), gpt_inputs(batch=8, seq=16, vocab=64)
+
+
+def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
+    model, inputs = _tiny()
+    cluster = Cluster(nodes=1, devices_per_node=2, device="cpu")
+    plans = [autopar.plan(model, inputs, cluster, time_limit=None, progress=False) for _ in range(2)]
+    plan = plans[0]
+    assert plans[0].to_json() == plans[1].to_json()
+    assert math.prod(plan.mesh["shape"]) == 2 and plan.mesh["devices_per_node"] == 2
+    chosen, *others = plan.mesh_search
+    assert chosen.status == "chosen" and list(chosen.shape) == list(plan.mesh["shape"])
+    assert chosen.step_time_s == plan.estimate.step_time_s
+    assert {r.axis_names for r in plan.mesh_search} == {("dp",), ("pp",), ("tp",)}
+    assert all(r.step_time_s >= chosen.step_time_s for r in others if r.status == "planned")
+    assert all(r.note for r in others if r.status != "planned")      # why it was not planned
+    assert "Mesh search" in plan.report()
+    priced = autopar.estimate(model, inputs, cluster, plan)        # a Cluster where a Mesh goes: the plan's mesh
+    assert priced.devices == 2 and priced.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+    bad = json.loads(plan.to_json())
+    bad["mesh_search"][0]["status"] = "best"
+    with pytest.raises(PlanFileError, match="mesh_search"):
+        autopar.Plan.from_dict(bad)
+    bad = json.loads(plan.to_json())
+    bad["mesh"]["nodes"] = 3
+    with pytest.raises(PlanFileError, match="mesh"):
+        autopar.Plan.from_dict(bad)
+    with pytest.raises(PlanOptionError):
+        autopar.plan(model, inputs, cluster, batch_axes=("dp",))
+
+
+def test_the_cli_takes_a_cluster_for_the_mesh():
+    from autopar.cli import CliError, _mesh, build_parser
+    a = build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--device", "a100"])
+    assert _mesh(a) == Cluster(4, 8, "a100")
+    with pytest.raises(CliError):
+        _mesh(build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--mesh", "32"]))
+    with pytest.raises(MeshError):
+        _mesh(build_parser().parse_args(["plan", "my_models:small", "--cluster", "4"]))
+
+
+TOL = 1e-4     # three SGD steps
+
+
+def _train_on_cluster(rank, world_size):
+    model, inputs = _tiny()
+    ref = copy.deepcopy(model)
+    cluster = autopar.Cluster(nodes=2, devices_per_node=2, device="cpu")
+    dmodel = autopar.autoparallelize(model, cluster, inputs, pipeline=False, symbolic=False, time_limit=None)
+    opt, ref_opt = dmodel.optimizer(torch.optim.SGD, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    worst = 0.0
+    for _ in range(3):
+        loss, ref_loss = dmodel(*inputs), ref(*inputs)
+        loss.backward(), ref_loss.backward()
+        worst = max(worst, rel(torch.as_tensor(float(loss)), ref_loss.detach()), grad_gap(dmodel, ref))
+        step_both(opt, ref_opt)
+    worst = max(worst, param_gap(dmodel, ref))
+    mesh = dmodel.plan.mesh
+    return worst, list(mesh["shape"]), list(mesh["axis_names"]), tuple(next(dmodel.parameters()).device_mesh.shape)
+
+
+def test_autoparallelize_on_a_cluster_trains_as_one_process(rank_pool):
+    results = rank_pool(4).run(_train_on_cluster)
+    worst, shape, names, device_mesh = results[0]
+    assert worst < TOL, worst
+    assert math.prod(shape) == 4 and tuple(shape) == device_mesh
+    assert all(r[1:] == results[0][1:] for r in results)      # every rank runs the mesh rank 0 chose
