@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..compat import funcol
+from ..compat import attention_block, attention_block_backward, funcol
 from ..strategies.attention import context_axis, sdpa_args, ulysses_layouts
 from .ops import LocalOp, _FromLocal
 from .reshard import reshard
@@ -55,12 +56,6 @@ class _Split:
     def held(self, r: int, balanced: bool) -> list[int]:
         """The half-chunks (of 2n) device r holds, in local order."""
         return [r, 2 * self.n - 1 - r] if balanced else [2 * r, 2 * r + 1]
-
-    def positions(self, r: int, device) -> torch.Tensor:
-        if not self.balanced:
-            return torch.arange(r * self.local, (r + 1) * self.local, device=device)
-        half = self.local // 2
-        return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in self.held(r, True)])
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -108,26 +103,47 @@ class _Attn:
     scale: float
 
 
-def _block_scores(a: _Attn, q, k, mask, qpos, kpos):
-    """fp32 scores of local queries against one K block, masked (-inf) where not attended."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * a.scale
-    keep = qpos[:, None] >= kpos[None, :] if a.is_causal else None
-    if mask is not None:
-        cols = mask.index_select(-1, kpos)
-        if cols.dtype == torch.bool:
-            keep = cols if keep is None else keep & cols
-        else:
-            s = s + cols.float()
-    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+class _Block(NamedTuple):
+    """The part of a K/V block one device computes with: its queries from `q_from` on, the block's
+    first `k_len` keys, under the causal diagonal or not."""
+    q_from: int
+    k_len: int
+    causal: bool
 
 
-def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """K/V heads repeated for grouped-query attention."""
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+def _block(a: _Attn, origin: int) -> _Block | None:
+    """What this device computes against the K/V block of device `origin` (None: nothing), decided
+    from the ranks alone. Under a causal mask with the balanced order (this device holds half-chunks
+    r < 2n-1-r, the origin o and 2n-1-o): its own block is the causal diagonal; a block from o < r
+    sees its first half-chunk before both of ours and its second after both (its first half, all
+    queries); from o > r both of its half-chunks lie between ours (all its keys, our second half).
+    Each is half of a square of 2 half-chunks: every device does equal work (torch's
+    `_templated_ring_attention` splits blocks the same way). Without balance (an odd chunk) a block
+    from an earlier device is whole, from a later one skipped."""
+    sp, local = a.split, a.split.local
+    if not a.is_causal:
+        return _Block(0, local, False)
+    if origin == sp.rank:
+        return _Block(0, local, True)
+    if not sp.balanced:
+        return _Block(0, local, False) if origin < sp.rank else None
+    half = local // 2
+    return _Block(0, half, False) if origin < sp.rank else _Block(half, local, False)
 
 
-def _unheads(g: torch.Tensor, groups: int) -> torch.Tensor:
-    return g.unflatten(1, (-1, groups)).sum(2) if groups > 1 else g
+def _mask_block(a: _Attn, mask, origin: int, blk: _Block, dtype):
+    """(additive mask in `dtype`, rows it masks wholly) of the user's boolean mask for this device's
+    queries in blk against the block's keys: its columns at those keys' global positions."""
+    if mask is None:
+        return None, None
+    sp, local = a.split, a.split.local
+    width = local // 2 if sp.balanced else local
+    starts = [c * width for c in sp.held(origin, True)] if sp.balanced else [origin * local]
+    cols = torch.cat([mask.narrow(-1, s, width) for s in starts], -1).narrow(-1, 0, blk.k_len)
+    if cols.shape[-2] > 1:
+        cols = cols.narrow(-2, blk.q_from, local - blk.q_from)
+    bias = torch.zeros(cols.shape, dtype=dtype, device=cols.device).masked_fill_(~cols, float("-inf"))
+    return bias, ~cols.any(-1)
 
 
 def _kv_blocks(a: _Attn, kv: torch.Tensor):
@@ -150,70 +166,79 @@ def _pack(k, v):
     return torch.cat([k.reshape(-1), v.reshape(-1)])
 
 
-def _unpack(kv, k_like):
-    kv = _ready(kv).float()
-    return kv[:k_like.numel()].view(k_like.shape), kv[k_like.numel():].view(k_like.shape)
+def _unpack(kv, k_like, k_len: int):
+    """The first k_len keys and values of a packed K/V block (views)."""
+    kv = _ready(kv).view(2, *k_like.shape)
+    return kv[0].narrow(_SEQ, 0, k_len), kv[1].narrow(_SEQ, 0, k_len)
+
+
+def _merge(acc, lse, out, out_lse) -> None:
+    """Fold one block's (output, log-sum-exp) into the running fp32 (acc, lse), in place (online
+    softmax: each weighted by its share of the merged sum). A row no key reached yet has lse -inf."""
+    new = torch.logaddexp(lse, out_lse)
+    ref = new.masked_fill(new == float("-inf"), 0.0)
+    acc.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(out * torch.exp(out_lse - ref).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _rows(t: torch.Tensor, blk: _Block) -> torch.Tensor:
+    return t.narrow(_SEQ, blk.q_from, t.shape[_SEQ] - blk.q_from) if blk.q_from else t
 
 
 class _ContextAttention(torch.autograd.Function):
+    """Blockwise attention over the K/V blocks of the context axis, each block through one fused
+    kernel in the inputs' dtype (`compat.attention_block`), merged by log-sum-exp in fp32; only the
+    output, its log-sum-exp and one or two K/V blocks (and their gradients) exist at a time."""
+
     @staticmethod
     def forward(ctx, q, k, v, mask, a: _Attn):  # type: ignore[override]
-        groups = q.shape[1] // k.shape[1]
-        qf = q.float()
-        qpos = a.split.positions(a.split.rank, q.device)
-        run_max = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
-        total = torch.zeros_like(run_max)
-        acc = torch.zeros(q.shape, device=q.device)
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        state = None
         for origin, kv in _kv_blocks(a, _pack(k, v)):
-            kpos = a.split.positions(origin, q.device)
-            if a.is_causal and int(kpos.min()) > int(qpos.max()):
+            blk = _block(a, origin)
+            if blk is None:
                 continue          # wholly in the future of every local query
-            kb, vb = _unpack(kv, k)
-            s = _block_scores(a, qf, _heads(kb, groups), mask, qpos, kpos)
-            new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
-            shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            p = torch.exp(s - shift)
-            rescale = torch.exp(run_max - shift)
-            total = total * rescale + p.sum(-1, keepdim=True)
-            acc = acc * rescale + torch.matmul(p, _heads(vb, groups))
-            run_max = new_max
-        out = acc / total
-        lse = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max) + torch.log(total)
-        ctx.a = a
+            kb, vb = _unpack(kv, k, blk.k_len)
+            bias, dead = _mask_block(a, mask, origin, blk, q.dtype)
+            out, out_lse, st = attention_block(_rows(q, blk), kb, vb, bias, blk.causal, a.scale)
+            state = st if state is None else state
+            if dead is not None:  # the fused kernel gives a row with no key a log-sum-exp of 0
+                out_lse = out_lse.masked_fill(dead, float("-inf"))
+            _merge(_rows(acc, blk), _rows(lse, blk), out, out_lse)
+        out = acc.to(q.dtype)
+        ctx.a, ctx.state = a, state
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         a: _Attn = ctx.a
         q, k, v, mask, out, lse = ctx.saved_tensors
-        sp, groups = a.split, q.shape[1] // k.shape[1]
-        qf, dof = q.float(), dout.float()
-        qpos = sp.positions(sp.rank, q.device)
-        delta = (dof * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
+        sp, dout = a.split, dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         nxt = [(r + 1) % sp.n for r in range(sp.n)]
-        gathered = []      # allgather_kv: dK/dV of every block, reduce-scattered at the end
-        travelling = torch.zeros(2 * k.numel(), device=q.device)     # ring: dK/dV of the block in hand
+        # dK/dV in fp32: of every block (allgather_kv, reduce-scattered at the end), or of the block in
+        # hand, travelling with it (ring: after n hops it is home)
+        grads = torch.zeros((sp.n if a.mode == "allgather_kv" else 1, 2 * k.numel()), device=q.device)
+        travelling = grads[0]
         for origin, kv in _kv_blocks(a, _pack(k, v)):
-            kpos = sp.positions(origin, q.device)
-            dkv = torch.zeros(2 * k.numel(), device=q.device)
-            if not (a.is_causal and int(kpos.min()) > int(qpos.max())):
-                kb, vb = _unpack(kv, k)
-                kh, vh = _heads(kb, groups), _heads(vb, groups)
-                p = torch.exp(_block_scores(a, qf, kh, mask, qpos, kpos) - lse)
-                ds = p * (torch.matmul(dof, vh.transpose(-2, -1)) - delta)
-                dq += torch.matmul(ds, kh) * a.scale
-                dk = _unheads(torch.matmul(ds.transpose(-2, -1), qf) * a.scale, groups)
-                dv = _unheads(torch.matmul(p.transpose(-2, -1), dof), groups)
-                dkv = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-            if a.mode == "allgather_kv":
-                gathered.append(dkv)
-            else:             # add ours, pass it on with the block; after n hops it is home
-                travelling = funcol.permute_tensor(travelling + dkv, nxt, sp.group)
+            blk = _block(a, origin)
+            dkv = (grads[origin] if a.mode == "allgather_kv" else _ready(travelling)).view(2, *k.shape)
+            if blk is not None:
+                kb, vb = _unpack(kv, k, blk.k_len)
+                bias, _ = _mask_block(a, mask, origin, blk, q.dtype)
+                gq, gk, gv = attention_block_backward(
+                    _rows(dout, blk), _rows(q, blk), kb, vb, _rows(out, blk), _rows(lse, blk).contiguous(), bias,
+                    blk.causal, a.scale, ctx.state)
+                _rows(dq, blk).add_(gq)
+                dkv[0].narrow(_SEQ, 0, blk.k_len).add_(gk)
+                dkv[1].narrow(_SEQ, 0, blk.k_len).add_(gv)
+            if a.mode == "ring":
+                travelling = funcol.permute_tensor(dkv.view(-1), nxt, sp.group)
         if a.mode == "allgather_kv":
-            travelling = funcol.reduce_scatter_single(torch.cat(gathered), "sum", 0, sp.group)
-        dk, dv = _unpack(travelling, k)
+            travelling = funcol.reduce_scatter_single(grads.view(-1), "sum", 0, sp.group)
+        dk, dv = _ready(travelling).view(2, *k.shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
