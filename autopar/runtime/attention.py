@@ -63,36 +63,52 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _exchange(x: torch.Tensor, dim: int, split: _Split, to_balanced: bool) -> torch.Tensor:
-    """Move x's half-chunks along `dim` between the contiguous and the balanced order (one all-to-all)."""
+def _exchange(xs: list[torch.Tensor], dim: int, split: _Split, to_balanced: bool) -> torch.Tensor:
+    """The tensors xs (of one dtype) with their half-chunks along `dim` moved between the contiguous
+    and the balanced order, packed one after another into one flat tensor: one all-to-all per
+    tensor, so that only one tensor's send and receive buffers exist at a time. Each half-chunk is
+    copied into the send buffer and from the received one into its place."""
     src = lambda r: split.held(r, not to_balanced)   # noqa: E731
     dst = lambda r: split.held(r, to_balanced)       # noqa: E731
-    xs = x.movedim(dim, 0)
-    half = xs.shape[0] // 2
-    mine = dict(zip(src(split.rank), xs.split(half)))
-    send, in_splits, arrival, out_splits = [], [], [], []
-    for r in range(split.n):
-        cs = [c for c in dst(r) if c in mine]
-        send += [mine[c] for c in cs]
-        in_splits.append(len(cs) * half)
-        cs = [c for c in dst(split.rank) if c in src(r)]
-        arrival += cs
-        out_splits.append(len(cs) * half)
-    got = funcol.all_to_all_single(torch.cat(send).contiguous(), out_splits, in_splits, split.group)
-    pieces = _ready(got).split(half)
-    return torch.cat([pieces[arrival.index(c)] for c in dst(split.rank)]).movedim(0, dim).contiguous()
+    mine = {c: i for i, c in enumerate(src(split.rank))}
+    outgoing = [c for r in range(split.n) for c in dst(r) if c in mine]
+    arrival = [c for r in range(split.n) for c in dst(split.rank) if c in src(r)]
+    in_splits = [sum(1 for c in dst(r) if c in mine) for r in range(split.n)]
+    out_splits = [sum(1 for c in dst(split.rank) if c in src(r)) for r in range(split.n)]
+    out = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
+    for x, whole in zip(xs, _unpacked(out, [x.shape for x in xs])):
+        half = x.shape[dim] // 2
+        piece = x.narrow(dim, 0, half).shape
+        send = torch.empty(len(outgoing) * piece.numel(), dtype=x.dtype, device=x.device)
+        for c, part in zip(outgoing, send.split(piece.numel())):
+            part.view(piece).copy_(x.narrow(dim, mine[c] * half, half))
+        got = funcol.all_to_all_single(send, [k * piece.numel() for k in out_splits],
+                                       [k * piece.numel() for k in in_splits], split.group)
+        del send       # held by the collective until it completes, no longer
+        for c, part in zip(arrival, _ready(got).split(piece.numel())):
+            whole.narrow(dim, dst(split.rank).index(c) * half, half).copy_(part.view(piece))
+    return out
+
+
+def _unpacked(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of the tensors of these shapes packed one after another in a flat tensor."""
+    sizes = [math.prod(s) for s in shapes]
+    return [t.view(s) for t, s in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
 class _Exchange(torch.autograd.Function):
+    """`_exchange` as an autograd op: its backward moves the packed gradients back the other way."""
+
     @staticmethod
-    def forward(ctx, x, dim, split, to_balanced):  # type: ignore[override]
-        ctx.args = (dim, split, to_balanced)
-        return _exchange(x, dim, split, to_balanced)
+    def forward(ctx, dim, split, to_balanced, *xs):  # type: ignore[override]
+        ctx.args, ctx.shapes = (dim, split, to_balanced), [x.shape for x in xs]
+        return _exchange(list(xs), dim, split, to_balanced)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         dim, split, to_balanced = ctx.args
-        return _exchange(grad.contiguous(), dim, split, not to_balanced), None, None, None
+        back = _exchange(_unpacked(grad.contiguous(), ctx.shapes), dim, split, not to_balanced)
+        return (None, None, None, *_unpacked(back, ctx.shapes))
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class _Attn:
     mode: str            # "ring" | "allgather_kv"
     is_causal: bool
     scale: float
+    shapes: tuple        # of this device's q, k, v (packed one after another into one flat tensor)
 
 
 class _Block(NamedTuple):
@@ -162,14 +179,9 @@ def _kv_blocks(a: _Attn, kv: torch.Tensor):
         kv = following
 
 
-def _pack(k, v):
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
-
-
-def _unpack(kv, k_like, k_len: int):
+def _unpack(a: _Attn, kv, k_len: int):
     """The first k_len keys and values of a packed K/V block (views)."""
-    kv = _ready(kv).view(2, *k_like.shape)
-    return kv[0].narrow(_SEQ, 0, k_len), kv[1].narrow(_SEQ, 0, k_len)
+    return [t.narrow(_SEQ, 0, k_len) for t in _unpacked(_ready(kv), a.shapes[1:])]
 
 
 def _merge(acc, lse, out, out_lse) -> None:
@@ -185,61 +197,77 @@ def _rows(t: torch.Tensor, blk: _Block) -> torch.Tensor:
     return t.narrow(_SEQ, blk.q_from, t.shape[_SEQ] - blk.q_from) if blk.q_from else t
 
 
+def _attend(a: _Attn, q, kv, mask, origin: int, blk: _Block, acc, lse) -> tuple:
+    """Merge one K/V block's attention into (acc, lse); the kernel's state for the backward.
+    (A function of its own so that the block's temporaries are freed before the next block.)"""
+    kb, vb = _unpack(a, kv, blk.k_len)
+    bias, dead = _mask_block(a, mask, origin, blk, q.dtype)
+    out, out_lse, state = attention_block(_rows(q, blk), kb, vb, bias, blk.causal, a.scale)
+    if dead is not None:  # the fused kernel gives a row with no key a log-sum-exp of 0
+        out_lse = out_lse.masked_fill(dead, float("-inf"))
+    _merge(_rows(acc, blk), _rows(lse, blk), out, out_lse)
+    return state
+
+
+def _attend_backward(a: _Attn, state, saved, kv, mask, origin: int, blk: _Block, dq, dkv) -> None:
+    """Add one K/V block's share of the gradients into dq and the block's packed dK/dV, dkv;
+    saved: this device's (q, attention output, its log-sum-exp, the output's gradient)."""
+    q, out, lse, dout = saved
+    kb, vb = _unpack(a, kv, blk.k_len)
+    bias, _ = _mask_block(a, mask, origin, blk, q.dtype)
+    gq, gk, gv = attention_block_backward(_rows(dout, blk), _rows(q, blk), kb, vb, _rows(out, blk),
+                                          _rows(lse, blk).contiguous(), bias, blk.causal, a.scale, state)
+    _rows(dq, blk).add_(gq)
+    for acc, g in zip(_unpacked(dkv, a.shapes[1:]), (gk, gv)):
+        acc.narrow(_SEQ, 0, blk.k_len).add_(g)
+
+
 class _ContextAttention(torch.autograd.Function):
-    """Blockwise attention over the K/V blocks of the context axis, each block through one fused
-    kernel in the inputs' dtype (`compat.attention_block`), merged by log-sum-exp in fp32; only the
-    output, its log-sum-exp and one or two K/V blocks (and their gradients) exist at a time."""
+    """Blockwise attention of q, k, v packed in one flat tensor over the K/V blocks of the context
+    axis, each block through one fused kernel in the inputs' dtype (`compat.attention_block`),
+    merged by log-sum-exp in fp32; only the output, its log-sum-exp and one or two K/V blocks (and
+    their gradients) exist at a time. The packed K/V are what the ring passes on, as they are."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, a: _Attn):  # type: ignore[override]
+    def forward(ctx, qkv, mask, a: _Attn):  # type: ignore[override]
+        q = _unpacked(qkv, a.shapes[:1])[0]
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         state = None
-        for origin, kv in _kv_blocks(a, _pack(k, v)):
+        for origin, kv in _kv_blocks(a, qkv[q.numel():]):
             blk = _block(a, origin)
-            if blk is None:
-                continue          # wholly in the future of every local query
-            kb, vb = _unpack(kv, k, blk.k_len)
-            bias, dead = _mask_block(a, mask, origin, blk, q.dtype)
-            out, out_lse, st = attention_block(_rows(q, blk), kb, vb, bias, blk.causal, a.scale)
-            state = st if state is None else state
-            if dead is not None:  # the fused kernel gives a row with no key a log-sum-exp of 0
-                out_lse = out_lse.masked_fill(dead, float("-inf"))
-            _merge(_rows(acc, blk), _rows(lse, blk), out, out_lse)
+            if blk is not None:   # None: wholly in the future of every local query
+                st = _attend(a, q, kv, mask, origin, blk, acc, lse)
+                state = st if state is None else state
         out = acc.to(q.dtype)
         ctx.a, ctx.state = a, state
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(qkv, mask, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         a: _Attn = ctx.a
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        qkv, mask, out, lse = ctx.saved_tensors
         sp, dout = a.split, dout.contiguous()
+        q = _unpacked(qkv, a.shapes[:1])[0]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         nxt = [(r + 1) % sp.n for r in range(sp.n)]
         # dK/dV in fp32: of every block (allgather_kv, reduce-scattered at the end), or of the block in
-        # hand, travelling with it (ring: after n hops it is home)
-        grads = torch.zeros((sp.n if a.mode == "allgather_kv" else 1, 2 * k.numel()), device=q.device)
-        travelling = grads[0]
-        for origin, kv in _kv_blocks(a, _pack(k, v)):
+        # hand, travelling with it (ring: after n hops it is home; a buffer sent on is not kept)
+        kv_numel = qkv.numel() - q.numel()
+        grads = torch.zeros((sp.n, kv_numel), device=q.device) if a.mode == "allgather_kv" else None
+        travelling = torch.zeros(kv_numel, device=q.device) if grads is None else None
+        for origin, kv in _kv_blocks(a, qkv[q.numel():]):
             blk = _block(a, origin)
-            dkv = (grads[origin] if a.mode == "allgather_kv" else _ready(travelling)).view(2, *k.shape)
+            dkv = _ready(travelling) if grads is None else grads[origin]
             if blk is not None:
-                kb, vb = _unpack(kv, k, blk.k_len)
-                bias, _ = _mask_block(a, mask, origin, blk, q.dtype)
-                gq, gk, gv = attention_block_backward(
-                    _rows(dout, blk), _rows(q, blk), kb, vb, _rows(out, blk), _rows(lse, blk).contiguous(), bias,
-                    blk.causal, a.scale, ctx.state)
-                _rows(dq, blk).add_(gq)
-                dkv[0].narrow(_SEQ, 0, blk.k_len).add_(gk)
-                dkv[1].narrow(_SEQ, 0, blk.k_len).add_(gv)
-            if a.mode == "ring":
-                travelling = funcol.permute_tensor(dkv.view(-1), nxt, sp.group)
-        if a.mode == "allgather_kv":
+                _attend_backward(a, ctx.state, (q, out, lse, dout), kv, mask, origin, blk, dq, dkv)
+            if grads is None:
+                travelling = funcol.permute_tensor(dkv, nxt, sp.group)
+                del dkv
+        if grads is not None:
             travelling = funcol.reduce_scatter_single(grads.view(-1), "sum", 0, sp.group)
-        dk, dv = _ready(travelling).view(2, *k.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return torch.cat([dq.view(-1).to(qkv.dtype), _ready(travelling).to(qkv.dtype)]), None, None
 
 
 def context_attention(args: dict, device_mesh, axis: int, mode: str) -> torch.Tensor:
@@ -251,14 +279,15 @@ def context_attention(args: dict, device_mesh, axis: int, mode: str) -> torch.Te
                    balanced=causal_like and n > 1 and local % 2 == 0)
     scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     rows_split = mask is not None and mask.shape[-2] == local and mask.shape[-2] > 1
-    if split.balanced:
-        q, k, v = (_Exchange.apply(t, _SEQ, split, True) for t in (q, k, v))
-        if rows_split:
-            mask = _Exchange.apply(mask, mask.ndim - 2, split, True)
     if mask is not None and not rows_split and mask.shape[-2] != 1:
         raise ValueError(f"attention mask rows {mask.shape[-2]} match neither the local queries ({local}) nor 1")
-    out = _ContextAttention.apply(q, k, v, mask, _Attn(split, mode, bool(args["is_causal"]), float(scale)))
-    return _Exchange.apply(out, _SEQ, split, False) if split.balanced else out
+    a = _Attn(split, mode, bool(args["is_causal"]), float(scale), (q.shape, k.shape, v.shape))
+    if not split.balanced:
+        return _ContextAttention.apply(torch.cat([t.reshape(-1) for t in (q, k, v)]), mask, a)
+    if rows_split:
+        mask = _Exchange.apply(mask.ndim - 2, split, True, mask).view(mask.shape)
+    out = _ContextAttention.apply(_Exchange.apply(_SEQ, split, True, q, k, v), mask, a)
+    return _Exchange.apply(_SEQ, split, False, out).view(out.shape)
 
 
 class RingAttentionOp(LocalOp):
