@@ -1,31 +1,44 @@
 """Context-parallel attention: how the "ring", "allgather_kv" and "ulysses" strategies of
-scaled_dot_product_attention run (`strategies/attention.py` states them).
+scaled_dot_product_attention run (`strategies/attention.py` states them, `cost_model/context.py`
+prices their time and memory).
 
 q, k, v (and the mask's rows) arrive split on the sequence over one mesh axis of n devices,
 device i holding the i-th contiguous chunk; the output leaves the same way.
 
 * ring, allgather_kv: queries stay where they are. Under a causal mask device i would do i+1 of
-  n blocks of work, so the chunks are first exchanged (one all-to-all) so that device i holds
-  half-chunks i and 2n-1-i of 2n: every device then has the same share of the causal triangle
-  (the Llama 3 / torch context-parallel order); the output is exchanged back. K/V blocks then
-  visit every device: "ring" passes its block to the next device n-1 times, each hop issued before
-  the block in hand is computed, so transfer overlaps compute (functional collectives are
-  asynchronous); "allgather_kv" gathers every block at once. Each block gives scores masked by
-  the global positions of its queries and keys (and the user's mask, its columns for those keys),
-  merged by online softmax (running max, sum and output), in fp32.
-  The backward recomputes each block's probabilities from the saved log-sum-exp, as
-  FlashAttention's backward does. In the ring each block's dK/dV travel with it and reach
-  its owner after n hops; allgather_kv gathers K/V again and reduce-scatters dK/dV.
+  n blocks of work, so the chunks are first exchanged (one all-to-all per tensor) so that device i
+  holds half-chunks i and 2n-1-i of 2n: every device then has the same share of the causal
+  triangle (the Llama 3 / torch context-parallel order); the output is exchanged back. The
+  exchange happens here, inside the op, so the rest of the plan (and rotary positions, applied
+  before attention) sees the contiguous split; it costs an all-to-all of q, k, v and the output
+  per pass, which the cost model prices. q, k, v leave the exchange packed in one flat tensor, so
+  K/V are one buffer the ring passes on as they are. K/V blocks then visit every device: "ring"
+  passes its block to the next device n-1 times, each hop issued before the block in hand is
+  computed, so transfer overlaps compute (functional collectives are asynchronous); "allgather_kv"
+  gathers every block at once. Which part of a block a device computes, and whether under the
+  causal diagonal, follows from the ranks alone (`_block`: no tensor is read on the host). Each
+  block runs through one fused attention kernel in the inputs' dtype that returns its
+  log-sum-exp (`compat.attention_block`: CPU flash; CUDA flash, or efficient with a mask or in
+  fp32); blocks merge online into an fp32 output and log-sum-exp, the only fp32 buffers.
+  The backward runs the fused backward kernel per block with the merged output and log-sum-exp,
+  as FlashAttention's backward does (the kernels' own autograd would keep every block's K/V for
+  the backward: O(n) blocks; this keeps one or two). In the ring each block's dK/dV (fp32) travel
+  with it and reach their owner after n hops; allgather_kv gathers K/V again and reduce-scatters
+  dK/dV. A user's boolean mask becomes an additive mask per block (its columns for the block's
+  keys); a row it masks wholly within a block gets log-sum-exp -inf (the kernels return 0).
 * ulysses: DTensor moves q, k, v from the sequence split to a heads split (an all-to-all),
   attention runs on whole sequences of n-th of the heads, and the output moves back; all through
   the differentiable `reshard`, so autograd does the mirrored all-to-alls.
 
-Why not torch's ring attention (`torch.distributed.tensor.experimental.context_parallel`): in
-torch 2.13 it runs each block through the CUDA flash / efficient / cuDNN kernels and passes the
-same keyword arguments to every block, so it cannot take an explicit mask (Hugging Face models
-captured by torch.export hand attention a materialised causal mask), and its load balancing is a
-process-wide flag. We use its collectives (`funcol.permute_tensor`, the hop its all-to-all
-rotater makes) and its order of chunks.
+What comes from torch's context parallelism (`torch.distributed.tensor.experimental`,
+`_templated_ring_attention`): the kernels per block (the same private ops), its order of chunks
+and its split of each block under the causal mask (`_block`), its collectives (`funcol`,
+`permute_tensor` for a hop). Why not call it: it takes no explicit mask (Hugging Face models
+captured by torch.export hand attention a materialised causal mask), expects the sequence already
+in the balanced order (its load balancer permutes the whole model's inputs, which would change
+every other op's layout in the plan), sets load balancing as a process-wide flag, runs only
+through DTensor's dispatcher on CUDA kernels, and its merge allocates a whole new output per
+block (`_partial_update` concatenates); here blocks merge in place.
 """
 from __future__ import annotations
 
