@@ -202,7 +202,7 @@ def _merge(acc, lse, out, out_lse) -> None:
     softmax: each weighted by its share of the merged sum). A row no key reached yet has lse -inf."""
     new = torch.logaddexp(lse, out_lse)
     ref = new.masked_fill(new == float("-inf"), 0.0)
-    acc.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(out * torch.exp(out_lse - ref).unsqueeze(-1))
+    acc.mul_(torch.exp(lse - ref).unsqueeze(-1)).addcmul_(out, torch.exp(out_lse - ref).unsqueeze(-1))
     lse.copy_(new)
 
 
