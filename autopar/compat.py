@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
-           "at_backward_end", "fake_tensor_cache", "GROUPED_MM"]
+           "at_backward_end", "fake_tensor_cache", "GROUPED_MM", "attention_block", "attention_block_backward"]
 
 GROUPED_MM = torch.ops.aten._grouped_mm
 
@@ -101,3 +101,76 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
 def local_tensor(dt) -> torch.Tensor:
     """The local tensor object held by DTensor `dt` (no view made)."""
     return dt._local_tensor
+
+
+# the efficient (cutlass) CUDA kernel reads an additive mask with its rows aligned to this many elements,
+# and pads its queries' log-sum-exp to a multiple of this many (xformers' kAlignLSE)
+_EFFICIENT_ALIGN, _EFFICIENT_LSE_ALIGN = 16, 32
+
+
+def _cuda_kernel(q, bias) -> str:
+    """Which CUDA kernel runs a block: flash where it applies (16-bit, no mask), else efficient."""
+    return "flash" if bias is None and q.dtype in (torch.float16, torch.bfloat16) else "efficient"
+
+
+def _efficient_bias(bias, q, k):
+    """An additive mask as the efficient kernel takes it: (B, H, Sq, Sk), rows 16-aligned in memory."""
+    if bias is None:
+        return None
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    cols = -(-shape[-1] // _EFFICIENT_ALIGN) * _EFFICIENT_ALIGN
+    out = torch.empty((*shape[:-1], cols), dtype=q.dtype, device=q.device)[..., :shape[-1]]
+    return out.copy_(bias.expand(shape))
+
+
+def _gqa(q, k, v):
+    """K/V heads repeated for grouped-query attention (the CUDA kernels want as many as q's)."""
+    g = q.shape[1] // k.shape[1]
+    return (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+
+
+def attention_block(q, k, v, bias, is_causal: bool, scale: float):
+    """(output in q's dtype, log-sum-exp (B, H, Sq) in fp32, the kernel's state for its backward) of one
+    fused attention kernel; `bias` an additive mask in q's dtype or None; k, v may have fewer heads (GQA)."""
+    aten = torch.ops.aten
+    if q.device.type != "cuda":     # the CPU kernel takes grouped K/V heads as they are
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias,
+                                                                     scale=scale)
+        return out, lse, ()
+    k, v = _gqa(q, k, v)
+    if _cuda_kernel(q, bias) == "flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+        q, k, v, _efficient_bias(bias, q, k), True, 0.0, is_causal, scale=scale)
+    return out, lse[..., :q.shape[2]], (seed, offset)
+
+
+def attention_block_backward(dout, q, k, v, out, lse, bias, is_causal: bool, scale: float, state: tuple):
+    """(dq, dk, dv) of `attention_block(q, k, v, bias, is_causal, scale)` given the output and
+    log-sum-exp of the whole attention these keys are one block of (that is how blocks' gradients add
+    up: FlashAttention's backward); `state`: the forward kernel's (any of its calls: without dropout
+    it holds no per-call randomness). dk, dv have k's heads."""
+    aten = torch.ops.aten
+    if q.device.type != "cuda":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
+    heads = k.shape[1]
+    k, v = _gqa(q, k, v)
+    if _cuda_kernel(q, bias) == "flash":
+        cum_q, cum_k, seed, offset = state
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, q.shape[2], k.shape[2], 0.0, is_causal, seed, offset,
+            scale=scale)
+    else:
+        seed, offset = state
+        pad = -lse.shape[-1] % _EFFICIENT_LSE_ALIGN
+        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
+        # no mask: None, which torch.ops passes on as the undefined tensor the kernel reads as "no bias"
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, _efficient_bias(bias, q, k), out, lse, seed, offset, 0.0, [True, True, True, False],
+            is_causal, scale=scale)
+    if heads != q.shape[1]:
+        dk, dv = (g.unflatten(1, (heads, -1)).sum(2) for g in (dk, dv))
+    return dq, dk, dv

@@ -30,8 +30,10 @@ The backward of op i holds (a backward point, one per op that has a gradient):
 * the parameters' gradients made so far (`Problem` adds them: a parameter's gradient exists from
   the backward of its last consumer on), and the copies kept for backwards not run yet.
 * the gradient buckets in flight (`buckets_in_flight_bytes`).
-A view's gradient is not counted apart from its base's; gradient reshards in the backward and an
-op's backward-internal temporaries are not counted.
+* the working buffers of op i's backward where its executor declares them (`Decision.work_bytes`:
+  context-parallel attention's K/V blocks and their gradients, `cost_model/context.py`).
+A view's gradient is not counted apart from its base's; gradient reshards in the backward and other
+ops' backward-internal temporaries are not counted.
 """
 from __future__ import annotations
 

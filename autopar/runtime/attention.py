@@ -1,40 +1,54 @@
 """Context-parallel attention: how the "ring", "allgather_kv" and "ulysses" strategies of
-scaled_dot_product_attention run (`strategies/attention.py` states them).
+scaled_dot_product_attention run (`strategies/attention.py` states them, `cost_model/context.py`
+prices their time and memory).
 
 q, k, v (and the mask's rows) arrive split on the sequence over one mesh axis of n devices,
 device i holding the i-th contiguous chunk; the output leaves the same way.
 
 * ring, allgather_kv: queries stay where they are. Under a causal mask device i would do i+1 of
-  n blocks of work, so the chunks are first exchanged (one all-to-all) so that device i holds
-  half-chunks i and 2n-1-i of 2n: every device then has the same share of the causal triangle
-  (the Llama 3 / torch context-parallel order); the output is exchanged back. K/V blocks then
-  visit every device: "ring" passes its block to the next device n-1 times, each hop issued before
-  the block in hand is computed, so transfer overlaps compute (functional collectives are
-  asynchronous); "allgather_kv" gathers every block at once. Each block gives scores masked by
-  the global positions of its queries and keys (and the user's mask, its columns for those keys),
-  merged by online softmax (running max, sum and output), in fp32.
-  The backward recomputes each block's probabilities from the saved log-sum-exp, as
-  FlashAttention's backward does. In the ring each block's dK/dV travel with it and reach
-  its owner after n hops; allgather_kv gathers K/V again and reduce-scatters dK/dV.
+  n blocks of work, so the chunks are first exchanged (one all-to-all per tensor) so that device i
+  holds half-chunks i and 2n-1-i of 2n: every device then has the same share of the causal
+  triangle (the Llama 3 / torch context-parallel order); the output is exchanged back. The
+  exchange happens here, inside the op, so the rest of the plan (and rotary positions, applied
+  before attention) sees the contiguous split; it costs an all-to-all of q, k, v and the output
+  per pass, which the cost model prices. q, k, v leave the exchange packed in one flat tensor, so
+  K/V are one buffer the ring passes on as they are. K/V blocks then visit every device: "ring"
+  passes its block to the next device n-1 times, each hop issued before the block in hand is
+  computed, so transfer overlaps compute (functional collectives are asynchronous); "allgather_kv"
+  gathers every block at once. Which part of a block a device computes, and whether under the
+  causal diagonal, follows from the ranks alone (`_block`: no tensor is read on the host). Each
+  block runs through one fused attention kernel in the inputs' dtype that returns its
+  log-sum-exp (`compat.attention_block`: CPU flash; CUDA flash, or efficient with a mask or in
+  fp32); blocks merge online into an fp32 output and log-sum-exp, the only fp32 buffers.
+  The backward runs the fused backward kernel per block with the merged output and log-sum-exp,
+  as FlashAttention's backward does (the kernels' own autograd would keep every block's K/V for
+  the backward: O(n) blocks; this keeps one or two). In the ring each block's dK/dV (fp32) travel
+  with it and reach their owner after n hops; allgather_kv gathers K/V again and reduce-scatters
+  dK/dV. A user's boolean mask becomes an additive mask per block (its columns for the block's
+  keys); a row it masks wholly within a block gets log-sum-exp -inf (the kernels return 0).
 * ulysses: DTensor moves q, k, v from the sequence split to a heads split (an all-to-all),
   attention runs on whole sequences of n-th of the heads, and the output moves back; all through
   the differentiable `reshard`, so autograd does the mirrored all-to-alls.
 
-Why not torch's ring attention (`torch.distributed.tensor.experimental.context_parallel`): in
-torch 2.13 it runs each block through the CUDA flash / efficient / cuDNN kernels and passes the
-same keyword arguments to every block, so it cannot take an explicit mask (Hugging Face models
-captured by torch.export hand attention a materialised causal mask), and its load balancing is a
-process-wide flag. We use its collectives (`funcol.permute_tensor`, the hop its all-to-all
-rotater makes) and its order of chunks.
+What comes from torch's context parallelism (`torch.distributed.tensor.experimental`,
+`_templated_ring_attention`): the kernels per block (the same private ops), its order of chunks
+and its split of each block under the causal mask (`_block`), its collectives (`funcol`,
+`permute_tensor` for a hop). Why not call it: it takes no explicit mask (Hugging Face models
+captured by torch.export hand attention a materialised causal mask), expects the sequence already
+in the balanced order (its load balancer permutes the whole model's inputs, which would change
+every other op's layout in the plan), sets load balancing as a process-wide flag, runs only
+through DTensor's dispatcher on CUDA kernels, and its merge allocates a whole new output per
+block (`_partial_update` concatenates); here blocks merge in place.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..compat import funcol
+from ..compat import attention_block, attention_block_backward, funcol
 from ..strategies.attention import context_axis, sdpa_args, ulysses_layouts
 from .ops import LocalOp, _FromLocal
 from .reshard import reshard
@@ -56,48 +70,58 @@ class _Split:
         """The half-chunks (of 2n) device r holds, in local order."""
         return [r, 2 * self.n - 1 - r] if balanced else [2 * r, 2 * r + 1]
 
-    def positions(self, r: int, device) -> torch.Tensor:
-        if not self.balanced:
-            return torch.arange(r * self.local, (r + 1) * self.local, device=device)
-        half = self.local // 2
-        return torch.cat([torch.arange(c * half, (c + 1) * half, device=device) for c in self.held(r, True)])
-
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """A functional collective's result, waited for."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _exchange(x: torch.Tensor, dim: int, split: _Split, to_balanced: bool) -> torch.Tensor:
-    """Move x's half-chunks along `dim` between the contiguous and the balanced order (one all-to-all)."""
+def _exchange(xs: list[torch.Tensor], dim: int, split: _Split, to_balanced: bool) -> torch.Tensor:
+    """The tensors xs (of one dtype) with their half-chunks along `dim` moved between the contiguous
+    and the balanced order, packed one after another into one flat tensor: one all-to-all per
+    tensor, so that only one tensor's send and receive buffers exist at a time. Each half-chunk is
+    copied into the send buffer and from the received one into its place."""
     src = lambda r: split.held(r, not to_balanced)   # noqa: E731
     dst = lambda r: split.held(r, to_balanced)       # noqa: E731
-    xs = x.movedim(dim, 0)
-    half = xs.shape[0] // 2
-    mine = dict(zip(src(split.rank), xs.split(half)))
-    send, in_splits, arrival, out_splits = [], [], [], []
-    for r in range(split.n):
-        cs = [c for c in dst(r) if c in mine]
-        send += [mine[c] for c in cs]
-        in_splits.append(len(cs) * half)
-        cs = [c for c in dst(split.rank) if c in src(r)]
-        arrival += cs
-        out_splits.append(len(cs) * half)
-    got = funcol.all_to_all_single(torch.cat(send).contiguous(), out_splits, in_splits, split.group)
-    pieces = _ready(got).split(half)
-    return torch.cat([pieces[arrival.index(c)] for c in dst(split.rank)]).movedim(0, dim).contiguous()
+    mine = {c: i for i, c in enumerate(src(split.rank))}
+    outgoing = [c for r in range(split.n) for c in dst(r) if c in mine]
+    arrival = [c for r in range(split.n) for c in dst(split.rank) if c in src(r)]
+    in_splits = [sum(1 for c in dst(r) if c in mine) for r in range(split.n)]
+    out_splits = [sum(1 for c in dst(split.rank) if c in src(r)) for r in range(split.n)]
+    out = torch.empty(sum(x.numel() for x in xs), dtype=xs[0].dtype, device=xs[0].device)
+    for x, whole in zip(xs, _unpacked(out, [x.shape for x in xs])):
+        half = x.shape[dim] // 2
+        piece = x.narrow(dim, 0, half).shape
+        send = torch.empty(len(outgoing) * piece.numel(), dtype=x.dtype, device=x.device)
+        for c, part in zip(outgoing, send.split(piece.numel())):
+            part.view(piece).copy_(x.narrow(dim, mine[c] * half, half))
+        got = funcol.all_to_all_single(send, [k * piece.numel() for k in out_splits],
+                                       [k * piece.numel() for k in in_splits], split.group)
+        del send       # held by the collective until it completes, no longer
+        for c, part in zip(arrival, _ready(got).split(piece.numel())):
+            whole.narrow(dim, dst(split.rank).index(c) * half, half).copy_(part.view(piece))
+    return out
+
+
+def _unpacked(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of the tensors of these shapes packed one after another in a flat tensor."""
+    sizes = [math.prod(s) for s in shapes]
+    return [t.view(s) for t, s in zip(flat[:sum(sizes)].split(sizes), shapes)]
 
 
 class _Exchange(torch.autograd.Function):
+    """`_exchange` as an autograd op: its backward moves the packed gradients back the other way."""
+
     @staticmethod
-    def forward(ctx, x, dim, split, to_balanced):  # type: ignore[override]
-        ctx.args = (dim, split, to_balanced)
-        return _exchange(x, dim, split, to_balanced)
+    def forward(ctx, dim, split, to_balanced, *xs):  # type: ignore[override]
+        ctx.args, ctx.shapes = (dim, split, to_balanced), [x.shape for x in xs]
+        return _exchange(list(xs), dim, split, to_balanced)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         dim, split, to_balanced = ctx.args
-        return _exchange(grad.contiguous(), dim, split, not to_balanced), None, None, None
+        back = _exchange(_unpacked(grad.contiguous(), ctx.shapes), dim, split, not to_balanced)
+        return (None, None, None, *_unpacked(back, ctx.shapes))
 
 
 @dataclass(frozen=True)
@@ -106,28 +130,50 @@ class _Attn:
     mode: str            # "ring" | "allgather_kv"
     is_causal: bool
     scale: float
+    shapes: tuple        # of this device's q, k, v (packed one after another into one flat tensor)
 
 
-def _block_scores(a: _Attn, q, k, mask, qpos, kpos):
-    """fp32 scores of local queries against one K block, masked (-inf) where not attended."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * a.scale
-    keep = qpos[:, None] >= kpos[None, :] if a.is_causal else None
-    if mask is not None:
-        cols = mask.index_select(-1, kpos)
-        if cols.dtype == torch.bool:
-            keep = cols if keep is None else keep & cols
-        else:
-            s = s + cols.float()
-    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+class _Block(NamedTuple):
+    """The part of a K/V block one device computes with: its queries from `q_from` on, the block's
+    first `k_len` keys, under the causal diagonal or not."""
+    q_from: int
+    k_len: int
+    causal: bool
 
 
-def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """K/V heads repeated for grouped-query attention."""
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+def _block(a: _Attn, origin: int) -> _Block | None:
+    """What this device computes against the K/V block of device `origin` (None: nothing), decided
+    from the ranks alone. Under a causal mask with the balanced order (this device holds half-chunks
+    r < 2n-1-r, the origin o and 2n-1-o): its own block is the causal diagonal; a block from o < r
+    sees its first half-chunk before both of ours and its second after both (its first half, all
+    queries); from o > r both of its half-chunks lie between ours (all its keys, our second half).
+    Each is half of a square of 2 half-chunks: every device does equal work (torch's
+    `_templated_ring_attention` splits blocks the same way). Without balance (an odd chunk) a block
+    from an earlier device is whole, from a later one skipped."""
+    sp, local = a.split, a.split.local
+    if not a.is_causal:
+        return _Block(0, local, False)
+    if origin == sp.rank:
+        return _Block(0, local, True)
+    if not sp.balanced:
+        return _Block(0, local, False) if origin < sp.rank else None
+    half = local // 2
+    return _Block(0, half, False) if origin < sp.rank else _Block(half, local, False)
 
 
-def _unheads(g: torch.Tensor, groups: int) -> torch.Tensor:
-    return g.unflatten(1, (-1, groups)).sum(2) if groups > 1 else g
+def _mask_block(a: _Attn, mask, origin: int, blk: _Block, dtype):
+    """(additive mask in `dtype`, rows it masks wholly) of the user's boolean mask for this device's
+    queries in blk against the block's keys: its columns at those keys' global positions."""
+    if mask is None:
+        return None, None
+    sp, local = a.split, a.split.local
+    width = local // 2 if sp.balanced else local
+    starts = [c * width for c in sp.held(origin, True)] if sp.balanced else [origin * local]
+    cols = torch.cat([mask.narrow(-1, s, width) for s in starts], -1).narrow(-1, 0, blk.k_len)
+    if cols.shape[-2] > 1:
+        cols = cols.narrow(-2, blk.q_from, local - blk.q_from)
+    bias = torch.zeros(cols.shape, dtype=dtype, device=cols.device).masked_fill_(~cols, float("-inf"))
+    return bias, ~cols.any(-1)
 
 
 def _kv_blocks(a: _Attn, kv: torch.Tensor):
@@ -146,75 +192,95 @@ def _kv_blocks(a: _Attn, kv: torch.Tensor):
         kv = following
 
 
-def _pack(k, v):
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
+def _unpack(a: _Attn, kv, k_len: int):
+    """The first k_len keys and values of a packed K/V block (views)."""
+    return [t.narrow(_SEQ, 0, k_len) for t in _unpacked(_ready(kv), a.shapes[1:])]
 
 
-def _unpack(kv, k_like):
-    kv = _ready(kv).float()
-    return kv[:k_like.numel()].view(k_like.shape), kv[k_like.numel():].view(k_like.shape)
+def _merge(acc, lse, out, out_lse) -> None:
+    """Fold one block's (output, log-sum-exp) into the running fp32 (acc, lse), in place (online
+    softmax: each weighted by its share of the merged sum). A row no key reached yet has lse -inf."""
+    new = torch.logaddexp(lse, out_lse)
+    ref = new.masked_fill(new == float("-inf"), 0.0)
+    acc.mul_(torch.exp(lse - ref).unsqueeze(-1)).addcmul_(out, torch.exp(out_lse - ref).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _rows(t: torch.Tensor, blk: _Block) -> torch.Tensor:
+    return t.narrow(_SEQ, blk.q_from, t.shape[_SEQ] - blk.q_from) if blk.q_from else t
+
+
+def _attend(a: _Attn, q, kv, mask, origin: int, blk: _Block, acc, lse) -> tuple:
+    """Merge one K/V block's attention into (acc, lse); the kernel's state for the backward.
+    (A function of its own so that the block's temporaries are freed before the next block.)"""
+    kb, vb = _unpack(a, kv, blk.k_len)
+    bias, dead = _mask_block(a, mask, origin, blk, q.dtype)
+    out, out_lse, state = attention_block(_rows(q, blk), kb, vb, bias, blk.causal, a.scale)
+    if dead is not None:  # the fused kernel gives a row with no key a log-sum-exp of 0
+        out_lse = out_lse.masked_fill(dead, float("-inf"))
+    _merge(_rows(acc, blk), _rows(lse, blk), out, out_lse)
+    return state
+
+
+def _attend_backward(a: _Attn, state, saved, kv, mask, origin: int, blk: _Block, dq, dkv) -> None:
+    """Add one K/V block's share of the gradients into dq and the block's packed dK/dV, dkv;
+    saved: this device's (q, attention output, its log-sum-exp, the output's gradient)."""
+    q, out, lse, dout = saved
+    kb, vb = _unpack(a, kv, blk.k_len)
+    bias, _ = _mask_block(a, mask, origin, blk, q.dtype)
+    gq, gk, gv = attention_block_backward(_rows(dout, blk), _rows(q, blk), kb, vb, _rows(out, blk),
+                                          _rows(lse, blk).contiguous(), bias, blk.causal, a.scale, state)
+    _rows(dq, blk).add_(gq)
+    for acc, g in zip(_unpacked(dkv, a.shapes[1:]), (gk, gv)):
+        acc.narrow(_SEQ, 0, blk.k_len).add_(g)
 
 
 class _ContextAttention(torch.autograd.Function):
+    """Blockwise attention of q, k, v packed in one flat tensor over the K/V blocks of the context
+    axis, each block through one fused kernel in the inputs' dtype (`compat.attention_block`),
+    merged by log-sum-exp in fp32; only the output, its log-sum-exp and one or two K/V blocks (and
+    their gradients) exist at a time. The packed K/V are what the ring passes on, as they are."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, a: _Attn):  # type: ignore[override]
-        groups = q.shape[1] // k.shape[1]
-        qf = q.float()
-        qpos = a.split.positions(a.split.rank, q.device)
-        run_max = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
-        total = torch.zeros_like(run_max)
-        acc = torch.zeros(q.shape, device=q.device)
-        for origin, kv in _kv_blocks(a, _pack(k, v)):
-            kpos = a.split.positions(origin, q.device)
-            if a.is_causal and int(kpos.min()) > int(qpos.max()):
-                continue          # wholly in the future of every local query
-            kb, vb = _unpack(kv, k)
-            s = _block_scores(a, qf, _heads(kb, groups), mask, qpos, kpos)
-            new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
-            shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            p = torch.exp(s - shift)
-            rescale = torch.exp(run_max - shift)
-            total = total * rescale + p.sum(-1, keepdim=True)
-            acc = acc * rescale + torch.matmul(p, _heads(vb, groups))
-            run_max = new_max
-        out = acc / total
-        lse = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max) + torch.log(total)
-        ctx.a = a
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out.to(q.dtype)
+    def forward(ctx, qkv, mask, a: _Attn):  # type: ignore[override]
+        q = _unpacked(qkv, a.shapes[:1])[0]
+        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        state = None
+        for origin, kv in _kv_blocks(a, qkv[q.numel():]):
+            blk = _block(a, origin)
+            if blk is not None:   # None: wholly in the future of every local query
+                st = _attend(a, q, kv, mask, origin, blk, acc, lse)
+                state = st if state is None else state
+        out = acc.to(q.dtype)
+        ctx.a, ctx.state = a, state
+        ctx.save_for_backward(qkv, mask, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         a: _Attn = ctx.a
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        sp, groups = a.split, q.shape[1] // k.shape[1]
-        qf, dof = q.float(), dout.float()
-        qpos = sp.positions(sp.rank, q.device)
-        delta = (dof * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
+        qkv, mask, out, lse = ctx.saved_tensors
+        sp, dout = a.split, dout.contiguous()
+        q = _unpacked(qkv, a.shapes[:1])[0]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         nxt = [(r + 1) % sp.n for r in range(sp.n)]
-        gathered = []      # allgather_kv: dK/dV of every block, reduce-scattered at the end
-        travelling = torch.zeros(2 * k.numel(), device=q.device)     # ring: dK/dV of the block in hand
-        for origin, kv in _kv_blocks(a, _pack(k, v)):
-            kpos = sp.positions(origin, q.device)
-            dkv = torch.zeros(2 * k.numel(), device=q.device)
-            if not (a.is_causal and int(kpos.min()) > int(qpos.max())):
-                kb, vb = _unpack(kv, k)
-                kh, vh = _heads(kb, groups), _heads(vb, groups)
-                p = torch.exp(_block_scores(a, qf, kh, mask, qpos, kpos) - lse)
-                ds = p * (torch.matmul(dof, vh.transpose(-2, -1)) - delta)
-                dq += torch.matmul(ds, kh) * a.scale
-                dk = _unheads(torch.matmul(ds.transpose(-2, -1), qf) * a.scale, groups)
-                dv = _unheads(torch.matmul(p.transpose(-2, -1), dof), groups)
-                dkv = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-            if a.mode == "allgather_kv":
-                gathered.append(dkv)
-            else:             # add ours, pass it on with the block; after n hops it is home
-                travelling = funcol.permute_tensor(travelling + dkv, nxt, sp.group)
-        if a.mode == "allgather_kv":
-            travelling = funcol.reduce_scatter_single(torch.cat(gathered), "sum", 0, sp.group)
-        dk, dv = _unpack(travelling, k)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        # dK/dV in fp32: of every block (allgather_kv, reduce-scattered at the end), or of the block in
+        # hand, travelling with it (ring: after n hops it is home; a buffer sent on is not kept)
+        kv_numel = qkv.numel() - q.numel()
+        grads = torch.zeros((sp.n, kv_numel), device=q.device) if a.mode == "allgather_kv" else None
+        travelling = torch.zeros(kv_numel, device=q.device) if grads is None else None
+        for origin, kv in _kv_blocks(a, qkv[q.numel():]):
+            blk = _block(a, origin)
+            dkv = _ready(travelling) if grads is None else grads[origin]
+            if blk is not None:
+                _attend_backward(a, ctx.state, (q, out, lse, dout), kv, mask, origin, blk, dq, dkv)
+            if grads is None:
+                travelling = funcol.permute_tensor(dkv, nxt, sp.group)
+                del dkv
+        if grads is not None:
+            travelling = funcol.reduce_scatter_single(grads.view(-1), "sum", 0, sp.group)
+        return torch.cat([dq.view(-1).to(qkv.dtype), _ready(travelling).to(qkv.dtype)]), None, None
 
 
 def context_attention(args: dict, device_mesh, axis: int, mode: str) -> torch.Tensor:
@@ -226,14 +292,15 @@ def context_attention(args: dict, device_mesh, axis: int, mode: str) -> torch.Te
                    balanced=causal_like and n > 1 and local % 2 == 0)
     scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     rows_split = mask is not None and mask.shape[-2] == local and mask.shape[-2] > 1
-    if split.balanced:
-        q, k, v = (_Exchange.apply(t, _SEQ, split, True) for t in (q, k, v))
-        if rows_split:
-            mask = _Exchange.apply(mask, mask.ndim - 2, split, True)
     if mask is not None and not rows_split and mask.shape[-2] != 1:
         raise ValueError(f"attention mask rows {mask.shape[-2]} match neither the local queries ({local}) nor 1")
-    out = _ContextAttention.apply(q, k, v, mask, _Attn(split, mode, bool(args["is_causal"]), float(scale)))
-    return _Exchange.apply(out, _SEQ, split, False) if split.balanced else out
+    a = _Attn(split, mode, bool(args["is_causal"]), float(scale), (q.shape, k.shape, v.shape))
+    if not split.balanced:
+        return _ContextAttention.apply(torch.cat([t.reshape(-1) for t in (q, k, v)]), mask, a)
+    if rows_split:
+        mask = _Exchange.apply(mask.ndim - 2, split, True, mask).view(mask.shape)
+    out = _ContextAttention.apply(_Exchange.apply(_SEQ, split, True, q, k, v), mask, a)
+    return _Exchange.apply(_SEQ, split, False, out).view(out.shape)
 
 
 class RingAttentionOp(LocalOp):

@@ -38,7 +38,7 @@ from ..passes.layers import layer_key
 from ..plan import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
-from .memory_timeline import (act_bytes, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
+from .memory_timeline import (act_bytes, bucket_buffers, grouped_member_sums, memory_points, prefix_sums, work_temps,
                               window_sums)
 from .problem import Problem, picked_edges
 
@@ -481,6 +481,8 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     for e, a, b in picked_edges(problem, choice):
         r = rank(last if e.dst == "output" else chunk_of[e.dst])
         copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
+    for n, pos, b in work_temps(problem, choice):
+        copies[rank(chunk_of[n])].append((pos, 0.0, b))
     made: list[list] = [[] for _ in range(p)]
     for n, d in problem.decisions.items():
         if d.grad_bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from ..cost_model.memory import buckets_in_flight_bytes
+from .memory_timeline import work_points
 
 GIB = float(2**30)
 DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
@@ -60,6 +61,9 @@ class MemoryRows:
         for k, e in enumerate(p.edges):
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
+        work_at: dict[int, list[str]] = {}
+        for n, pos in work_points(p):
+            work_at.setdefault(pos, []).append(n)
         nk = nm = 0
         events: list[list[tuple]] = []
         temps: list[list[tuple]] = []
@@ -79,7 +83,8 @@ class MemoryRows:
                 ev.append((GRADS, 1.0, self._node(made[nm][1], "grad_bytes")))
                 nm += 1
             events.append(ev)
-            temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+            temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)]
+                         + [vc for n in work_at.get(where, ()) for vc in self._node(n, "work_bytes")])
         return events, temps
 
     def _buckets(self) -> tuple[tuple, float]:

@@ -36,6 +36,8 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     temps: dict = {}
     for pos, _, t in picked:
         temps[pos] = temps.get(pos, 0.0) + t
+    for _, pos, b in work_temps(p, choice):
+        temps[pos] = temps.get(pos, 0.0) + b
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
     buckets = bucket_buffers(p, choice)
     acts = member_sums(live.point_changes, size)
@@ -45,6 +47,16 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
         points.append(total + made[bisect_right(made_at, where)] + buckets if where > live.last else total)
     return state, points
+
+
+def work_points(p: Problem) -> list[tuple[str, int]]:
+    """(op, its backward's position) of every op with working buffers (`Decision.work_bytes`)."""
+    return [(n, p.live.backward_of(p.live.op_pos[n])) for n, d in p.decisions.items() if d.work_bytes]
+
+
+def work_temps(p: Problem, choice: Mapping[str, int]) -> list[tuple[str, int, float]]:
+    """(op, position, bytes) of the ops' working buffers under a choice: alive at their backward's point."""
+    return [(n, pos, p.decisions[n].work_bytes[choice[p.decisions[n].leader]]) for n, pos in work_points(p)]
 
 
 def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:

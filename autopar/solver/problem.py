@@ -28,7 +28,7 @@ from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_e
                                expert_tp_exchange_times, flat_gather_axis, layout_code, moe_routed_load,
                                vocab_reduce_bytes_on_wire, vocab_reduce_times)
 from ..cost_model.compute import RANDOM_OPS, random_time
-from ..cost_model.context import ContextComm, context_times
+from ..cost_model.context import FP32_BYTES, ContextComm, context_saved_bytes, context_times, context_work_bytes
 from ..cost_model.experts import expert_pass_times, expert_saved_bytes
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
 from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
@@ -68,6 +68,8 @@ class Decision:
     elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
     mixed: bool = False                                    # a parameter trained in mixed precision
     grad_bytes: list[float] = field(default_factory=list)  # its gradient's part of state_bytes (absent in the forward)
+    # an op's working buffers at its backward's point, per choice (context-parallel attention's blocks); [] if none
+    work_bytes: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -277,7 +279,8 @@ def context_comm(node: fx.Node, s: Strategy, ins: Sequence[TensorMeta], mesh: Me
     q_b = ins[0].nbytes / shard_count(s.inputs[0], mesh.shape)
     kv_b = (ins[1].nbytes + ins[2].nbytes) / shard_count(s.inputs[1], mesh.shape)
     return ContextComm(s.labels[axis], mesh.shape[axis], mesh.links[axis], q_b, kv_b,
-                       balanced=bool(args["is_causal"]) or args["attn_mask"] is not None)
+                       balanced=bool(args["is_causal"]) or args["attn_mask"] is not None,
+                       fp32=FP32_BYTES / ins[1].dtype.itemsize, head_dim=int(ins[0].shape[-1]))
 
 
 def moe_routed_bytes(out: TensorMeta, top_k_index: fx.Node, s: Strategy, shape) -> float:
@@ -548,10 +551,10 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
         if key not in node_costs:      # the strategies are kept with it: their ids stay their own
             node_costs[key] = (strategies, *_node_costs(node, info, strategies, ins_meta, facts, ng[node.name],
                                                         is_view[node.name], mesh, moe_load, priced))
-        _, compute, forward, act = node_costs[key]
+        _, compute, forward, act, work = node_costs[key]
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
-                                        opt_bytes=[0.0] * len(strategies))
+                                        opt_bytes=[0.0] * len(strategies), work_bytes=work)
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
@@ -591,9 +594,12 @@ def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_m
         forward.append(fwd)
     compute = compute or [0.0] * len(strategies)
     forward = forward or [0.0] * len(strategies)
+    contexts = [context_comm(node, s, ins_meta, mesh) for s in strategies]
     act = [0.0 if view else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
-           + exchange_saved_bytes(info, s, shape, facts, moe_load) for s in strategies]
-    return compute, forward, act
+           + exchange_saved_bytes(info, s, shape, facts, moe_load) + (context_saved_bytes(c) if c else 0.0)
+           for s, c in zip(strategies, contexts)]
+    work = [context_work_bytes(c) if c and grad else 0.0 for c in contexts]
+    return compute, forward, act, (work if any(work) else [])
 
 
 def _const_args(a):

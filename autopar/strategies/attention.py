@@ -14,8 +14,9 @@ the scores (B, H, Sq, Sk). Along one mesh axis of n devices:
 
 The last three are context parallelism: the sequence stays split through attention, so the whole
 model can keep activations split on the sequence. Their executor is `runtime/attention.py`, which
-balances causal work (each device computes on sequence chunks i and 2n-1-i); their time, with the
-ring's transfers overlapped with its blocks, is `cost_model/context.py`. A strategy uses at most one
+balances causal work (each device computes on sequence chunks i and 2n-1-i) and runs each block
+through a fused kernel; their time, with the ring's transfers overlapped with its blocks, and the
+memory their executor keeps and works in, are `cost_model/context.py`. A strategy uses at most one
 context-parallel axis.
 """
 from __future__ import annotations
