@@ -8,7 +8,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import autoparallelize, plan
 from .cost_model.pipeline import Pipeline
-from .errors import (AutoparError, CaptureError, CollectiveError, InfeasibleError, MeshError, PlanFileError,
+from .errors import (AutoparError, CaptureError, CheckpointError, CollectiveError, InfeasibleError, MeshError, PlanFileError,
                      PlanMismatchError, ShardingError)
 from .mesh import Mesh
 from .plan import Estimate, Plan
@@ -24,5 +24,5 @@ def compile_backend(mesh: Mesh, **options):
 
 
 __all__ = ["Mesh", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
-           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CollectiveError",
+           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CheckpointError", "CollectiveError",
            "InfeasibleError", "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]
