@@ -269,6 +269,11 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
         return DTensor.from_local(module.get_buffer(slot.target), mesh, whole, run_check=False)
     if slot.kind == "constant":
         const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+        if const.is_meta:      # a model on meta lifts the tensors its forward makes on meta: empty ones hold no value
+            if const.numel():
+                raise AutoparError(f"the model's forward makes tensor {slot.target!r} from meta values: build the "
+                                   f"module that makes it off the meta device")
+            const = torch.empty_like(const, device=_device(mesh))
         return DTensor.from_local(const.to(_device(mesh)), mesh, whole, run_check=False)
     x = leaves[slot.target]
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):

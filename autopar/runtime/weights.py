@@ -97,14 +97,15 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def expected(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameter FQN, every alias -> canonical FQN; canonical FQN -> parameter; persistent buffer FQN -> buffer)."""
+    """(parameter FQN, every alias -> canonical FQN; canonical FQN -> parameter; buffer FQN -> buffer). Any
+    buffer may come from a checkpoint: a distributed module's state dict holds the non-persistent ones too."""
     first: dict[int, str] = {}
     alias, params = {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
         canon = first.setdefault(id(p), name)
         alias[name] = canon
         params[canon] = p
-    buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in alias}
+    buffers = dict(model.named_buffers(remove_duplicate=False))
     return alias, params, buffers
 
 
