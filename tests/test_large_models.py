@@ -142,3 +142,50 @@ def test_hf_checkpoint_loads_shard_by_shard_trains_like_from_pretrained_and_save
         assert mine[1] < mine[0] and r["param_rel"] < TOL, r
         assert r["dcp_differ"] == []
     assert r["saved_differ"] == [] if "saved_differ" in r else True
+
+
+def _broken_checkpoints(root: str) -> dict[str, str]:
+    """Rank 0 writes a good Llama directory and broken copies; -> {case: directory}."""
+    from safetensors.torch import load_file, save_file
+    good = os.path.join(root, "good")
+    _hf("llama", meta=False).save_pretrained(good, max_shard_size="30KB")
+    cases = {}
+    for case in ("removed", "removed_no_index", "truncated"):
+        cases[case] = os.path.join(root, case)
+        shutil.copytree(good, cases[case])
+    first = sorted(f for f in os.listdir(good) if f.endswith(".safetensors"))[0]
+    for case in ("removed", "removed_no_index"):
+        tensors = load_file(os.path.join(good, first))
+        del tensors[sorted(tensors)[0]]
+        save_file(tensors, os.path.join(cases[case], first), metadata={"format": "pt"})
+    os.remove(os.path.join(cases["removed_no_index"], "model.safetensors.index.json"))
+    with open(os.path.join(cases["truncated"], first), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(good, first)) - 16)
+    cases["other_model"] = os.path.join(root, "gpt2")
+    _hf("gpt2", meta=False).save_pretrained(cases["other_model"])
+    return cases
+
+
+def _refused_rank(rank, world, root):
+    warnings.simplefilter("ignore")
+    cases = [_broken_checkpoints(root) if rank == 0 else None]
+    dist.broadcast_object_list(cases)
+    out = {}
+    for case, path in cases[0].items():
+        try:
+            autopar.autoparallelize(_hf("llama", meta=True), _mesh((4,)), (), example_kwargs=_inputs("llama"),
+                                    checkpoint=path, symbolic=False)
+            out[case] = None
+        except autopar.CheckpointError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(rank_pool, tmp_path):
+    """A tensor removed (with and without the index), a truncated file, another model's checkpoint: a
+    CheckpointError naming the file and the key, on every rank, before anything is planned."""
+    for r in rank_pool(4).run(_refused_rank, str(tmp_path)):
+        assert "model.safetensors.index.json lists tensor" in r["removed"] and "model-00001-of" in r["removed"]
+        assert "no tensor for parameter" in r["removed_no_index"]
+        assert "model-00001-of-00004.safetensors: tensor" in r["truncated"] and "truncated" in r["truncated"]
+        assert "gpt2" in r["other_model"] and "is not a parameter or buffer of this model" in r["other_model"]
