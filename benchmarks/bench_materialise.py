@@ -5,15 +5,16 @@
 The model (examples/models.py's GPT: tied embedding, pre-LN blocks) is built under
 `torch.device("meta")`; rank 0 plans it for a (4,) "dp" CPU mesh with a memory budget below the
 parameters and gradients of a replicated copy, so the plan stores them split (SGD: no optimizer state);
-`autoparallelize(meta_model, ..., init=GPT._init_weights)` makes each rank's shards (equal to one process
+`autoparallelize(meta_model, ..., init="reset")` makes each rank's shards (equal to one process
 initialising the whole model, bitwise: tests/test_large_models.py), one training step runs, the trained
-module is written by `save_pretrained` (safetensors, from rank 0, one tensor at a time) and loaded again
-into a fresh meta model with `checkpoint=`.
+module is written by `save_pretrained` (safetensors, from rank 0, one tensor at a time), freed, and loaded
+again into a fresh meta model with `checkpoint=`.
 
 Per rank it prints the peak resident memory growth (VmHWM after the phase minus VmRSS before the model
-was made, the peak counter reset then: /proc/self/clear_refs) against the limit
-`plan peak + largest parameter + 1 GiB`, and the seconds to materialise (init), to train the step, to
-save and to load. Four full fp32 copies of the model and their gradients (39 GB) would not fit the
+was made, the peak counter reset then: /proc/self/clear_refs; the load's from just before it, after the
+first module was freed) against the limit `plan peak + largest parameter + 1 GiB`, and the seconds to
+materialise (init), to train the step, to save and to load (`materialise`/`load`: making the shards alone;
+`autoparallelize*`: the whole call, capture and planning included). Four full fp32 copies of the model and their gradients (39 GB) would not fit the
 24 GiB machine this is measured on.
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _rank(rank, world, args, directory):
     gc.collect()
     base = _reset_peak()
     t = time.perf_counter()
-    dmodel = autopar.autoparallelize(model, mesh, inputs, init=GPT._init_weights, memory_budget=budget,
+    dmodel = autopar.autoparallelize(model, mesh, inputs, init="reset", memory_budget=budget,
                                      optimizer="sgd", symbolic=False, time_limit=60)
     times["autoparallelize"] = time.perf_counter() - t
     plan = dmodel.plan
@@ -97,17 +98,18 @@ def _rank(rank, world, args, directory):
     times["save"] = time.perf_counter() - t
     del dmodel, opt, loss
     gc.collect()
+    before_load = _reset_peak()         # the load measured on its own, from what stays after the first module
     t = time.perf_counter()
     loaded = autopar.autoparallelize(model, mesh, inputs, plan=plan, checkpoint=directory)
     times["autoparallelize_checkpoint"] = time.perf_counter() - t
-    after_load = _status("VmHWM") - base
+    after_load = _status("VmHWM") - before_load
     del loaded
     W.Weights.materialise = original
     stored = sorted(set(tuple(v) for v in plan.placements.values()))
     return {"rank": rank, "params": n_params, "largest_param_bytes": largest, "budget_bytes": budget,
             "plan_peak_bytes": plan.estimate.peak_memory_bytes, "stored_layouts": stored,
             "rss_growth_after_init": after_init, "rss_growth_after_step": after_step,
-            "rss_growth_after_load": after_load,
+            "rss_growth_of_load": after_load, "rss_left_before_load": before_load - base,
             "limit_bytes": plan.estimate.peak_memory_bytes + largest + SLACK_BYTES,
             "seconds": {k: round(v, 2) for k, v in times.items()}}
 
@@ -129,7 +131,7 @@ def main(argv=None) -> list[dict]:
     finally:
         pool.shutdown()
     for r in rows:
-        r["within_limit"] = r["rss_growth_after_step"] <= r["limit_bytes"] and r["rss_growth_after_load"] <= r["limit_bytes"]
+        r["within_limit"] = max(r["rss_growth_after_step"], r["rss_growth_of_load"]) <= r["limit_bytes"]
         print(json.dumps(r, sort_keys=True))
     g = lambda b: f"{b / GIB:6.2f}"    # noqa: E731
     print(f"\nGPT {rows[0]['params'] / 1e9:.2f}B params on {WORLD} CPU ranks (GiB per rank; limit = plan peak "
@@ -138,7 +140,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         s = r["seconds"]
         print(f"{r['rank']:4d} {g(r['rss_growth_after_init'])} {g(r['rss_growth_after_step'])} "
-              f"{g(r['rss_growth_after_load'])} {g(r['limit_bytes'])}  {str(r['within_limit']):6s} "
+              f"{g(r['rss_growth_of_load'])} {g(r['limit_bytes'])}  {str(r['within_limit']):6s} "
               f"{s['materialise']:13.1f} {s['step']:7.1f} {s['save']:7.1f} {s['load']:7.1f}")
     return rows
 

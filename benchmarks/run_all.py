@@ -50,6 +50,9 @@ RUNS = [
     # issue 18: Mixtral-8x7B at 64 x 4096 on (dp=8, ep=8): expert parallelism vs the experts' older strategies;
     # EP x TP on (dp=8, ep=4, tp=2); EP with a capacity factor of 1.0
     ["bench_moe.py"],
+    # issue 34: a 1.2B GPT built on meta, initialised shard by shard on 4 CPU ranks, one step, saved, loaded:
+    # each rank's peak resident memory against plan peak + largest parameter + 1 GiB
+    ["bench_materialise.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,8 +40,12 @@ def _context() -> dict:
 
 
 def _run_document(rank, world_size, path: str):
+    import torch.distributed as dist
     ns = _context()
     here = os.getcwd()
+    shared = [tempfile.mkdtemp(prefix="autopar_docs_") if rank == 0 else None]
+    dist.broadcast_object_list(shared)      # `checkpoint_dir`: a directory every rank sees, as on shared storage
+    ns["checkpoint_dir"] = shared[0]
     with tempfile.TemporaryDirectory() as scratch:
         os.chdir(scratch)
         try:
@@ -48,6 +53,9 @@ def _run_document(rank, world_size, path: str):
                 exec(compile(code, f"{path} snippet {i}", "exec"), ns)   # our own documentation
         finally:
             os.chdir(here)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(shared[0], ignore_errors=True)
     return sorted(k for k in ns if not k.startswith("__"))
 
 

@@ -135,8 +135,11 @@ class Initialiser:
         try:
             with torch.no_grad(), _MetaWatch():
                 self.fn(module)
-        finally:
-            self._keep(made)
+        except BaseException:
+            for owner, kind, name, meta, _ in made:     # nothing kept: a retry starts from the values before
+                (owner._parameters if kind == "param" else owner._buffers)[name] = meta
+            raise
+        self._keep(made)
 
     def _present(self, module: torch.nn.Module, recurse: bool) -> list:
         """Put whole CPU tensors in place of the meta parameters and buffers `fn(module)` may write;

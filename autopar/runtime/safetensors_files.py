@@ -183,7 +183,7 @@ def write_directory(path: str, tensors: list[tuple[str, tuple[int, ...], torch.d
             for i in group:
                 t = value(i)
                 if writer:
-                    f.write(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                    f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 del t
     if writer and len(names) > 1:
         total = sum(math.prod(s) * d.itemsize for _, s, d in tensors)
