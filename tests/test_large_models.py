@@ -25,7 +25,7 @@ LR = 0.1
 
 def _hf(name: str, meta: bool):
     import transformers as T
-    config = zoo.hf_config(name)
+    config = zoo.with_layers(zoo.hf_config(name), 1)       # one layer: the cheapest capture
     cls = getattr(T, zoo._HF_CLASSES[name])
     if meta:
         with torch.device("meta"):
@@ -79,10 +79,10 @@ def _init_rank(rank, world, name, shape):
     return sorted(k for k in want if not torch.equal(got[k], want[k].detach())), len(want), placements
 
 
-@pytest.mark.parametrize("name, shape", [("llama", (4,)), ("llama", (2, 2)), ("gpt2", (4,))])
+@pytest.mark.parametrize("name, shape", [("llama", (2, 2)), ("gpt2", (4,))])
 def test_init_on_meta_equals_one_process_bitwise(rank_pool, name, shape):
-    """Llama (rotary buffers) on both meshes; GPT-2 (a tied embedding; its _init_weights re-draws its
-    submodules' c_proj)."""
+    """Llama (rotary buffers) on (2, 2); GPT-2 (a tied embedding; its _init_weights re-draws its submodules'
+    c_proj) on (4,)."""
     for differ, n, placements in rank_pool(4).run(_init_rank, name, shape):
         assert n > 10 and differ == [], (name, differ)
         assert any("S(0)" in p or "S(1)" in p for p in placements), placements     # really sharded
@@ -112,7 +112,7 @@ def _load_rank(rank, world, root):
     warnings.simplefilter("ignore")
     inputs, src = _inputs("llama"), os.path.join(root, "hf")
     if rank == 0:
-        _hf("llama", meta=False).save_pretrained(src, max_shard_size="30KB")
+        _hf("llama", meta=False).save_pretrained(src, max_shard_size="16KB")
     dist.barrier()
     out = {"files": sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))}
     dmodel = _parallel(_hf("llama", meta=True), "llama", (2, 2), inputs, checkpoint=src)
@@ -123,7 +123,7 @@ def _load_rank(rank, world, root):
     want = _tensors(ref)
     out["param_rel"] = max(_rel(_full(t), want[k].detach()) for k, t in _tensors(dmodel).items())
     trained = {k: _full(t) for k, t in _tensors(dmodel).items()}
-    dmodel.save_pretrained(os.path.join(root, "saved"), max_shard_size="30KB")
+    dmodel.save_pretrained(os.path.join(root, "saved"), max_shard_size="16KB")
     if rank == 0:
         back = _tensors(T.LlamaForCausalLM.from_pretrained(os.path.join(root, "saved")))
         out["saved_differ"] = sorted(k for k, t in back.items() if not torch.equal(t.detach(), trained[k]))
@@ -148,7 +148,7 @@ def _broken_checkpoints(root: str) -> dict[str, str]:
     """Rank 0 writes a good Llama directory and broken copies; -> {case: directory}."""
     from safetensors.torch import load_file, save_file
     good = os.path.join(root, "good")
-    _hf("llama", meta=False).save_pretrained(good, max_shard_size="30KB")
+    _hf("llama", meta=False).save_pretrained(good, max_shard_size="16KB")
     cases = {}
     for case in ("removed", "removed_no_index", "truncated"):
         cases[case] = os.path.join(root, case)
@@ -187,5 +187,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(rank_pool, tmp_
     for r in rank_pool(4).run(_refused_rank, str(tmp_path)):
         assert "model.safetensors.index.json lists tensor" in r["removed"] and "model-00001-of" in r["removed"]
         assert "no tensor for parameter" in r["removed_no_index"]
-        assert "model-00001-of-00004.safetensors: tensor" in r["truncated"] and "truncated" in r["truncated"]
+        assert "model-00001-of-" in r["truncated"] and ".safetensors: tensor" in r["truncated"]
+        assert "the file is truncated" in r["truncated"]
         assert "gpt2" in r["other_model"] and "is not a parameter or buffer of this model" in r["other_model"]
