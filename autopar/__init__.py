@@ -8,8 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import autoparallelize, plan
 from .cost_model.pipeline import Pipeline
-from .errors import (AutoparError, CaptureError, CollectiveError, InfeasibleError, MeshError, PlanFileError,
-                     PlanMismatchError, ShardingError)
+from .errors import (AutoparError, CaptureError, CheckpointError, CollectiveError, InfeasibleError, MeshError,
+                     PlanFileError, PlanMismatchError, ShardingError)
 from .mesh import Mesh
 from .cluster import Cluster
 from .plan import Estimate, Plan
@@ -25,5 +25,6 @@ def compile_backend(mesh: Mesh, **options):
 
 
 __all__ = ["Mesh", "Cluster", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
-           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CollectiveError",
+           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CheckpointError",
+           "CollectiveError",
            "InfeasibleError", "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

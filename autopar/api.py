@@ -17,6 +17,7 @@ from .pipeline_search import search_pipeline
 from .passes.stages import microbatch
 from .planner import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
+from .runtime.weights import Weights
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -86,7 +87,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs, *, plan: Plan | None = None,
                     example_kwargs: dict | None = None, offload_dir: str | None = None,
-                    collective_timeout: float | None = None, **options):
+                    collective_timeout: float | None = None, init=None, checkpoint: str | None = None,
+                    checkpoint_prefix: str = "", key_map=None, **options):
     """Return a module that runs `model` over `mesh` on this rank (call on every rank).
 
     Plans unless `plan` is given (rank 0 plans and broadcasts, so all ranks agree); `options` are
@@ -99,11 +101,20 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
         module; default: the system's temporary directory).
     collective_timeout: seconds a collective waits for a peer; a dead or hung rank is then a
         `CollectiveError` naming it and the collective (`runtime/faults.py`).
+    init, checkpoint: where the parameters' values come from instead of `model` (which may then be on the
+        meta device; each rank makes only its own shards): `init=FN` or "reset" as one process running
+        `model.to_empty(device="cpu"); model.apply(FN)` would, bitwise (`runtime/materialise.py`);
+        `checkpoint=DIR` a Hugging Face safetensors or torch.distributed.checkpoint directory, its keys
+        named `key_map(checkpoint_prefix + key)` in the model (`runtime/weights.py`; a bad checkpoint is a
+        `CheckpointError` on every rank before anything is planned).
     """
     from .runtime.module import DistributedModule
     unknown = sorted(set(options) - set(PlanOptions.__dataclass_fields__))
     if unknown:
         raise TypeError(f"autoparallelize() got unknown option(s) {unknown}")
+    weights = Weights.of(init, checkpoint, checkpoint_prefix, key_map)
+    if weights is not None:
+        weights.check(model)                  # the checkpoint's metadata against the model, before any collective
     if isinstance(mesh, Cluster):
         mesh, plan = _on_cluster(model, mesh, example_inputs, example_kwargs, plan, options)
     device_mesh = mesh.device_mesh()          # validates world size before anything else
@@ -124,10 +135,13 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
         check_plan(plan, cap, mesh)
     if pipe is not None:
         from .runtime.pipeline import PipelinedModule
+        if weights is not None:
+            raise PlanOptionError("init= and checkpoint= are not supported with a pipelined plan yet: materialise "
+                                  "the model (or load it) before autoparallelize, or plan without a pipeline")
         return PipelinedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
                                grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
     return DistributedModule(model, cap, plan, device_mesh, offload_dir=offload_dir,
-                             grad_bucket_bytes=mesh.profile.grad_bucket_bytes)
+                             grad_bucket_bytes=mesh.profile.grad_bucket_bytes, weights=weights)
 
 
 def _on_cluster(model, cluster: Cluster, example_inputs, example_kwargs, given: Plan | None, options: dict):

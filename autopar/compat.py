@@ -32,8 +32,15 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
   (torch._dynamo.config.fake_tensor_cache_enabled): with symbolic sizes, building and reading its
   entries costs more than the ops it saves (`passes/capture.py`).
+* `SafeDcpReader(path)`: torch.distributed.checkpoint's `FileSystemReader` whose `.metadata` file is
+  unpickled with only the metadata's own classes allowed (torch's reader unpickles it with plain
+  `pickle.load`, which would run any code a file names); the allowed names include DCP's private
+  `_StorageInfo` and `torch.serialization._get_layout` (a name -> torch.layout table lookup).
 """
 from __future__ import annotations
+
+import importlib
+import pickle
 
 import sympy
 import torch
@@ -44,7 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
-           "at_backward_end", "fake_tensor_cache", "GROUPED_MM", "attention_block", "attention_block_backward"]
+           "at_backward_end", "fake_tensor_cache", "GROUPED_MM", "attention_block", "attention_block_backward",
+           "SafeDcpReader"]
 
 GROUPED_MM = torch.ops.aten._grouped_mm
 
@@ -174,3 +182,32 @@ def attention_block_backward(dout, q, k, v, out, lse, bias, is_causal: bool, sca
     if heads != q.shape[1]:
         dk, dv = (g.unflatten(1, (heads, -1)).sum(2) for g in (dk, dv))
     return dq, dk, dv
+# the globals a DCP `.metadata` pickle names, beyond torch.distributed.checkpoint.metadata's classes and dtypes
+_DCP_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+                ("torch", "Size"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+class _DcpUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        allowed = (module, name) in _DCP_ALLOWED or module in ("torch", "torch.distributed.checkpoint.metadata")
+        obj = getattr(importlib.import_module(module), name, None) if allowed else None
+        if ((module, name) in _DCP_ALLOWED or (module == "torch" and isinstance(obj, torch.dtype))
+                or (module == "torch.distributed.checkpoint.metadata" and isinstance(obj, type))):
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
+
+
+def SafeDcpReader(path):  # noqa: N802 - a reader object, its class made on first use (DCP imported lazily)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DcpUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+    return _Reader(path)

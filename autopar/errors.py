@@ -44,3 +44,10 @@ class PlanFileError(AutoparError):
 class CollectiveError(AutoparError):
     """A collective failed or timed out because a rank died or hangs; the message names the ranks
     that never reached it and what the collective was (`autoparallelize(collective_timeout=...)`)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint (a Hugging Face safetensors directory or a torch.distributed.checkpoint directory)
+    that does not fit the model: a tensor missing, unexpected or of another shape, a file truncated or
+    unreadable. The message names the file and the key; raised on every rank before any parameter is
+    assigned. Also an `init=` that cannot make the model's values (it writes outside its module)."""

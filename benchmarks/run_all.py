@@ -60,6 +60,9 @@ RUNS = [
     ["bench_mesh_search.py", "mixtral"],
     ["bench_mesh_search.py", "llama-cp"],
     ["bench_mesh_search.py", "llama-node", "--baseline"],
+    # issue 34: a 1.2B GPT built on meta, initialised shard by shard on 4 CPU ranks, one step, saved, loaded:
+    # each rank's peak resident memory against plan peak + largest parameter + 1 GiB
+    ["bench_materialise.py"],
     # issue 3: real models at full size on the meta device, (8, 8) mesh
     ["bench_models.py", "--models", "llama"],
     ["bench_models.py", "--models", "gpt2"],

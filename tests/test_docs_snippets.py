@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,8 +40,12 @@ def _context() -> dict:
 
 
 def _run_document(rank, world_size, path: str):
+    import torch.distributed as dist
     ns = _context()
     here = os.getcwd()
+    shared = [tempfile.mkdtemp(prefix="autopar_docs_") if rank == 0 else None]
+    dist.broadcast_object_list(shared)      # `checkpoint_dir`: a directory every rank sees, as on shared storage
+    ns["checkpoint_dir"] = shared[0]
     with tempfile.TemporaryDirectory() as scratch:
         os.chdir(scratch)
         try:
@@ -48,6 +53,9 @@ def _run_document(rank, world_size, path: str):
                 exec(compile(code, f"{path} snippet {i}", "exec"), ns)   # our own documentation
         finally:
             os.chdir(here)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(shared[0], ignore_errors=True)
     return sorted(k for k in ns if not k.startswith("__"))
 
 
@@ -57,5 +65,5 @@ def test_documents_have_snippets():
 
 @pytest.mark.parametrize("path", [p for p in DOCS if snippets(p)], ids=lambda p: p.name)
 def test_every_snippet_runs(rank_pool, path):
-    names = rank_pool(4).run(_run_document, str(path))[0]
+    names = rank_pool(4).run(_run_document, str(path), timeout=300)[0]
     assert names

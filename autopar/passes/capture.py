@@ -74,6 +74,10 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)
+    if any(p.is_meta for p in model.parameters()):
+        # real inputs next to meta weights would meet on two devices (`arange(T, device=idx.device)` + an
+        # embedding); devices in the graph are the mesh's at run time (rewrite.py), so trace on meta alone
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     path = deep_stack(model) if dynamic_shapes is None else None
     if path is None:
         return _trace(model, args, kwargs, dynamic_shapes)

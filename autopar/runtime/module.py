@@ -36,6 +36,7 @@ from .ops import mesh_device as _device
 from .optimizer import PlannedOptimizer
 from .reshard import to_layout
 from .respecialize import input_shapes, input_shapes_of, respecialize
+from .weights import Weights, save_pretrained, unmaterialised
 
 
 # Programs kept per module, one per input shapes seen (each a graph module of the model's size):
@@ -57,10 +58,12 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
 
 
 def shard_parameters(model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, keep=None,
-                     distribute=None) -> dict[str, torch.nn.Parameter]:
+                     distribute=None, values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.nn.Parameter]:
     """Every parameter FQN (aliases too: tied parameters stay one Parameter) -> a Parameter holding
     a copy of this rank's shard in its planned layout; `keep(canonical FQN)` says which to make
-    (default: all), `distribute(tensor, layout)` how (default: `distribute_tensor` over the mesh)."""
+    (default: all), `distribute(tensor, layout)` how (default: `distribute_tensor` over the mesh).
+    `values[canonical FQN]`: this rank's local shard already made (weights.py: `init=`, `checkpoint=`),
+    taken as it is, without communication; popped, so that the caller holds no second reference."""
     params = dict(model.named_parameters(remove_duplicate=False))
     made: dict[str, torch.nn.Parameter] = {}
     out = {}
@@ -69,15 +72,16 @@ def shard_parameters(model: torch.nn.Module, cap: Captured, plan: Plan, device_m
             continue
         if canon not in made:
             src = params[canon]
-            if src.is_meta:
-                raise AutoparError(
-                    f"parameter {canon!r} is on the meta device: planning works on meta, but running needs "
-                    f"values; materialise the model (e.g. model.to_empty(device='cpu') and initialise it, or "
-                    f"load a checkpoint) before autoparallelize")
             layout = parse_layout(plan.placements.get(canon, tuple("R" for _ in device_mesh.shape)))
-            # a copy: a replicated shard must not alias the user's parameter, which the optimizer would write
-            local = src.detach().to(_device(device_mesh), copy=True)
-            dt = (distribute or (lambda t, lay: distribute_tensor(t, device_mesh, lay)))(local, layout)
+            if values is not None and canon in values:
+                dt = DTensor.from_local(values.pop(canon), device_mesh, layout, run_check=False, shape=src.shape,
+                                        stride=src.stride())
+            elif src.is_meta:
+                raise unmaterialised(model)
+            else:
+                # a copy: a replicated shard must not alias the user's parameter, which the optimizer would write
+                local = src.detach().to(_device(device_mesh), copy=True)
+                dt = (distribute or (lambda t, lay: distribute_tensor(t, device_mesh, lay)))(local, layout)
             made[canon] = torch.nn.Parameter(dt, requires_grad=src.requires_grad)
         out[fqn] = made[canon]
     return out
@@ -85,7 +89,7 @@ def shard_parameters(model: torch.nn.Module, cap: Captured, plan: Plan, device_m
 
 class DistributedModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, cap: Captured, plan: Plan, device_mesh, offload_dir: str | None = None,
-                 grad_bucket_bytes: float = DDP_BUCKET_BYTES):
+                 grad_bucket_bytes: float = DDP_BUCKET_BYTES, weights: Weights | None = None):
         super().__init__()
         params_off = any(k.startswith("parameters:") and v != "device" for k, v in plan.offload.items())
         if params_off and device_mesh.device_type != "cpu":        # before any collective
@@ -95,10 +99,16 @@ class DistributedModule(torch.nn.Module):
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
         # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
         self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
-        for fqn, param in shard_parameters(model, cap, plan, device_mesh).items():
+        # a model on the meta device, or values asked for: each rank makes only its local shards (weights.py)
+        values, buffers = (weights.materialise(model, cap, plan, device_mesh, _device(device_mesh))
+                           if weights is not None else (None, {}))
+        for fqn, param in shard_parameters(model, cap, plan, device_mesh, values=values).items():
             _set_path(self, fqn, param, "param")
         for fqn, buf in model.named_buffers():
-            _set_path(self, fqn, buf.detach().clone().to(_device(device_mesh)), "buffer")
+            if fqn not in buffers and buf.is_meta:
+                raise unmaterialised(model)
+            _set_path(self, fqn, buffers.pop(fqn) if fqn in buffers else buf.detach().clone().to(_device(device_mesh)),
+                      "buffer")
         self._param_of = {name: cap.param_names.get(str(slot.target), str(slot.target))
                           for name, slot in cap.inputs.items() if slot.kind == "param"}
         self._memory = MemoryRuntime(pool=HostPool(pin=device_mesh.device_type == "cuda"), offload_dir=offload_dir)
@@ -234,6 +244,12 @@ class DistributedModule(torch.nn.Module):
         """The plan's "optimizer:..." offload decisions for the parameters this rank holds."""
         return self.plan.offload
 
+    def save_pretrained(self, directory: str, max_shard_size: int | str = "5GB") -> list[str]:
+        """Write the parameters and persistent buffers as a Hugging Face safetensors directory (files of at
+        most `max_shard_size`, an index when several; the model's config.json when it has a Hugging Face
+        config) that `from_pretrained` opens, one tensor at a time from rank 0. Call on every rank."""
+        return save_pretrained(self, directory, max_shard_size)
+
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
         """`cls(**kwargs)` over this module's parameters, honouring the plan: optimizer state and fp32
         master weights in the tier `plan.offload["optimizer:<layer or parameter>"]` says (see
@@ -253,6 +269,11 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
         return DTensor.from_local(module.get_buffer(slot.target), mesh, whole, run_check=False)
     if slot.kind == "constant":
         const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
+        if const.is_meta:      # a model on meta lifts the tensors its forward makes on meta: empty ones hold no value
+            if const.numel():
+                raise AutoparError(f"the model's forward makes tensor {slot.target!r} from meta values: build the "
+                                   f"module that makes it off the meta device")
+            const = torch.empty_like(const, device=_device(mesh))
         return DTensor.from_local(const.to(_device(mesh)), mesh, whole, run_check=False)
     x = leaves[slot.target]
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
