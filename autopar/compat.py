@@ -24,8 +24,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   shortcuts step aside (`runtime/reshard.py`).
 * `compile_graph(gm, example_inputs, compiler)`: an fx graph compiled through aot_autograd, by
   inductor (`torch._inductor.compile_fx.compile_fx`, what torch.compile's default backend calls) or
-  with no code generation (`torch._dynamo.backends.debugging.aot_eager`); the result is called with
-  the inputs as positional arguments.
+  with no code generation (`torch._dynamo.backends.debugging.aot_eager`), or by a given
+  torch.compile backend; the result is called with the inputs as positional arguments.
 * `dynamo_user_input(node)`: whether a placeholder of a graph Dynamo hands a backend holds an
   argument of the compiled call (a local of the compiled frame other than `self`), not a parameter,
   buffer or global: its `grapharg` source (Dynamo's metadata on the node).
@@ -61,16 +61,35 @@ def tracing() -> bool:
     return funcol._are_we_tracing()
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, compiler: str):
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, compiler):
     from torch._guards import tracing
     # outside the tracing context of the Dynamo graph being compiled (its fake mode may hold symbolic
     # sizes): the per-rank program is traced afresh at the static sizes of `example_inputs`
     with tracing(None):
+        if callable(compiler):
+            return compiler(gm, example_inputs)
         if compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs)
-        from torch._dynamo.backends.debugging import aot_eager
-        return aot_eager(gm, example_inputs)
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner(g, inputs, *args, **kwargs):
+                _functional_collectives_only(g)
+                return compile_fx_inner(g, inputs, *args, **kwargs)
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def run_as_is(g, inputs):
+            _functional_collectives_only(g)
+            return g
+        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is)(gm, example_inputs)
+
+
+def _functional_collectives_only(g: torch.fx.GraphModule) -> None:
+    """A traced graph with a c10d collective in it (an in-place one, a work handle: traced as an effect,
+    its result not flowing) would run wrong: refuse it (each of autopar's executors traces functionally)."""
+    for node in g.graph.nodes:
+        for target in (node.target, *(a for a in node.args if isinstance(a, OpOverload))):
+            if isinstance(target, OpOverload) and target.namespace == "c10d":
+                raise RuntimeError(f"{target} in the traced per-rank graph: not a functional collective")
 
 
 def dynamo_user_input(node: torch.fx.Node) -> bool:

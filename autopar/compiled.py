@@ -42,10 +42,11 @@ _log = logging.getLogger(__name__)
 COMPILERS = ("inductor", "aot_eager", "eager")
 
 
-def check_compiler(compiler: str) -> None:
-    if compiler not in COMPILERS:
+def check_compiler(compiler) -> None:
+    if compiler not in COMPILERS and not callable(compiler):
         raise PlanOptionError(f"compiler={compiler!r}: give one of {COMPILERS} (inductor: generated kernels; "
-                              f"aot_eager: the same traced per-rank graph run op by op; eager: the DTensor program)")
+                              f"aot_eager: the same traced per-rank graph run op by op; eager: the DTensor program) "
+                              f"or a torch.compile backend, fn(graph_module, example_inputs) -> callable")
 
 
 def per_rank_program(cap: Captured, plan: Plan, program: fx.GraphModule, device_mesh,
@@ -86,7 +87,7 @@ def untraceable(cap: Captured) -> str | None:
     return None
 
 
-def compile_program(fn: Callable, example_inputs: Sequence[torch.Tensor], n_outputs: int, compiler: str,
+def compile_program(fn: Callable, example_inputs: Sequence[torch.Tensor], n_outputs: int, compiler,
                     why_not: str | None = None) -> Callable:
     """`fn` (a `per_rank_program`) compiled by `compiler` for inputs like `example_inputs`; `fn` itself
     (logged) where the program does not trace (`why_not`, or the tracer's error)."""
