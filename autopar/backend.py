@@ -27,6 +27,7 @@ the graph returns the cache's tensors and Dynamo rebuilds the object around them
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .api import autoparallelize, planned_on_rank0
 from .compat import dynamo_user_input, pytree, sym_expr, sym_hint
-from .compiled import check_compiler, compile_program, per_rank_program, untraceable
+from .compiled import check_compiler, compile_program, per_rank_program, untraceable, without_memory_decisions
 from .errors import PlanOptionError
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture, flatten_inputs
@@ -95,11 +96,12 @@ def _batch_layout(axis_names: tuple, batch_axes) -> tuple:
 
 
 def _replicated_pins(opts: PlanOptions, params: list[str], ndim: int) -> dict:
-    """The plan's pins with every parameter replicated; a user's pin sharding one is an error."""
+    """The plan's pins with every parameter (Dynamo's placeholder names) replicated; a user's pin sharding
+    one is an error."""
     whole = ("R",) * ndim
     for pat, layout in (opts.pins or {}).items():
-        if any(p != "R" for p in layout):
-            raise PlanOptionError(f"compile_backend: pin {pat!r} -> {tuple(layout)} shards a parameter or value, but "
+        if any(p != "R" for p in layout) and any(fnmatch.fnmatchcase(name, pat) for name in params):
+            raise PlanOptionError(f"compile_backend: pin {pat!r} -> {tuple(layout)} shards a parameter, but "
                                   f"under this backend parameters stay the user's whole tensors: use "
                                   f"autopar.compile(model, mesh, example_inputs, pins=...) for sharded parameters")
     return {**(opts.pins or {}), **{p: whole for p in params}}
@@ -110,7 +112,7 @@ def compile_backend(mesh: Mesh, *, compiler: str = "inductor", **options):
     docstring); `compiler`: "inductor", "aot_eager" (the traced per-rank graph, no code generation)
     or "eager" (the DTensor program); `options` are `autopar.plan`'s."""
     check_compiler(compiler)
-    opts = PlanOptions(**options)
+    opts = PlanOptions(**without_memory_decisions(options, "compile_backend"))
     if opts.pipeline:
         raise PlanOptionError("compile_backend: pipeline= is not supported under torch.compile (a compiled graph "
                               "is one step's forward); use autopar.autoparallelize for a pipelined plan")
@@ -183,6 +185,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs, *, example_kwarg
     train it with any optimizer over its parameters. Called at the example's input shapes (with
     `batch_axes`, each rank its slice of them)."""
     check_compiler(compiler)
+    options = without_memory_decisions(options, "autopar.compile")
     dmodel = autoparallelize(model, mesh, example_inputs, example_kwargs=example_kwargs, **options)
     if not hasattr(dmodel, "_autopar") or dmodel.plan.pipeline.stages > 1:
         raise PlanOptionError("autopar.compile: a pipelined plan runs through its schedule; use autoparallelize")

@@ -13,9 +13,10 @@ and schedules. Sharding propagation, the wrappers and the Python of the runtime 
 trace time; a step runs the generated kernels and the collectives alone.
 
 What does not trace falls back to the eager DTensor program, and says so (a warning naming the
-cause): dropout (its masks come from per-shard generators, `runtime/rng.py`), expert and vocab
-parallelism (their all-to-alls and few-float all-reduces are c10d calls, `runtime/experts.py`,
-`runtime/vocab.py`), and anything else the tracer refuses.
+cause): dropout (its masks come from per-shard generators, `runtime/rng.py`), mixture-of-experts
+layers (expert parallelism's all-to-alls are c10d calls with host-side counts, `runtime/experts.py`),
+and anything else the tracer refuses, including a graph in which a c10d collective was traced
+(`compat.compile_graph` refuses it: its in-place result would not flow).
 """
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ from .runtime.reshard import Reshard, reshard
 _log = logging.getLogger(__name__)
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+# the compiled program runs the layout plan alone: no memory decision (recomputation regions, re-gathered
+# parameters, offload) is wired into it, so none is planned (`autoparallelize` executes them)
+NO_MEMORY_DECISIONS = {"recompute": "none", "residency": "keep", "offload": "none"}
+
+
+def without_memory_decisions(options: dict, who: str) -> dict:
+    """`options` with the memory families fixed off; a request for one is an error naming `who`."""
+    for key, off in NO_MEMORY_DECISIONS.items():
+        if options.get(key, off) not in (off, "auto"):
+            raise PlanOptionError(f"{who}: {key}={options[key]!r} is a memory decision the compiled program does not "
+                                  f"execute; use autopar.autoparallelize for it, or leave {key} out")
+    return {**options, **NO_MEMORY_DECISIONS}
 
 
 def check_compiler(compiler) -> None:
@@ -84,6 +99,8 @@ def untraceable(cap: Captured) -> str | None:
     for node in cap.gm.graph.nodes:
         if node.target in rng.DROPOUT_OPS and node.args[1] != 0:
             return f"dropout {node.name} draws its masks from per-shard generators (runtime/rng.py)"
+        if node.target is torch.ops.autopar.moe_experts.default:
+            return f"experts {node.name} route tokens with c10d all-to-alls sized on the host (runtime/experts.py)"
     return None
 
 
