@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 
 import torch
 
@@ -220,7 +221,10 @@ def compile_and_compare(rank, world_size, name, mesh_shape, axis_names, compiler
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(STEPS):
-        loss = loss_fn(compiled(*inputs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = loss_fn(compiled(*inputs))
+        worst.setdefault("fallbacks", []).extend(str(w.message) for w in caught if "eager DTensor" in str(w.message))
         loss.backward()
         ref_loss = loss_fn(ref(*inputs))
         ref_loss.backward()
