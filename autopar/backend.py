@@ -159,15 +159,15 @@ def compile_backend(mesh: Mesh, *, compiler: str = "inductor", **options):
 
         compiled = compile_program(fn, feeds(example_inputs), len(cap.outputs), compiler, untraceable(cap))
 
-        shapes = {i: tuple(example_inputs[i].shape) for i in split}
+        # Dynamo may reuse this graph at other sizes (dynamic=True): the program is compiled at these
+        shapes = {i: tuple(example_inputs[i].shape) for i in tensors}
 
         def run(*args):
             for i, shape in shapes.items():
                 if tuple(args[i].shape) != shape:
-                    raise ShapeError(f"compile_backend(batch_axes=...): this graph was planned and compiled for "
-                                     f"a per-rank input {i} of shape {list(shape)}, called with {list(args[i].shape)}: "
-                                     f"keep each rank's slice the same size (drop_last=True), or use a new "
-                                     f"torch.compile for the other size")
+                    raise ShapeError(f"compile_backend: this graph was planned and compiled for input {i} of shape "
+                                     f"{list(shape)} on each rank, called with {list(args[i].shape)}: keep the "
+                                     f"sizes of every call (drop_last=True), or use a new torch.compile for others")
             state.next_call()
             return tuple(pytree.tree_leaves(split_outputs(cap, compiled(*feeds(args)), buffers=gm)))
 

@@ -181,3 +181,24 @@ def test_hugging_face_models_compiled_with_their_defaults(rank_pool, name):
         assert r["cache_type"] == "DynamicCache" and r["sharded_nodes"] > 0, r
         for key in ("loss", "grad", "cache", "param"):
             assert r[key] < 1e-4, (key, r)
+
+
+def test_backend_refuses_what_its_program_would_not_run():
+    """Errors before any collective: a memory decision the compiled program does not execute, a pin
+    sharding a parameter the user's optimizer steps whole, an unknown compiler."""
+    import torch
+    import torch._dynamo
+
+    import autopar
+    from autopar.errors import PlanOptionError
+    from dist_checks import build
+    mesh = autopar.Mesh((2,), ("dp",))
+    with pytest.raises(PlanOptionError, match="recompute='full'.*autoparallelize"):
+        autopar.compile_backend(mesh, recompute="full")
+    with pytest.raises(PlanOptionError, match="compiler='tvm'"):
+        autopar.compile_backend(mesh, compiler="tvm")
+    torch._dynamo.reset()
+    model, inputs, _ = build("mlp")
+    step = torch.compile(model, backend=autopar.compile_backend(mesh, pins={"*": ("S(0)",)}), dynamic=False)
+    with pytest.raises(Exception, match="shards a parameter.*autopar.compile"):
+        step(*inputs)
