@@ -31,7 +31,7 @@ import fnmatch
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from .api import autoparallelize, planned_on_rank0
 from .compat import dynamo_user_input, pytree, sym_expr, sym_hint
