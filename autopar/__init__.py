@@ -19,12 +19,19 @@ from .runtime.experts import moe_capacity
 
 
 def compile_backend(mesh: Mesh, **options):
-    """A `torch.compile` backend that runs the graph with autopar's plan over `mesh`."""
+    """A `torch.compile` backend: each graph planned over `mesh` with replicated parameters, its per-rank
+    program compiled by inductor (see autopar/backend.py)."""
     from .backend import compile_backend as _cb
     return _cb(mesh, **options)
 
 
+def compile(model, mesh: Mesh, example_inputs, **options):  # noqa: A001
+    """`autoparallelize`'s module with its per-rank program compiled by inductor (see autopar/backend.py)."""
+    from .backend import compile as _compile
+    return _compile(model, mesh, example_inputs, **options)
+
+
 __all__ = ["Mesh", "Cluster", "Plan", "Estimate", "plan", "estimate", "StepEstimate", "explain", "Explanation", "Pipeline",
-           "autoparallelize", "compile_backend", "moe_capacity", "AutoparError", "CaptureError", "CheckpointError",
-           "CollectiveError",
+           "autoparallelize", "compile", "compile_backend", "moe_capacity", "AutoparError", "CaptureError",
+           "CheckpointError", "CollectiveError",
            "InfeasibleError", "MeshError", "PlanFileError", "PlanMismatchError", "ShardingError", "Replicate", "Shard", "Partial"]

@@ -18,6 +18,17 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `funcol`: torch.distributed._functional_collectives, torch's asynchronous, traceable collectives
   (all_to_all_single, permute_tensor, all_gather_single, reduce_scatter_single); the context-parallel
   attention executor overlaps its ring hops with them, as torch's own ring attention does.
+* `tracing()`: whether ops are being traced into a graph rather than run (Dynamo, make_fx, fake
+  tensors: funcol's own test, `_are_we_tracing`); a collective issued then must be a functional one
+  (c10d's in-place collectives and their work handles do not trace), so the runtime's direct c10d
+  shortcuts step aside (`runtime/reshard.py`).
+* `compile_graph(gm, example_inputs, compiler)`: an fx graph compiled through aot_autograd, by
+  inductor (`torch._inductor.compile_fx.compile_fx`, what torch.compile's default backend calls) or
+  with no code generation (`torch._dynamo.backends.debugging.aot_eager`), or by a given
+  torch.compile backend; the result is called with the inputs as positional arguments.
+* `dynamo_user_input(node)`: whether a placeholder of a graph Dynamo hands a backend holds an
+  argument of the compiled call (a local of the compiled frame other than `self`), not a parameter,
+  buffer or global: its `grapharg` source (Dynamo's metadata on the node).
 * `default_store()`: the job's rendezvous key-value store (torch.distributed's c10d internals);
   `set_group_timeout(group, seconds)`: how long a process group's collectives wait for peers.
 * `at_backward_end(fn)`: run fn when the current backward pass ends (autograd engine's
@@ -52,9 +63,59 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
            "at_backward_end", "fake_tensor_cache", "GROUPED_MM", "attention_block", "attention_block_backward",
-           "SafeDcpReader"]
+           "SafeDcpReader", "tracing", "compile_graph", "dynamo_user_input"]
 
 GROUPED_MM = torch.ops.aten._grouped_mm
+
+
+def tracing() -> bool:
+    return funcol._are_we_tracing()
+
+
+# inductor's all-reduce bucketing: the gradients' all-reduces of the compiled backward, one per parameter
+# as traced, merged into few large ones, as DDP's buckets merge them (each c10d call costs a fixed
+# ~0.1-0.5 ms of CPU on gloo, paid per parameter per step otherwise)
+INDUCTOR_CONFIG = {"bucket_all_reduces_fx": "all"}
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, compiler):
+    from torch._guards import tracing
+    # outside the tracing context of the Dynamo graph being compiled (its fake mode may hold symbolic
+    # sizes): the per-rank program is traced afresh at the static sizes of `example_inputs`
+    with tracing(None):
+        if callable(compiler):
+            return compiler(gm, example_inputs)
+        if compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner(g, inputs, *args, **kwargs):
+                _functional_collectives_only(g)
+                return compile_fx_inner(g, inputs, *args, **kwargs)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=INDUCTOR_CONFIG)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def run_as_is(g, inputs):
+            _functional_collectives_only(g)
+            return g
+        return aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is)(gm, example_inputs)
+
+
+def _functional_collectives_only(g: torch.fx.GraphModule) -> None:
+    """A traced graph with a c10d collective in it (an in-place one, a work handle: traced as an effect,
+    its result not flowing) would run wrong: refuse it (each of autopar's executors traces functionally)."""
+    for node in g.graph.nodes:
+        for target in (node.target, *(a for a in node.args if isinstance(a, OpOverload))):
+            if isinstance(target, OpOverload) and target.namespace == "c10d":
+                raise RuntimeError(f"{target} in the traced per-rank graph: not a functional collective")
+
+
+def dynamo_user_input(node: torch.fx.Node) -> bool:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return False
+    name = source.name() if callable(source.name) else source.name
+    return name.startswith("L[") and not name.startswith("L['self']")
 
 
 def fake_tensor_cache(enabled: bool):

@@ -31,6 +31,8 @@ RUNS = [
     # issue 15: autopar's executed plans against DDP / fully_shard / parallelize_module, side by side
     ["bench_wrappers.py", "--aten"],
     ["bench_kernels.py"],
+    # issue 36: the torch.compile backend (inductor) against torch.compile(DDP(model)), 2 gloo ranks
+    ["bench_compile.py"],
     # issue 11: measured peak live bytes per rank, one plan per memory family (2 gloo ranks)
     ["bench_memory.py"],
     # issue 11: Llama-3-8B on one node of 8 H100 at 8 x 8192; one H100 with its host memory

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 
 import torch
 
@@ -207,20 +208,23 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     return worst
 
 
-def compile_and_compare(rank, world_size, name, mesh_shape, axis_names):
+def compile_and_compare(rank, world_size, name, mesh_shape, axis_names, compiler="inductor"):
     """torch.compile with autopar's backend trains like the single-process model."""
     import torch._dynamo
     torch._dynamo.reset()
     model, inputs, loss_fn = build(name)
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh(mesh_shape, axis_names, device=shard_happy_profile())
-    backend = autopar.compile_backend(mesh)
+    backend = autopar.compile_backend(mesh, compiler=compiler)
     compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(STEPS):
-        loss = loss_fn(compiled(*inputs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = loss_fn(compiled(*inputs))
+        worst.setdefault("fallbacks", []).extend(str(w.message) for w in caught if "eager DTensor" in str(w.message))
         loss.backward()
         ref_loss = loss_fn(ref(*inputs))
         ref_loss.backward()
@@ -237,6 +241,7 @@ def compile_and_compare(rank, world_size, name, mesh_shape, axis_names):
         mask = well_posed[k]
         worst["param"] = max(worst["param"], rel(mine[k].detach()[mask], p.detach()[mask]))
     worst["plans"] = len(backend.plans)
+    worst["replicated_params"] = all(set(layout) == {"R"} for plan in backend.plans for layout in plan.placements.values())
     worst["sharded_nodes"] = sum(1 for plan in backend.plans for n in plan.nodes
                                  if n.executor not in ("param", "input", "output") and any(p != "R" for p in n.output))
     return worst

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..compat import tracing
 from ..placement import layout_str
 from .faults import watched
 
@@ -49,7 +50,8 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     # Partial -> other Partial kinds are not needed by any rule; go through Replicate
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
-    issued = None if mid == cur else one_collective(x, cur, mid)
+    # traced (the compile backend): DTensor's functional collectives, which trace; c10d's do not
+    issued = None if mid == cur or tracing() else one_collective(x, cur, mid)
     y = x if mid == cur else issued[0] if issued is not None else x.redistribute(x.device_mesh, mid)
     if to_partial:
         local = y.to_local()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..compat import funcol, tracing
 from ..placement import block_index
 from ..strategies.vocab import CLASS_DIM, op_class_dim, vocab_axes
 
@@ -49,9 +50,13 @@ def _groups(op, dim: int) -> tuple:
 
 
 def _all_reduce(t: torch.Tensor, reduce_op, groups: tuple) -> torch.Tensor:
-    """t reduced in place over every group (the axes that split the vocabulary)."""
+    """t reduced over every group (the axes that split the vocabulary): in place, or, traced (the
+    compile backend), by the functional all-reduce (c10d's in-place one does not trace)."""
     for g in groups:
-        dist.all_reduce(t, reduce_op, group=g)
+        if tracing():
+            t = funcol.all_reduce(t, "max" if reduce_op == dist.ReduceOp.MAX else "sum", g)
+        else:
+            dist.all_reduce(t, reduce_op, group=g)
     return t
 
 
