@@ -51,7 +51,7 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
     poly = functools.lru_cache(maxsize=None)(Poly2.of)
     for d in sp.decisions.values():
-        for f in ("act_bytes", "state_bytes", "grad_bytes", "opt_bytes"):
+        for f in ("act_bytes", "state_bytes", "grad_bytes", "opt_bytes", "bwd_temp"):
             setattr(d, f, [poly(x) for x in getattr(d, f)])
     for e in sp.edges:
         e.saved = [[poly(x) for x in row] for row in e.saved]

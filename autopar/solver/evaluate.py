@@ -38,7 +38,7 @@ from ..passes.layers import layer_key
 from ..plan import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
-from .memory_timeline import (act_bytes, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
+from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
                               window_sums)
 from .problem import Problem, picked_edges
 
@@ -492,6 +492,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     groups = {g.key: g for g in fam.groups}
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
+    back_temps = backward_temps(problem, choice)
     for r in range(p):
         cs = sorted(copies[r], key=lambda x: x[0])
         kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
@@ -505,7 +506,8 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         for t, where in enumerate(positions):
             x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
             x -= gone[t]
-            one.append(x + grown[bisect_right(grown_at, where)] + buckets if where > live.last else x)
+            back = back_temps[t] if rank_of(live.point_names[t]) == r else 0.0
+            one.append(x + grown[bisect_right(grown_at, where)] + buckets + back if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]

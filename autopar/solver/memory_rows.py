@@ -63,7 +63,7 @@ class MemoryRows:
         nk = nm = 0
         events: list[list[tuple]] = []
         temps: list[list[tuple]] = []
-        for owned, moving, where in zip(live.point_changes, live.grad_changes, live.positions):
+        for owned, moving, where, name in zip(live.point_changes, live.grad_changes, live.positions, live.point_names):
             ev: list[tuple] = []
             for left, joined in (owned, moving):
                 ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(left)]
@@ -79,7 +79,8 @@ class MemoryRows:
                 ev.append((GRADS, 1.0, self._node(made[nm][1], "grad_bytes")))
                 nm += 1
             events.append(ev)
-            temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)])
+            temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)]
+                         + list(self._backward_temp(name) if where > live.last else ()))
         return events, temps
 
     def _buckets(self) -> tuple[tuple, float]:
@@ -105,6 +106,12 @@ class MemoryRows:
             self._coefs[key] = tuple((v, vals[i]) for i, v in self.ilp.var(self.ilp.p.decisions[name].leader).items()
                                      if vals[i])
         return self._coefs[key]
+
+    def _backward_temp(self, name: str) -> tuple:
+        """(column, bytes) of the backward temporaries of the op whose backward a point is
+        (`memory_timeline.backward_temps`)."""
+        d = self.ilp.p.decisions.get(name)
+        return self._node(name, "bwd_temp") if d is not None and d.bwd_temp else ()
 
     def _edge(self, k: int, field: str, named: dict) -> tuple:
         """Bytes of edge k's copy: its one column (E)/(F) where it has one (in GiB already), else its y/x terms."""

@@ -40,11 +40,22 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     buckets = bucket_buffers(p, choice)
     acts = member_sums(live.point_changes, size)
     flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
+    back = backward_temps(p, choice)
     points = []
-    for owned, moving, where in zip(acts, flight, live.positions):
+    for t, (owned, moving, where) in enumerate(zip(acts, flight, live.positions)):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
-        points.append(total + made[bisect_right(made_at, where)] + buckets if where > live.last else total)
+        points.append(total + made[bisect_right(made_at, where)] + buckets + back[t] if where > live.last else total)
     return state, points
+
+
+def backward_temps(p: Problem, choice: Mapping[str, int]) -> list:
+    """Per liveness point: the backward temporaries of the op whose backward it is (its `bwd_temp`,
+    `cost_model.memory.backward_temporary_bytes`); 0 at forward points."""
+    live, out = p.live, []
+    for name, where in zip(live.point_names, live.positions):
+        d = p.decisions.get(name) if where > live.last else None
+        out.append(d.bwd_temp[choice[d.leader]] if d is not None and d.bwd_temp else 0.0)
+    return out
 
 
 def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:

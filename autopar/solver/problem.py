@@ -29,7 +29,7 @@ from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_e
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
-from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
+from ..cost_model.memory import Liveness, backward_temporary_bytes, is_mixed, liveness, state_bytes
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
@@ -66,6 +66,8 @@ class Decision:
     elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
     mixed: bool = False                                    # a parameter trained in mixed precision
     grad_bytes: list[float] = field(default_factory=list)  # its gradient's part of state_bytes (absent in the forward)
+    bwd_temp: list[float] = field(default_factory=list)    # an op's backward temporaries per choice
+                                                           # (cost_model.memory.backward_temporary_bytes)
 
 
 @dataclass(slots=True)
@@ -525,9 +527,13 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             node_costs[key] = (strategies, *_node_costs(node, info, strategies, ins_meta, facts, ng[node.name],
                                                         is_view[node.name], mesh, moe_load, priced))
         _, compute, forward, act = node_costs[key]
+        params_in = tuple(decisions[a.name].kind == "param" and ng.get(a.name, False) for a in info.ins)
+        temp_key = (key, params_in)
+        if temp_key not in node_costs:
+            node_costs[temp_key] = _backward_temps(facts, strategies, ins_meta, params_in, ng[node.name], shape)
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
-                                        opt_bytes=[0.0] * len(strategies))
+                                        opt_bytes=[0.0] * len(strategies), bwd_temp=node_costs[temp_key])
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
@@ -570,6 +576,16 @@ def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_m
     act = [0.0 if view else sum(m.nbytes / shard_count(s.output, shape) for m in info.out)
            + exchange_saved_bytes(info, s, shape, facts, moe_load) for s in strategies]
     return compute, forward, act
+
+
+def _backward_temps(facts: OpFacts, strategies: list[Strategy], ins_meta, params_in: tuple[bool, ...], grad: bool,
+                    shape) -> list[float]:
+    """An op's backward temporaries per strategy, from its inputs' local sizes (none without a backward)."""
+    if not grad or facts.view:
+        return [0.0] * len(strategies)
+    return [backward_temporary_bytes(facts.op, facts.family, [(m.nbytes / shard_count(L, shape), m.dtype.itemsize, is_param)
+                                                for m, L, is_param in zip(ins_meta, s.inputs, params_in)])
+            for s in strategies]
 
 
 def _const_args(a):
