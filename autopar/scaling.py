@@ -56,6 +56,7 @@ def build_scaling(cap, problem: Problem, choice, sym, opts, budget: float, decid
     for e in sp.edges:
         e.saved = [[poly(x) for x in row] for row in e.saved]
         e.temp = [[poly(x) for x in row] for row in e.temp] if e.temp else None
+        e.grad_temp = [[poly(x) for x in row] for row in e.grad_temp] if e.grad_temp else None
     fam = sp.families       # bytes the families free and hold, as polynomials too (their seconds stay sympy)
     fam.freed = [replace(f, expr=_poly_expr(f.expr, poly)) for f in fam.freed]
     fam.held = [replace(h, expr=_poly_expr(h.expr, poly)) for h in fam.held]

@@ -32,10 +32,10 @@ The backward of op i holds (a backward point, one per op that has a gradient):
 * the parameters' gradients made so far (`Problem` adds them: a parameter's gradient exists from
   the backward of its last consumer on), and the copies kept for backwards not run yet.
 * the gradient buckets in flight (`buckets_in_flight_bytes`);
-* the op's own backward temporaries (`backward_temporary_bytes`): what its backward allocates
-  beyond the gradients above, the largest of a step's (a weight's gradient as the op makes it,
-  before it is reduced or bucketed; fused attention's fp32 accumulator; cross-entropy's gradient of
-  its log-probabilities).
+* the op's own backward temporaries, the largest of a step's: fused attention's fp32 accumulator
+  and cross-entropy's gradient of its log-probabilities (`backward_temporary_bytes`), and each
+  weight's gradient as the op makes it, before the gradient buckets take it
+  (`weight_gradient_temporary_bytes`).
 A view's gradient is not counted apart from its base's; gradient reshards in the backward and
 smaller backward temporaries (an element-wise op's) are not counted.
 """
@@ -106,27 +106,25 @@ ATTENTION_OPS = frozenset({"aten.scaled_dot_product_attention"})
 LOGITS_GRADIENT_COPIES = {"aten.cross_entropy_loss": 1.0}
 
 
-# Ops whose backward computes a weight's gradient as a new tensor of the weight's size (a GEMM, the
-# embedding's scatter-add, the experts' grouped GEMMs); an element-wise op passes its output's gradient on.
-WEIGHT_GRADIENT_FAMILIES = frozenset({"matmul", "embedding", "moe"})
-
-
-def backward_temporary_bytes(op: str, family: str | None, inputs: Sequence[tuple[float, int, bool]]) -> float:
+def backward_temporary_bytes(op: str, inputs: Sequence[tuple[float, int]]) -> float:
     """Bytes an op's backward holds beyond the gradients in flight (module docstring), from its
-    inputs on this device as (local bytes, itemsize, is it a parameter that gets a gradient):
-    * each parameter input of a GEMM-like op (`WEIGHT_GRADIENT_FAMILIES`): its gradient as the op computes it, in the layout the op takes it in,
-      alive until it is reduced into the stored layout or copied into a gradient bucket (a weight
-      stored sharded is used and differentiated whole: its gradient is whole before the
-      reduce-scatter; the parameter's stored gradient is counted apart, from then on);
-    * fused attention: the fp32 accumulator of the query's gradient;
-    * cross-entropy: the gradient of the log-probabilities, the size of its input (the logits)."""
-    total = sum(nbytes for nbytes, _, is_param in inputs if is_param) if family in WEIGHT_GRADIENT_FAMILIES else 0.0
+    inputs on this device as (local bytes, itemsize): fused attention's fp32 accumulator of the
+    query's gradient; cross-entropy's gradient of the log-probabilities, the size of its input."""
+    total = 0.0
     if op in ATTENTION_OPS and inputs:
-        q_bytes, itemsize, _ = inputs[0]
+        q_bytes, itemsize = inputs[0]
         total += q_bytes / itemsize * ATTENTION_BACKWARD_ACCUMULATOR_ITEMSIZE
     if op in LOGITS_GRADIENT_COPIES and inputs:
         total += LOGITS_GRADIENT_COPIES[op] * inputs[0][0]
     return total
+
+
+def weight_gradient_temporary_bytes(grad_bytes: float, bucketed: bool) -> float:
+    """Bytes a parameter's gradient holds, as the op that uses it makes it (in the layout the op takes
+    the parameter in), before the gradient buckets take it (`runtime/grad_sync.py` copies it into a
+    bucket, or a reduce-scatter's input, and drops it): the whole gradient of a weight stored sharded
+    and gathered for use; a gradient nothing reduces goes to `.grad` as it is (no second copy)."""
+    return float(grad_bytes) if bucketed else 0.0
 
 
 @dataclass(frozen=True, slots=True)

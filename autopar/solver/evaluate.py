@@ -492,7 +492,9 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     groups = {g.key: g for g in fam.groups}
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
-    back_temps = backward_temps(problem, choice)
+    back = [[0.0] * n_pts for _ in range(p)]
+    for t, name, nbytes in backward_temps(problem, choice):
+        back[rank_of(name)][t] += nbytes
     for r in range(p):
         cs = sorted(copies[r], key=lambda x: x[0])
         kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
@@ -506,8 +508,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         for t, where in enumerate(positions):
             x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
             x -= gone[t]
-            back = back_temps[t] if rank_of(live.point_names[t]) == r else 0.0
-            one.append(x + grown[bisect_right(grown_at, where)] + buckets + back if where > live.last else x)
+            one.append(x + grown[bisect_right(grown_at, where)] + buckets + back[r][t] if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]

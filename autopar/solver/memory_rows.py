@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from ..cost_model.memory import buckets_in_flight_bytes
+from .memory_timeline import backward_point_at
 
 GIB = float(2**30)
 DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
@@ -60,10 +61,15 @@ class MemoryRows:
         for k, e in enumerate(p.edges):
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
+        grad_temps_at: dict[int, list[int]] = {}      # point index -> edges (memory_timeline.backward_temps)
+        for k, e in enumerate(p.edges):
+            if e.grad_temp is not None and (t := backward_point_at(live, live.backward_of(e.dst_pos))) is not None:
+                grad_temps_at.setdefault(t, []).append(k)
         nk = nm = 0
         events: list[list[tuple]] = []
         temps: list[list[tuple]] = []
-        for owned, moving, where, name in zip(live.point_changes, live.grad_changes, live.positions, live.point_names):
+        for t, (owned, moving, where, name) in enumerate(zip(live.point_changes, live.grad_changes, live.positions,
+                                                             live.point_names)):
             ev: list[tuple] = []
             for left, joined in (owned, moving):
                 ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(left)]
@@ -80,7 +86,8 @@ class MemoryRows:
                 nm += 1
             events.append(ev)
             temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)]
-                         + list(self._backward_temp(name) if where > live.last else ()))
+                         + list(self._backward_temp(name) if where > live.last else ())
+                         + [vc for k in grad_temps_at.get(t, ()) for vc in self._edge(k, "grad_temp", {})])
         return events, temps
 
     def _buckets(self) -> tuple[tuple, float]:

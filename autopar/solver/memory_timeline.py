@@ -9,7 +9,7 @@ priced in B and S, `autopar.scaling`).
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 
 from ..cost_model.memory import buckets_in_flight_bytes
@@ -40,7 +40,9 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     buckets = bucket_buffers(p, choice)
     acts = member_sums(live.point_changes, size)
     flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
-    back = backward_temps(p, choice)
+    back = [0.0] * len(live.points)
+    for t, _, nbytes in backward_temps(p, choice):
+        back[t] += nbytes
     points = []
     for t, (owned, moving, where) in enumerate(zip(acts, flight, live.positions)):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
@@ -48,14 +50,30 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     return state, points
 
 
-def backward_temps(p: Problem, choice: Mapping[str, int]) -> list:
-    """Per liveness point: the backward temporaries of the op whose backward it is (its `bwd_temp`,
-    `cost_model.memory.backward_temporary_bytes`); 0 at forward points."""
-    live, out = p.live, []
-    for name, where in zip(live.point_names, live.positions):
+def backward_temps(p: Problem, choice: Mapping[str, int]) -> list[tuple]:
+    """(point index, the node that holds it, bytes) of every backward temporary
+    (`cost_model.memory`): an op's own (`Decision.bwd_temp`) at its backward's point, and a
+    parameter's gradient as its consumer makes it (`EdgeTable.grad_temp`) at that consumer's
+    backward (the next backward point where the consumer has none: a view passing it on)."""
+    live = p.live
+    out = []
+    for t, (name, where) in enumerate(zip(live.point_names, live.positions)):
         d = p.decisions.get(name) if where > live.last else None
-        out.append(d.bwd_temp[choice[d.leader]] if d is not None and d.bwd_temp else 0.0)
+        if d is not None and d.bwd_temp and d.bwd_temp[choice[d.leader]]:
+            out.append((t, name, d.bwd_temp[choice[d.leader]]))
+    for e, a, b in picked_edges(p, choice):
+        if e.grad_temp is not None and e.grad_temp[a][b]:
+            t = backward_point_at(live, live.backward_of(e.dst_pos))
+            if t is not None:
+                out.append((t, e.dst, e.grad_temp[a][b]))
     return out
+
+
+def backward_point_at(live, where: int) -> int | None:
+    """The index of the first backward point at or after timeline position `where` (None: none); the
+    points' positions increase along the step."""
+    k = bisect_left(live.positions, max(where, live.last + 1))
+    return k if k < len(live.positions) else None
 
 
 def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:

@@ -29,7 +29,8 @@ from ..cost_model.comm import (VOCAB_REDUCES, collective_bytes_on_wire, expert_e
 from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import ContextComm, context_times
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
-from ..cost_model.memory import Liveness, backward_temporary_bytes, is_mixed, liveness, state_bytes
+from ..cost_model.memory import (Liveness, backward_temporary_bytes, is_mixed, liveness, state_bytes,
+                                 weight_gradient_temporary_bytes)
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
@@ -88,6 +89,8 @@ class EdgeTable:
                                             # all-gather with its layer's (comm.flat_gather_axis): its latency
                                             # and launch (the seconds one such gather of 0 bytes takes); else 0
     gathers: tuple[tuple[bool, ...], ...] = ()     # [a][b] does the reshard gather some mesh axis (Shard -> Replicate)
+    grad_temp: list[list[float]] | None = None     # [a][b] bytes of a parameter's gradient as the consumer makes it,
+                                                   # alive in its backward until bucketed (weight_gradient_temporary_bytes)
 
     @property
     def keeps_copy(self) -> bool:
@@ -527,13 +530,11 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             node_costs[key] = (strategies, *_node_costs(node, info, strategies, ins_meta, facts, ng[node.name],
                                                         is_view[node.name], mesh, moe_load, priced))
         _, compute, forward, act = node_costs[key]
-        params_in = tuple(decisions[a.name].kind == "param" and ng.get(a.name, False) for a in info.ins)
-        temp_key = (key, params_in)
-        if temp_key not in node_costs:
-            node_costs[temp_key] = _backward_temps(facts, strategies, ins_meta, params_in, ng[node.name], shape)
+        if (key, "bwd_temp") not in node_costs:
+            node_costs[(key, "bwd_temp")] = _backward_temps(facts, strategies, ins_meta, ng[node.name], shape)
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
-                                        opt_bytes=[0.0] * len(strategies), bwd_temp=node_costs[temp_key])
+                                        opt_bytes=[0.0] * len(strategies), bwd_temp=node_costs[(key, "bwd_temp")])
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
@@ -578,14 +579,12 @@ def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_m
     return compute, forward, act
 
 
-def _backward_temps(facts: OpFacts, strategies: list[Strategy], ins_meta, params_in: tuple[bool, ...], grad: bool,
-                    shape) -> list[float]:
+def _backward_temps(facts: OpFacts, strategies: list[Strategy], ins_meta, grad: bool, shape) -> list[float]:
     """An op's backward temporaries per strategy, from its inputs' local sizes (none without a backward)."""
     if not grad or facts.view:
         return [0.0] * len(strategies)
-    return [backward_temporary_bytes(facts.op, facts.family, [(m.nbytes / shard_count(L, shape), m.dtype.itemsize, is_param)
-                                                for m, L, is_param in zip(ins_meta, s.inputs, params_in)])
-            for s in strategies]
+    return [backward_temporary_bytes(facts.op, [(m.nbytes / shard_count(L, shape), m.dtype.itemsize)
+                                                for m, L in zip(ins_meta, s.inputs)]) for s in strategies]
 
 
 def _const_args(a):
@@ -675,8 +674,11 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozen
                      if param and flat_gather_axis(a, b, meta.shape, shape) is not None else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
             gather = tuple(tuple(gathering(a, b) for b in nb) for a in na)
+            grad_temp = [[weight_gradient_temporary_bytes(meta.nbytes / shard_count(gb, shape), s is not None)
+                          for (_, gb), s in zip(b_keys, row)] for row in sync]
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
-                           flat if any(any(r) for r in flat) else None, gather)
+                           flat if any(any(r) for r in flat) else None, gather,
+                           grad_temp if any(any(r) for r in grad_temp) else None)
         return tables[key]
 
     def classes(keys):
@@ -727,10 +729,10 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozen
                 b_keys, b_of = classes_of(v.strategies, slot, node.name in side)
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd, sync, flat, gather = table_for(meta, a_keys, b_keys, grad, keeps,
-                                                                    u.kind == "param", slot is None, src.name in side)
+            table, saved, temp, fwd, sync, flat, gather, grad_temp = table_for(
+                meta, a_keys, b_keys, grad, keeps, u.kind == "param", slot is None, src.name in side)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather))
+                                   temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather, grad_temp=grad_temp))
     return edges
 
 
