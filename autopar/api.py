@@ -38,7 +38,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
         `pipeline=None` or `{}` lets it choose pipelines, `False` forbids them).
 
     example_inputs: the global batch (real or meta tensors; the model may be on meta too).
-    memory_budget: bytes per device (default: the device profile's capacity).
+    memory_budget: bytes per device (default: the device profile's `memory_budget`, its capacity less a reserve).
     pins: {"param.fqn or glob": ("S(0)", "R"), "node_name": (...)} fixes those layouts.
     batch_axes: mesh axes over which inputs arrive already split on dim 0 (a DistributedSampler).
     sharded_outputs: return outputs as DTensors in their planned layout instead of whole.

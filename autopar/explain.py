@@ -85,7 +85,7 @@ def explain(model, example_inputs, mesh: Mesh, plan: Plan, name: str, *, example
     problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(o))
     node = _node_named(problem, plan, name)
     choice, memory = plan_assignment(problem, plan)
-    budget = plan.scaling.memory_budget or o.get("memory_budget") or mesh.profile.memory_capacity
+    budget = plan.scaling.memory_budget or o.get("memory_budget") or mesh.profile.memory_budget
     leader = problem.decisions[node].leader
     options: dict[tuple, Option] = {}
     for i in range(problem.n_choices(leader)):

@@ -48,7 +48,7 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     t0 = time.perf_counter()
     deadline = deadline_of(opts)        # every candidate's solve within the one time limit
     _check(fixed, mesh)
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
     batch = _batch(args, kwargs)
     cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)

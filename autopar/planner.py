@@ -32,7 +32,7 @@ from .strategies.moe import check_capacity_factor
 
 @dataclass(frozen=True, slots=True)
 class PlanOptions:
-    memory_budget: float | None = None          # bytes per device; default: the profile's capacity
+    memory_budget: float | None = None          # bytes per device; default: the profile's memory_budget
     pins: Mapping[str, Sequence[str]] | None = None
     batch_axes: Sequence[str] | None = None     # inputs arrive split on dim 0 over these axes
     sharded_outputs: bool = False               # leave outputs in their planned layout
@@ -170,7 +170,7 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     infos = annotate(cap.gm)
     problem = planning_problem(cap, infos, mesh, opts)
     gc.freeze()
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_capacity
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
         result, priced = solve_within(problem, budget, deadline, opts.progress)

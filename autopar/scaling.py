@@ -51,11 +51,12 @@ def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict) -> S
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
     poly = functools.lru_cache(maxsize=None)(Poly2.of)
     for d in sp.decisions.values():
-        for f in ("act_bytes", "state_bytes", "grad_bytes", "opt_bytes"):
+        for f in ("act_bytes", "state_bytes", "grad_bytes", "opt_bytes", "bwd_temp"):
             setattr(d, f, [poly(x) for x in getattr(d, f)])
     for e in sp.edges:
         e.saved = [[poly(x) for x in row] for row in e.saved]
         e.temp = [[poly(x) for x in row] for row in e.temp] if e.temp else None
+        e.grad_temp = [[poly(x) for x in row] for row in e.grad_temp] if e.grad_temp else None
     fam = sp.families       # bytes the families free and hold, as polynomials too (their seconds stay sympy)
     fam.freed = [replace(f, expr=_poly_expr(f.expr, poly)) for f in fam.freed]
     fam.held = [replace(h, expr=_poly_expr(h.expr, poly)) for h in fam.held]

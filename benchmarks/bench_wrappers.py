@@ -1,6 +1,7 @@
 """autopar's executed plans against torch's own wrappers, measured side by side in one run.
 
-    python benchmarks/bench_wrappers.py [--steps 12] [--warmup 3] [--only dp2,dp4,fsdp2,tp2] [--aten]
+    python benchmarks/bench_wrappers.py [--steps 12] [--warmup 3] [--only dp2,dp4,fsdp2,tp2,auto2] [--aten]
+                                        [--model small,narrow,deep,wide]
     torchrun --nproc-per-node N benchmarks/bench_wrappers.py --device cuda [--model gpt2]
 
 
@@ -13,6 +14,12 @@ A GPT of 4 layers, hidden 256, 8 heads, sequence 128, vocabulary 512, global bat
             the forward (plan.residency "regather"), against `fully_shard` per block and root
   tp2       Megatron layouts over "tp" (column q/k/v/fc, row proj/fc2; the batch whole), against
             `parallelize_module` with ColwiseParallel / RowwiseParallel on the same linears
+  auto2     the planner's own plan on a (2,) mesh, no pins, the inputs given whole (on these models it
+            replicates every parameter and splits the batch), against `DistributedDataParallel` fed
+            each rank's share
+
+`--model narrow,deep,wide` runs the cases on GPTs of other shapes than the default's (MODELS), one
+shape after the other, so the ratios are not the default shape's alone.
 
 autopar's side trains with `dmodel.optimizer(torch.optim.AdamW)` (the documented way), the
 reference with `torch.optim.AdamW` over its module's parameters (default settings on both sides).
@@ -52,7 +59,11 @@ import autopar  # noqa: E402
 from bench_cpu_plans import wait_for_quiet  # noqa: E402
 
 MODELS = {"small": (dict(vocab=512, seq=128, hidden=256, heads=8, layers=4), 16),
-          "gpt2": (dict(vocab=50304, seq=1024, hidden=768, heads=12, layers=12), 8)}   # (shape, global batch)
+          "gpt2": (dict(vocab=50304, seq=1024, hidden=768, heads=12, layers=12), 8),     # (shape, global batch)
+          # other shapes than the benchmark's own (issue 35: data parallel within 1.05x of DDP on them too):
+          "narrow": (dict(vocab=1000, seq=64, hidden=192, heads=6, layers=4), 16),     # a larger vocabulary
+          "deep": (dict(vocab=512, seq=64, hidden=128, heads=4, layers=8), 16),        # many small layers
+          "wide": (dict(vocab=2048, seq=32, hidden=384, heads=6, layers=2), 32)}       # few wide layers
 WAIT_S = 30          # at most this long for a quiet machine before each case (then measured anyway, load recorded)
 
 
@@ -112,7 +123,8 @@ def build(size: str = "small"):
 
 MEGATRON = {"q": "col", "k": "col", "v": "col", "fc": "col", "proj": "row", "fc2": "row"}
 CASES = {     # name -> (world size, axis, what)
-    "dp2": (2, "dp", "dp"), "dp4": (4, "dp", "dp"), "fsdp2": (2, "dp", "fsdp"), "tp2": (2, "tp", "tp")}
+    "dp2": (2, "dp", "dp"), "dp4": (4, "dp", "dp"), "fsdp2": (2, "dp", "fsdp"), "tp2": (2, "tp", "tp"),
+    "auto2": (2, "dp", "auto")}
 
 
 def plan_for(what: str, world: int, axis: str, device: str = "cpu", size: str = "small") -> autopar.Plan:
@@ -122,6 +134,8 @@ def plan_for(what: str, world: int, axis: str, device: str = "cpu", size: str = 
     if what == "dp":
         return autopar.plan(model, batch, mesh, pins={n: ("R",) for n in names}, batch_axes=(axis,),
                             memory_budget=float("inf"))
+    if what == "auto":       # the planner's own choice, inputs given whole (it replicates these models' parameters)
+        return autopar.plan(model, batch, mesh, memory_budget=float("inf"))
     if what == "fsdp":
         return autopar.plan(model, batch, mesh, pins={n: ("S(0)",) for n in names}, batch_axes=(axis,),
                             residency="regather", memory_budget=float("inf"))
@@ -140,7 +154,7 @@ def plan_for(what: str, world: int, axis: str, device: str = "cpu", size: str = 
 def reference(what: str, model: nn.Module, device_mesh) -> nn.Module:
     """The torch wrapper for `what` around a copy of `model` (moved to the mesh's device)."""
     model = copy.deepcopy(model).to(_device(device_mesh.device_type))
-    if what == "dp":
+    if what in ("dp", "auto"):
         return nn.parallel.DistributedDataParallel(model)
     if what == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -186,10 +200,10 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten, device="cp
     model, batch = build(size)
     mesh = autopar.Mesh((world,), (axis,), device=_profile(device))
     dmodel = autopar.autoparallelize(model, mesh, batch, plan=plan)
-    ours_in = mesh.local_batch(batch, (axis,)) if what != "tp" else batch
+    ours_in = mesh.local_batch(batch, (axis,)) if what in ("dp", "fsdp") else batch
     ours_in = tuple(t.to(_device(device)) for t in ours_in)
     ref = reference(what, model, init_device_mesh(device, (world,), mesh_dim_names=(axis,)))
-    ref_in = ours_in
+    ref_in = mesh.local_batch(batch, (axis,)) if what == "auto" else ours_in   # DDP: this rank's share
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sides = {"autopar": (dmodel, ours_in, dmodel.optimizer(torch.optim.AdamW, lr=1e-3)),
              "torch": (ref, ref_in, torch.optim.AdamW(_param_groups(ref), lr=1e-3))}
@@ -237,12 +251,14 @@ def _side_by_side(rank, world, what, axis, plan, steps, warmup, aten, device="cp
     return {"times": times, "cpu": cpu, "losses": losses, "aten": counts, "local_ops": local_ops}
 
 
-def run_case(pool, name: str, steps: int, warmup: int, aten: bool) -> dict:
+def run_case(pool, name: str, steps: int, warmup: int, aten: bool, size: str = "small") -> dict:
     """One CPU case on forked gloo ranks."""
     world, axis, what = CASES[name]
-    plan = plan_for(what, world, axis)
+    plan = plan_for(what, world, axis, size=size)
     q = wait_for_quiet(0.5, 2.0, WAIT_S)
-    return summarize(name, world, pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, timeout=900), q)
+    label = name if size == "small" else f"{name} ({size})"
+    return summarize(label, world, pool.run(_side_by_side, what, axis, plan, steps, warmup, aten, "cpu", size,
+                                            timeout=900), q)
 
 
 def run_case_cuda(what: str, steps: int, warmup: int, aten: bool, size: str) -> dict | None:
@@ -292,7 +308,8 @@ def _cases(a) -> list[dict]:
             dist.destroy_process_group()
     from rank_pool import get_pool, shutdown_all
     try:
-        return [run_case(get_pool(CASES[name][0]), name, a.steps, a.warmup, a.aten) for name in a.only.split(",")]
+        return [run_case(get_pool(CASES[name][0]), name, a.steps, a.warmup, a.aten, size)
+                for size in a.model.split(",") for name in a.only.split(",")]
     finally:
         shutdown_all()
 
@@ -305,8 +322,12 @@ def main(argv=None) -> list[dict]:
                     help="comma-separated cases: " + ", ".join(CASES) + " (with --device cuda: dp, fsdp, tp)")
     ap.add_argument("--aten", action="store_true", help="count ATen ops per step (torch.profiler, rank 0)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--model", default="small", choices=tuple(MODELS), help="GPT shape (cuda only; cpu runs small)")
+    ap.add_argument("--model", default="small",
+                    help="GPT shape: " + ", ".join(MODELS) + " (on cpu a comma-separated list, each shape in turn)")
     a = ap.parse_args(argv)
+    bad = [m for m in a.model.split(",") if m not in MODELS] or ([a.model] if a.device == "cuda" and "," in a.model else [])
+    if bad:
+        ap.error(f"--model {bad[0]!r}: use one of {', '.join(MODELS)} (one shape with --device cuda)")
     a.only = a.only or (",".join(CASES) if a.device == "cpu" else "all")
     out = _cases(a)
     for r in out:

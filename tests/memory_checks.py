@@ -231,6 +231,42 @@ def mixed_precision_state(rank, world):
             "pool_bytes": dmodel.memory.pool.bytes, "files": _files(dmodel)}
 
 
+def optimizer_state_bytes(rank, world):
+    """Per (parameter dtype, precision): this rank's optimizer state (master weights and AdamW's
+    moments and step counters) measured after one step, and the bytes the plan's price gives it
+    (rank 0 prices; a plan per dtype, its precision set as a plan file would set it)."""
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model, inputs = gpt()
+        model = model.to(dtype)
+        mesh = autopar.Mesh((2,), ("dp",), device=shard_happy_profile())
+        planned = saved_plan(model, inputs, mesh, None)
+        for precision in ("same", "mixed"):
+            plan = dataclasses.replace(planned, options={**planned.options, "precision": precision})
+            predicted = [_optimizer_bytes(model, inputs, mesh, plan) if rank == 0 else None]
+            dist.broadcast_object_list(predicted, src=0)
+            dmodel = autopar.autoparallelize(copy.deepcopy(model), mesh, inputs, plan=plan)
+            opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
+            dmodel(*inputs).float().backward()
+            opt.step()
+            out[f"{str(dtype)[6:]}/{precision}"] = {
+                "measured": sum(t.numel() * t.element_size() for _, t in opt.state_tensors()),
+                "predicted": predicted[0], "local_elements": sum(p.to_local().numel() for p in dmodel.parameters()),
+                "state_dtypes": sorted({str(t.dtype)[6:] for _, t in opt.state_tensors() if t.ndim})}
+    return out
+
+
+def _optimizer_bytes(model, inputs, mesh, plan) -> float:
+    """This rank's optimizer state bytes (moments, master weights) as the planner prices the plan."""
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    from autopar.planner import PlanOptions, plan_assignment, planning_problem
+    cap = capture(model, inputs)
+    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
+    choice, _ = plan_assignment(problem, plan)
+    return sum(d.opt_bytes[choice[d.leader]] for d in problem.decisions.values() if d.kind == "param")
+
+
 def bad_memory_plans(rank, world):
     """The errors a hand-edited plan naming no layer / parameter, or an unknown mode, gets."""
     from autopar.errors import AutoparError

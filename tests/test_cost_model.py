@@ -12,6 +12,7 @@ from autopar.cost_model import (Link, all_gather_time, all_reduce_time, all_to_a
                                 collective_bytes_on_wire, compute_time, known_profiles,
                                 load_profile, matmul_efficiency_at, op_times, reduce_scatter_time, reshard_cost,
                                 save_profile)
+from autopar.cost_model.profiles import PROFILE_DIR
 
 R, S, P = Replicate(), Shard, Partial()
 NVLINK = Link(bandwidth=300e9, latency=2e-6)
@@ -37,6 +38,25 @@ def test_known_profiles_and_datasheet_figures():
     assert h100.flops_for(torch.float16) == 989e12 and h100.memory_bandwidth == 3.35e12
     assert h200.flops_for(torch.bfloat16) == h100.flops_for(torch.bfloat16) and h200.memory_bandwidth == 4.8e12
     assert h200.memory_capacity > 1.7 * h100.memory_capacity
+
+
+def test_gpu_profiles_reserve_memory_beside_tensors_and_plan_within_the_rest():
+    """The default budget is the capacity less a named reserve (CUDA context and cuBLAS workspaces,
+    NCCL buffers, allocator fragmentation), each figure cited in the profile's notes."""
+    for name in ("a100", "h100", "h200"):
+        p = load_profile(name)
+        notes = json.loads((PROFILE_DIR / f"{name}.json").read_text())["_notes"]
+        assert p.context_memory >= 2**29 and p.communicator_memory > 0 and 0 < p.fragmentation < 0.2, name
+        assert {"context_memory", "communicator_memory", "fragmentation"} <= set(notes), name
+        assert p.memory_budget == p.memory_capacity - p.context_memory - p.communicator_memory \
+            - p.fragmentation * p.memory_capacity
+    h100 = load_profile("h100")
+    assert h100.memory_capacity - h100.memory_budget >= 4 * 2**30         # the 80 GB part keeps 4 GiB free
+    assert load_profile("cpu").memory_budget == load_profile("cpu").memory_capacity
+    with pytest.raises(ValueError, match="fragmentation"):
+        dataclasses.replace(h100, fragmentation=1.5)
+    with pytest.raises(ValueError, match="leave no memory"):
+        dataclasses.replace(h100, context_memory=h100.memory_capacity)
 
 
 def test_unknown_profile_lists_known_names():

@@ -76,7 +76,7 @@ def test_the_hf_config_command_plans_llama3_8b_sliced(ran):
     assert plan.model == "LlamaForCausalLM" and len(plan.placements) == 2 * 9 + 3
     total_state = n_params * 2 * 4           # bf16: parameter, gradient, two AdamW moments
     assert total_state / 64 <= plan.estimate.param_state_bytes <= total_state
-    assert plan.estimate.peak_memory_bytes <= autopar.Mesh((8, 8), device="h100").profile.memory_capacity
+    assert plan.estimate.peak_memory_bytes <= autopar.Mesh((8, 8), device="h100").profile.memory_budget
 
 
 def test_a_calibrated_profile_plans_from_the_shell(ran):

@@ -10,7 +10,8 @@ import pytest
 
 from rank_pool import get_pool
 
-from memory_checks import TP_PINS, ZERO3_PINS, bad_memory_plans, mixed_precision_state, run_variants
+from memory_checks import (TP_PINS, ZERO3_PINS, bad_memory_plans, mixed_precision_state, optimizer_state_bytes,
+                           run_variants)
 
 TOL = 1e-4
 BLOCKS = ("blocks.0", "blocks.1")
@@ -167,6 +168,20 @@ def test_bf16_parameters_get_fp32_master_weights_and_state_dict_round_trips(rank
         assert r["param_is_rounded_master"] and r["master_finer_than_param"]
         assert r["reloaded_max_diff"] == 0.0
         assert r["pool_bytes"] > 0 and r["files"] > 0
+
+
+def test_optimizer_state_is_what_the_plan_prices_in_every_precision(rank_pool):
+    """`plan.precision` as executed: "same" keeps no master and moments in the parameter's dtype
+    (bf16: 4 bytes per element), "mixed" an fp32 master and fp32 moments for bf16 parameters (12),
+    and fp32 parameters train alike under both (8); the plan's price within 2% on each rank."""
+    per_element = {"bfloat16/same": 4, "bfloat16/mixed": 12, "float32/same": 8, "float32/mixed": 8}
+    for r in rank_pool(2).run(optimizer_state_bytes):
+        assert set(r) == set(per_element)
+        for case, m in r.items():
+            assert m["measured"] == pytest.approx(m["predicted"], rel=0.02), case
+            assert m["predicted"] == per_element[case] * m["local_elements"], case
+        assert r["bfloat16/same"]["state_dtypes"] == ["bfloat16"]
+        assert r["bfloat16/mixed"]["state_dtypes"] == ["float32"]
 
 
 def test_memory_decisions_naming_nothing_are_errors(rank_pool):

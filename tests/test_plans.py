@@ -142,6 +142,55 @@ def test_peak_memory_comes_from_liveness():
     assert plan.estimate.peak_memory_bytes == state + 2 * act
 
 
+class _Head(torch.nn.Module):
+    def __init__(self, hidden, vocab):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(x), y, reduction="sum")
+
+
+def test_cross_entropy_backward_holds_the_log_probabilities_gradient():
+    """The backward of cross-entropy holds its saved log-probabilities, the gradient it makes of them
+    and the logits' gradient it returns: three logits' worth (and the state: the weight and its two
+    moments; its gradient comes later, in the head's backward). The ILP's rows count it alike."""
+    from autopar.solver.ilp import FEASIBILITY_SLACK_BYTES
+    n, h, v = 256, 8, 4096
+    model, inputs = _Head(h, v), (torch.randn(n, h), torch.randint(0, v, (n,)))
+    fixed = dict(symbolic=False, recompute="none", offload="none")
+    mesh = autopar.Mesh((1,), ("x",), device="h100")
+    plan = autopar.plan(model, inputs, mesh, **fixed)
+    logits, weight = n * v * 4, h * v * 4
+    peak = plan.estimate.peak_memory_bytes
+    assert peak == pytest.approx(3 * weight + 3 * logits, rel=1e-3)
+    with pytest.raises(autopar.InfeasibleError):
+        autopar.plan(model, inputs, mesh, memory_budget=peak - logits / 2, **fixed)
+    assert autopar.plan(model, inputs, mesh, memory_budget=peak + FEASIBILITY_SLACK_BYTES, **fixed)
+
+
+def test_a_weight_gradient_counts_whole_until_its_bucket_takes_it():
+    """A weight stored split over "dp" and gathered for use gets its whole gradient from the matmul's
+    backward; it lives until the gradient buckets reduce-scatter it. On one device nothing reduces it:
+    the gradient is `.grad` itself, no second copy."""
+    from autopar.solver.memory_timeline import memory_points
+    model = torch.nn.Linear(512, 512, bias=False)
+    cap = capture(model, (torch.randn(4, 512),))
+    for devices, extra in ((2, 512 * 512 * 4), (1, 0)):
+        p = build_problem(cap, annotate(cap.gm), autopar.Mesh((devices,), ("dp",), device="h100"), batch_axes=("dp",))
+        choice = {name: 0 for name in p.leaders}
+        for name, d in p.decisions.items():     # the weight stored split on its rows, used whole
+            if d.leader == name:
+                want = (Shard(0),) if d.kind == "param" else (Shard(0),) if devices > 1 else (Replicate(),)
+                choice[name] = next(i for i, s in enumerate(d.strategies) if s.output == want or devices == 1)
+        _, with_temp = memory_points(p, choice)
+        edge = next(e for e in p.edges if p.decisions[e.src].kind == "param")
+        saved, edge.grad_temp = edge.grad_temp, None
+        _, without = memory_points(p, choice)
+        edge.grad_temp = saved
+        assert max(a - b for a, b in zip(with_temp, without)) == extra, devices
+
+
 def test_collective_output_counts_while_its_consumer_runs():
     """A resharded copy the consumer does not keep (here: the batch-split output gathered whole
     for the caller) is a temporary: it adds its bytes at the consumer's liveness point only."""

@@ -10,8 +10,10 @@ master weight), which the offload family may move to the host:
 * "mixed" (16-bit parameter and gradient, fp32 master weight and fp32 moments):
   2 + 2 + 4 + 4 + 4 = 16 bytes for AdamW (the "16 bytes per parameter" of ZeRO, Rajbhandari et
   al. 2020, section 3.1, and of Megatron-LM's fp16 training); SGD 2 + 2 + 4 = 8.
-* "auto": mixed for 16-bit parameters (what bf16 training with torch.amp, FSDP's
-  MixedPrecisionPolicy or Megatron does), same otherwise.
+  A 32-bit parameter has no finer copy to keep: under "mixed" it trains as under "same".
+* "auto" (the default): as "mixed" (what bf16 training with FSDP's MixedPrecisionPolicy or
+  Megatron does).
+`runtime/optimizer.py` executes the same rule (`is_mixed`): a master weight exactly where it is priced.
 
 Activations, on one timeline of the step: the forward runs ops 0 .. last-1 at positions 0 .. last-1,
 `last` is the end of the forward, and the backward of op i runs at position 2*last - i (the last
@@ -29,15 +31,19 @@ The backward of op i holds (a backward point, one per op that has a gradient):
   input gradients among them;
 * the parameters' gradients made so far (`Problem` adds them: a parameter's gradient exists from
   the backward of its last consumer on), and the copies kept for backwards not run yet.
-* the gradient buckets in flight (`buckets_in_flight_bytes`).
-* the working buffers of op i's backward where its executor declares them (`Decision.work_bytes`:
-  context-parallel attention's K/V blocks and their gradients, `cost_model/context.py`).
-A view's gradient is not counted apart from its base's; gradient reshards in the backward and other
-ops' backward-internal temporaries are not counted.
+* the gradient buckets in flight (`buckets_in_flight_bytes`);
+* the op's own backward temporaries, the largest of a step's: fused attention's fp32 accumulator
+  and cross-entropy's gradient of its log-probabilities (`backward_temporary_bytes`), and each
+  weight's gradient as the op makes it, before the gradient buckets take it
+  (`weight_gradient_temporary_bytes`); the working buffers an executor declares for its backward
+  (context-parallel attention's K/V blocks and their gradients, `cost_model/context.py`), added to
+  the op's own.
+A view's gradient is not counted apart from its base's; gradient reshards in the backward and
+smaller backward temporaries (an element-wise op's) are not counted.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
 
@@ -66,8 +72,9 @@ def buckets_in_flight_bytes(bucketed_bytes: float, bucket_bytes: float) -> float
 
 
 def is_mixed(param_itemsize: int, precision: str = "auto") -> bool:
-    """Is a parameter of this size trained in mixed precision (fp32 master weights)?"""
-    return precision == "mixed" or (precision == "auto" and param_itemsize == 2)
+    """Is a parameter of this size trained in mixed precision (an fp32 master weight and fp32
+    moments)? 16-bit parameters under "mixed" or "auto"; never under "same", never a 32-bit one."""
+    return precision != "same" and param_itemsize == 2
 
 
 def state_bytes(param_itemsize: int, optimizer: str = "adamw", precision: str = "auto") -> tuple[float, float]:
@@ -87,6 +94,39 @@ def state_bytes_per_element(param_itemsize: int, optimizer: str = "adamw", preci
     """Bytes of training state per parameter element (`state_bytes`' two parts together)."""
     kept, opt = state_bytes(param_itemsize, optimizer, precision)
     return kept + opt
+
+
+# Fused attention's backward (FlashAttention-2, and torch's flash, memory-efficient and cuDNN kernels
+# after it) accumulates dq in fp32 over the key blocks: 4 bytes per element of the local query, beside
+# the dq, dk, dv it returns (gradients in flight). Its per-row softmax statistics are S/D of that: left out.
+ATTENTION_BACKWARD_ACCUMULATOR_ITEMSIZE = 4
+ATTENTION_OPS = frozenset({"aten.scaled_dot_product_attention"})
+# Cross-entropy on the logits (`aten.cross_entropy_loss`, composite: log_softmax then nll_loss, the
+# log-probabilities kept for the backward) makes the gradient of the log-probabilities (nll_loss's
+# backward) before log_softmax's backward turns it into the logits' gradient: one more tensor of the
+# logits' size in their dtype (the largest temporary of a language model's step: tokens x vocabulary).
+LOGITS_GRADIENT_COPIES = {"aten.cross_entropy_loss": 1.0}
+
+
+def backward_temporary_bytes(op: str, inputs: Sequence[tuple[float, int]]) -> float:
+    """Bytes an op's backward holds beyond the gradients in flight (module docstring), from its
+    inputs on this device as (local bytes, itemsize): fused attention's fp32 accumulator of the
+    query's gradient; cross-entropy's gradient of the log-probabilities, the size of its input."""
+    total = 0.0
+    if op in ATTENTION_OPS and inputs:
+        q_bytes, itemsize = inputs[0]
+        total += q_bytes / itemsize * ATTENTION_BACKWARD_ACCUMULATOR_ITEMSIZE
+    if op in LOGITS_GRADIENT_COPIES and inputs:
+        total += LOGITS_GRADIENT_COPIES[op] * inputs[0][0]
+    return total
+
+
+def weight_gradient_temporary_bytes(grad_bytes: float, bucketed: bool) -> float:
+    """Bytes a parameter's gradient holds, as the op that uses it makes it (in the layout the op takes
+    the parameter in), before the gradient buckets take it (`runtime/grad_sync.py` copies it into a
+    bucket, or a reduce-scatter's input, and drops it): the whole gradient of a weight stored sharded
+    and gathered for use; a gradient nothing reduces goes to `.grad` as it is (no second copy)."""
+    return float(grad_bytes) if bucketed else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,13 @@ class DeviceProfile:
     # load-balancing loss (Switch Transformer, Mixtral, Qwen-MoE) keep experts near, not at, uniform
     # load. Set it from the model's routing statistics where they are known.
     moe_load_imbalance: float = 1.2
+    # Memory a run needs beside its tensors, taken from `memory_capacity` for the default budget
+    # (`memory_budget`); each profile's `_notes` say where its figures come from (0: none, as on a CPU):
+    context_memory: float = 0.0            # bytes: CUDA context (kernel images, driver state) and the math
+                                           # libraries' workspaces (cuBLAS / cuBLASLt)
+    communicator_memory: float = 0.0       # bytes: the collective library's buffers (NCCL channels, NVLS)
+    fragmentation: float = 0.0             # fraction of memory_capacity the caching allocator holds reserved
+                                           # but unallocated at the peak (memory_stats: reserved - allocated)
 
     def __post_init__(self) -> None:
         peaks = MappingProxyType(dict(self.peak_flops))  # a read-only copy: the profile is frozen
@@ -140,6 +147,11 @@ class DeviceProfile:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0")
         if not self.grad_bucket_bytes > 0 or not 0 <= self.grad_sync_overlap <= 1:
             raise ValueError(f"profile {self.name!r}: grad_bucket_bytes must be > 0, grad_sync_overlap in [0, 1]")
+        if not 0 <= self.fragmentation < 1:
+            raise ValueError(f"profile {self.name!r}: fragmentation must be in [0, 1) (a fraction of memory_capacity)")
+        if not self.memory_budget > 0:
+            raise ValueError(f"profile {self.name!r}: context_memory + communicator_memory + fragmentation leave "
+                             f"no memory of memory_capacity {self.memory_capacity:.0f} bytes")
         if not self.moe_load_imbalance >= 1:
             raise ValueError(f"profile {self.name!r}: moe_load_imbalance must be >= 1 (busiest over mean)")
         for f in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
@@ -147,12 +159,22 @@ class DeviceProfile:
                 raise ValueError(f"profile {self.name!r}: {f} must be in (0, 1]")
         for f in ("matmul_ramp_time", "kernel_overhead", "runtime_op_overhead", "collective_overhead",
                   "optimizer_param_overhead", "optimizer_element_time", "rng_element_time", "host_memory_capacity",
-                  "disk_capacity", "host_optimizer_element_time"):
+                  "disk_capacity", "host_optimizer_element_time", "context_memory", "communicator_memory"):
             if getattr(self, f) < 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0")
 
     def __reduce__(self):  # a mappingproxy does not pickle; rebuild from plain data (pickle, deepcopy)
         return _from_dict, (_to_dict(self),)
+
+    @property
+    def memory_reserve(self) -> float:
+        """Bytes of a device a run needs beside its tensors: context, communicators, fragmentation."""
+        return self.context_memory + self.communicator_memory + self.fragmentation * self.memory_capacity
+
+    @property
+    def memory_budget(self) -> float:
+        """The planner's default memory budget per device: the capacity less `memory_reserve`."""
+        return self.memory_capacity - self.memory_reserve
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Dense peak FLOP/s for `dtype`; dtypes without an entry (float64, integers) use the float32 rate."""

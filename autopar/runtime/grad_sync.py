@@ -160,6 +160,7 @@ class GradSync:
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
         self.buckets_early = 0                       # of those, launched before the backward ended
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
+        self._owners: dict[str, tuple] | None = None  # FQN -> (submodule, attribute): `_param`
         self.reset()
 
     def reset(self) -> None:
@@ -256,10 +257,19 @@ class GradSync:
             write_grad(self._param(name), local.contiguous())
 
     def _param(self, name: str) -> torch.nn.Parameter:
-        """The module's parameter `name` (by FQN, aliases too), looked up once per backward."""
+        """The module's parameter `name` (by FQN, aliases too), looked up once per backward in its
+        owning submodule (found once: walking the module tree each backward cost more than the
+        lookups), so a parameter replaced since (`load_state_dict(assign=True)`) is the one written."""
         if self._params is None:
-            self._params = dict(self.module.named_parameters(remove_duplicate=False))
-        return self._params[name]
+            if self._owners is None:
+                self._owners = {fqn: (self.module.get_submodule(fqn.rpartition(".")[0]), fqn.rpartition(".")[2])
+                                for fqn, _ in self.module.named_parameters(remove_duplicate=False)}
+            self._params = {}
+        p = self._params.get(name)
+        if p is None:
+            owner, attr = self._owners[name]
+            p = self._params[name] = getattr(owner, attr)
+        return p
 
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))

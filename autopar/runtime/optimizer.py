@@ -1,19 +1,24 @@
-"""The optimizer a plan asks for: state and fp32 master weights on device, host or disk.
+"""The optimizer a plan asks for: state and master weights on device, host or disk, in the plan's precision.
+
+`plan.options["precision"]` says which parameters train in mixed precision, by the one rule the
+planner prices them with (`cost_model.memory.is_mixed`): "same" keeps every copy in the parameter's
+dtype (a bf16 parameter's AdamW moments in bf16: 2 + 2 gradient + 4 state bytes per parameter);
+"mixed" and "auto" keep an fp32 master weight and fp32 moments for 16-bit parameters (2 + 2 + 4 + 8:
+the 16 B/param of ZeRO); 32-bit parameters have no finer copy to keep and train as "same".
 
 `dmodel.optimizer(torch.optim.AdamW, lr=1e-3)` builds one torch optimizer per place:
 
-* "direct": fp32 parameters whose optimizer tier is "device": the optimizer updates the parameters
-  in place, as `torch.optim.AdamW(dmodel.parameters())` would, but steps their local shards (the
-  DTensors' own storage, each given its gradient's local part for the step): the same arithmetic
-  on the same shards with none of DTensor's per-op dispatch (about 8 ops per parameter per step);
-  its state is plain local tensors, like the other tiers';
-* "device": 16-bit parameters on "device": an fp32 master copy of each shard on the device; the
-  optimizer steps the master with the gradient cast to fp32, and the parameter receives the
-  master rounded to its dtype (mixed precision: 2 + 4 master + 8 state (+ 2 gradient) bytes per
-  parameter, the 16 B/param the planner prices for bf16 + AdamW);
-* "host": the fp32 master and the optimizer state live in the module's `HostPool`; each step copies
-  the gradient shard to the host, runs the optimizer there (ZeRO-Offload), and copies the updated
-  master back into the parameter shard;
+* "direct": parameters without a master copy (not mixed) whose optimizer tier is "device": the
+  optimizer updates the parameters in place, as `torch.optim.AdamW(dmodel.parameters())` would, but
+  steps their local shards (the DTensors' own storage, each given its gradient's local part for the
+  step): the same arithmetic on the same shards with none of DTensor's per-op dispatch (about 8 ops
+  per parameter per step); its state is plain local tensors, like the other tiers';
+* "device": mixed-precision parameters on "device": an fp32 master copy of each shard on the
+  device; the optimizer steps the master with the gradient cast to fp32, and the parameter receives
+  the master rounded to its dtype;
+* "host": the master (fp32 in mixed precision, else a copy in the parameter's dtype) and the
+  optimizer state live in the module's `HostPool`; each step copies the gradient shard to the host,
+  runs the optimizer there (ZeRO-Offload), and copies the updated master back into the parameter shard;
 * "disk": as "host", with master and state in memory-mapped files of the module's `DiskStore`.
 
 A gradient the plan puts on the host (`grad_offload.py`) comes back to the device for its
@@ -34,20 +39,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..compat import local_tensor
+from ..cost_model.memory import PRECISIONS, is_mixed
 from ..errors import AutoparError
 from ..passes.layers import layer_key
 from ..plan import TIERS
 from .offload import host_scope
 
-MASTER_DTYPE = torch.float32
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+MASTER_DTYPE = torch.float32     # the master weight of a mixed-precision parameter
 
 
 @dataclass(slots=True)
 class _Master:
     fqn: str
     param: torch.nn.Parameter          # the DTensor shard the model computes with
-    master: torch.Tensor               # fp32 copy of its local shard, in the tier
+    master: torch.Tensor               # copy of its local shard in the tier (fp32 in mixed precision)
 
 
 def offload_tier(offload: dict[str, str], what: str, names: list[str]) -> str:
@@ -73,14 +78,17 @@ class PlannedOptimizer:
             params[id(p)] = p
         offload = module.optimizer_offload
         check_keys(offload, [n for ns in names.values() for n in ns])
+        precision = plan_precision(module.plan)
         direct: list[torch.nn.Parameter] = []
         self._masters: dict[str, list[_Master]] = {}
         for key, p in params.items():
             tier = offload_tier(offload, "optimizer", names[key])
-            if tier == "device" and p.dtype not in _LOW_PRECISION:
+            mixed = is_mixed(p.dtype.itemsize, precision)
+            if tier == "device" and not mixed:
                 direct.append(p)
             else:
-                self._masters.setdefault(tier, []).append(_Master(names[key][0], p, self._new_master(p, tier)))
+                master = self._new_master(p, tier, MASTER_DTYPE if mixed else p.dtype)
+                self._masters.setdefault(tier, []).append(_Master(names[key][0], p, master))
         self._inner: dict[str, torch.optim.Optimizer] = {}
         self._direct = [(p, _local_now(p)) for p in direct]     # (parameter, the shard the optimizer steps)
         if direct:
@@ -101,7 +109,7 @@ class PlannedOptimizer:
         return "device"
 
     def master(self, fqn: str) -> torch.Tensor | None:
-        """The fp32 master shard of a parameter (None for an fp32 parameter stepped in place)."""
+        """The master shard of a parameter (None for a parameter stepped in place)."""
         return next((m.master for ms in self._masters.values() for m in ms if m.fqn == fqn), None)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -120,7 +128,7 @@ class PlannedOptimizer:
             with host_scope() if tier != "device" else contextlib.nullcontext():
                 for m in ms:
                     g = grads.back(m.param) if grads is not None and grads.has(m.param) else m.param.grad
-                    m.master.grad = None if g is None else _local(g).to(m.master.device, MASTER_DTYPE, copy=True)
+                    m.master.grad = None if g is None else _local(g).to(m.master.device, m.master.dtype, copy=True)
                 self._inner[tier].step()
                 for m in ms:
                     m.master.grad = None
@@ -194,15 +202,15 @@ class PlannedOptimizer:
             self._place_state(tier)
 
     # -- tiers ---------------------------------------------------------------------------
-    def _new_master(self, p: torch.nn.Parameter, tier: str) -> torch.Tensor:
+    def _new_master(self, p: torch.nn.Parameter, tier: str, dtype: torch.dtype) -> torch.Tensor:
         local = _local(p).detach()
         with torch.no_grad():
             if tier == "device":
-                return local.to(MASTER_DTYPE, copy=True)
+                return local.to(dtype, copy=True)
             with host_scope():
                 if tier == "host":
-                    return self._pool.put(local.to(MASTER_DTYPE))
-                mapped = self._mem.disk_store().mapped(tuple(local.shape), MASTER_DTYPE)
+                    return self._pool.put(local.to(dtype))
+                mapped = self._mem.disk_store().mapped(tuple(local.shape), dtype)
                 return mapped.copy_(local)
 
     def _place_state(self, tier: str) -> None:
@@ -220,6 +228,15 @@ class PlannedOptimizer:
                     placed = self._mem.disk_store().mapped(tuple(v.shape), v.dtype).copy_(v)
                 state[k] = placed
                 self._placed.add(placed.untyped_storage().data_ptr())
+
+
+def plan_precision(plan) -> str:
+    """The plan's `precision` option, checked (a hand-edited plan file may name anything)."""
+    precision = plan.options.get("precision", "auto")
+    if precision not in PRECISIONS:
+        raise AutoparError(f"plan.options['precision'] = {precision!r} is not one of {PRECISIONS}: "
+                           f"set it to one of them in the plan file, or plan again with autopar.plan(precision=...)")
+    return precision
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..passes.layers import layer_key
 from ..plan import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
-from .memory_timeline import (act_bytes, bucket_buffers, grouped_member_sums, memory_points, prefix_sums, work_temps,
+from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
                               window_sums)
 from .problem import Problem, picked_edges
 
@@ -481,8 +481,6 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     for e, a, b in picked_edges(problem, choice):
         r = rank(last if e.dst == "output" else chunk_of[e.dst])
         copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
-    for n, pos, b in work_temps(problem, choice):
-        copies[rank(chunk_of[n])].append((pos, 0.0, b))
     made: list[list] = [[] for _ in range(p)]
     for n, d in problem.decisions.items():
         if d.grad_bytes:
@@ -494,6 +492,9 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     groups = {g.key: g for g in fam.groups}
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
+    back = [[0.0] * n_pts for _ in range(p)]
+    for t, name, nbytes in backward_temps(problem, choice):
+        back[rank_of(name)][t] += nbytes
     for r in range(p):
         cs = sorted(copies[r], key=lambda x: x[0])
         kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
@@ -507,7 +508,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         for t, where in enumerate(positions):
             x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
             x -= gone[t]
-            one.append(x + grown[bisect_right(grown_at, where)] + buckets if where > live.last else x)
+            one.append(x + grown[bisect_right(grown_at, where)] + buckets + back[r][t] if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..cost_model.memory import buckets_in_flight_bytes
-from .memory_timeline import work_points
+from .memory_timeline import backward_point_at
 
 GIB = float(2**30)
 DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
@@ -61,13 +61,15 @@ class MemoryRows:
         for k, e in enumerate(p.edges):
             if e.temp and any(any(row) for row in e.temp):
                 temps_at.setdefault(e.dst_pos, []).append(k)
-        work_at: dict[int, list[str]] = {}
-        for n, pos in work_points(p):
-            work_at.setdefault(pos, []).append(n)
+        grad_temps_at: dict[int, list[int]] = {}      # point index -> edges (memory_timeline.backward_temps)
+        for k, e in enumerate(p.edges):
+            if e.grad_temp is not None and (t := backward_point_at(live, live.backward_of(e.dst_pos))) is not None:
+                grad_temps_at.setdefault(t, []).append(k)
         nk = nm = 0
         events: list[list[tuple]] = []
         temps: list[list[tuple]] = []
-        for owned, moving, where in zip(live.point_changes, live.grad_changes, live.positions):
+        for t, (owned, moving, where, name) in enumerate(zip(live.point_changes, live.grad_changes, live.positions,
+                                                             live.point_names)):
             ev: list[tuple] = []
             for left, joined in (owned, moving):
                 ev += [(ACTS, -1.0, self._node(n, "act_bytes")) for n in sorted(left)]
@@ -84,7 +86,8 @@ class MemoryRows:
                 nm += 1
             events.append(ev)
             temps.append([vc for k in temps_at.get(where, ()) for vc in self._edge(k, "temp", ilp.temp_bytes)]
-                         + [vc for n in work_at.get(where, ()) for vc in self._node(n, "work_bytes")])
+                         + list(self._backward_temp(name) if where > live.last else ())
+                         + [vc for k in grad_temps_at.get(t, ()) for vc in self._edge(k, "grad_temp", {})])
         return events, temps
 
     def _buckets(self) -> tuple[tuple, float]:
@@ -110,6 +113,12 @@ class MemoryRows:
             self._coefs[key] = tuple((v, vals[i]) for i, v in self.ilp.var(self.ilp.p.decisions[name].leader).items()
                                      if vals[i])
         return self._coefs[key]
+
+    def _backward_temp(self, name: str) -> tuple:
+        """(column, bytes) of the backward temporaries of the op whose backward a point is
+        (`memory_timeline.backward_temps`)."""
+        d = self.ilp.p.decisions.get(name)
+        return self._node(name, "bwd_temp") if d is not None and d.bwd_temp else ()
 
     def _edge(self, k: int, field: str, named: dict) -> tuple:
         """Bytes of edge k's copy: its one column (E)/(F) where it has one (in GiB already), else its y/x terms."""

@@ -9,7 +9,7 @@ priced in B and S, `autopar.scaling`).
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 
 from ..cost_model.memory import buckets_in_flight_bytes
@@ -36,27 +36,44 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     temps: dict = {}
     for pos, _, t in picked:
         temps[pos] = temps.get(pos, 0.0) + t
-    for _, pos, b in work_temps(p, choice):
-        temps[pos] = temps.get(pos, 0.0) + b
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
     buckets = bucket_buffers(p, choice)
     acts = member_sums(live.point_changes, size)
     flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
+    back = [0.0] * len(live.points)
+    for t, _, nbytes in backward_temps(p, choice):
+        back[t] += nbytes
     points = []
-    for owned, moving, where in zip(acts, flight, live.positions):
+    for t, (owned, moving, where) in enumerate(zip(acts, flight, live.positions)):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
-        points.append(total + made[bisect_right(made_at, where)] + buckets if where > live.last else total)
+        points.append(total + made[bisect_right(made_at, where)] + buckets + back[t] if where > live.last else total)
     return state, points
 
 
-def work_points(p: Problem) -> list[tuple[str, int]]:
-    """(op, its backward's position) of every op with working buffers (`Decision.work_bytes`)."""
-    return [(n, p.live.backward_of(p.live.op_pos[n])) for n, d in p.decisions.items() if d.work_bytes]
+def backward_temps(p: Problem, choice: Mapping[str, int]) -> list[tuple]:
+    """(point index, the node that holds it, bytes) of every backward temporary
+    (`cost_model.memory`): an op's own (`Decision.bwd_temp`) at its backward's point, and a
+    parameter's gradient as its consumer makes it (`EdgeTable.grad_temp`) at that consumer's
+    backward (the next backward point where the consumer has none: a view passing it on)."""
+    live = p.live
+    out = []
+    for t, (name, where) in enumerate(zip(live.point_names, live.positions)):
+        d = p.decisions.get(name) if where > live.last else None
+        if d is not None and d.bwd_temp and d.bwd_temp[choice[d.leader]]:
+            out.append((t, name, d.bwd_temp[choice[d.leader]]))
+    for e, a, b in picked_edges(p, choice):
+        if e.grad_temp is not None and e.grad_temp[a][b]:
+            t = backward_point_at(live, live.backward_of(e.dst_pos))
+            if t is not None:
+                out.append((t, e.dst, e.grad_temp[a][b]))
+    return out
 
 
-def work_temps(p: Problem, choice: Mapping[str, int]) -> list[tuple[str, int, float]]:
-    """(op, position, bytes) of the ops' working buffers under a choice: alive at their backward's point."""
-    return [(n, pos, p.decisions[n].work_bytes[choice[p.decisions[n].leader]]) for n, pos in work_points(p)]
+def backward_point_at(live, where: int) -> int | None:
+    """The index of the first backward point at or after timeline position `where` (None: none); the
+    points' positions increase along the step."""
+    k = bisect_left(live.positions, max(where, live.last + 1))
+    return k if k < len(live.positions) else None
 
 
 def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:

@@ -31,7 +31,8 @@ from ..cost_model.compute import RANDOM_OPS, random_time
 from ..cost_model.context import FP32_BYTES, ContextComm, context_saved_bytes, context_times, context_work_bytes
 from ..cost_model.experts import expert_pass_times, expert_saved_bytes
 from ..cost_model.autograd import NO_GRAD_WORK, GradWork, grad_work, grad_work_time, gradient_sums_time
-from ..cost_model.memory import Liveness, is_mixed, liveness, state_bytes
+from ..cost_model.memory import (Liveness, backward_temporary_bytes, is_mixed, liveness, state_bytes,
+                                 weight_gradient_temporary_bytes)
 from ..errors import ShardingError
 from ..mesh import Mesh
 from ..passes.capture import Captured
@@ -68,8 +69,8 @@ class Decision:
     elements: list[float] = field(default_factory=list)    # a parameter's local elements per choice
     mixed: bool = False                                    # a parameter trained in mixed precision
     grad_bytes: list[float] = field(default_factory=list)  # its gradient's part of state_bytes (absent in the forward)
-    # an op's working buffers at its backward's point, per choice (context-parallel attention's blocks); [] if none
-    work_bytes: list[float] = field(default_factory=list)
+    bwd_temp: list[float] = field(default_factory=list)    # an op's backward temporaries per choice
+                                                           # (cost_model.memory.backward_temporary_bytes)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ class EdgeTable:
                                             # all-gather with its layer's (comm.flat_gather_axis): its latency
                                             # and launch (the seconds one such gather of 0 bytes takes); else 0
     gathers: tuple[tuple[bool, ...], ...] = ()     # [a][b] does the reshard gather some mesh axis (Shard -> Replicate)
+    grad_temp: list[list[float]] | None = None     # [a][b] bytes of a parameter's gradient as the consumer makes it,
+                                                   # alive in its backward until bucketed (weight_gradient_temporary_bytes)
 
     @property
     def keeps_copy(self) -> bool:
@@ -552,9 +555,12 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
             node_costs[key] = (strategies, *_node_costs(node, info, strategies, ins_meta, facts, ng[node.name],
                                                         is_view[node.name], mesh, moe_load, priced))
         _, compute, forward, act, work = node_costs[key]
+        if (key, "bwd_temp") not in node_costs:
+            temps = _backward_temps(facts, strategies, ins_meta, ng[node.name], shape)
+            node_costs[(key, "bwd_temp")] = [t + w for t, w in zip(temps, work)] if work else temps
         decisions[node.name] = Decision(node.name, "op", leader, strategies, compute, act, [0.0] * len(strategies),
                                         fallback=rule is None, facts=facts, fwd_s=forward,
-                                        opt_bytes=[0.0] * len(strategies), work_bytes=work)
+                                        opt_bytes=[0.0] * len(strategies), bwd_temp=node_costs[(key, "bwd_temp")])
     unused = set(pins) - used_pins
     if unused:
         raise ShardingError(f"pin(s) {sorted(unused)} match no parameter, input or node of the model: "
@@ -600,6 +606,14 @@ def _node_costs(node: fx.Node, info: NodeInfo, strategies: list[Strategy], ins_m
            for s, c in zip(strategies, contexts)]
     work = [context_work_bytes(c) if c and grad else 0.0 for c in contexts]
     return compute, forward, act, (work if any(work) else [])
+
+
+def _backward_temps(facts: OpFacts, strategies: list[Strategy], ins_meta, grad: bool, shape) -> list[float]:
+    """An op's backward temporaries per strategy, from its inputs' local sizes (none without a backward)."""
+    if not grad or facts.view:
+        return [0.0] * len(strategies)
+    return [backward_temporary_bytes(facts.op, [(m.nbytes / shard_count(L, shape), m.dtype.itemsize)
+                                                for m, L in zip(ins_meta, s.inputs)]) for s in strategies]
 
 
 def _const_args(a):
@@ -689,8 +703,11 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozen
                      if param and flat_gather_axis(a, b, meta.shape, shape) is not None else 0.0 for (b, _) in b_keys]
                     for a in a_keys]
             gather = tuple(tuple(gathering(a, b) for b in nb) for a in na)
+            grad_temp = [[weight_gradient_temporary_bytes(meta.nbytes / shard_count(gb, shape), s is not None)
+                          for (_, gb), s in zip(b_keys, row)] for row in sync]
             tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
-                           flat if any(any(r) for r in flat) else None, gather)
+                           flat if any(any(r) for r in flat) else None, gather,
+                           grad_temp if any(any(r) for r in grad_temp) else None)
         return tables[key]
 
     def classes(keys):
@@ -741,10 +758,10 @@ def _edges(cap, infos, mesh, decisions, ng, sharded_outputs, saves, side: frozen
                 b_keys, b_of = classes_of(v.strategies, slot, node.name in side)
                 dst = node.name
             keeps = slot is not None and grad and saves.get(node.name, True)
-            table, saved, temp, fwd, sync, flat, gather = table_for(meta, a_keys, b_keys, grad, keeps,
-                                                                    u.kind == "param", slot is None, src.name in side)
+            table, saved, temp, fwd, sync, flat, gather, grad_temp = table_for(
+                meta, a_keys, b_keys, grad, keeps, u.kind == "param", slot is None, src.name in side)
             edges.append(EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                                   temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather))
+                                   temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather, grad_temp=grad_temp))
     return edges
 
 

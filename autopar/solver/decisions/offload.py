@@ -35,8 +35,9 @@ from ..problem import Problem
 from .common import allowed_options, edges_by, layer_groups, saved_only_in
 
 HOST, DISK = 1, 2
-# the host step casts each gradient to fp32 on the host (runtime/optimizer.py MASTER_DTYPE), whatever
-# the tier holding the state: 4 bytes per local element, all the tier's gradients at once
+# the host step takes each gradient in its master's dtype on the host (runtime/optimizer.py), whatever
+# the tier holding the state: fp32 (MASTER_DTYPE, 4 bytes per local element) in mixed precision, the
+# parameter's own dtype otherwise; all the tier's gradients at once
 HOST_STEP_GRAD_ITEMSIZE = 4
 
 
@@ -131,8 +132,9 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
         # the tier also holds the fp32 weights the host steps: in mixed precision the master copy is
         # optimizer state already; otherwise a copy of the parameter (`runtime/optimizer.py`)
         held = opt if d.mixed else Expr(((n, tuple(o + g for o, g in zip(d.opt_bytes, d.grad_bytes))),))
-        # while the host steps, the gradient waits there in fp32 (ZeRO-Offload's fp32 gradient buffer)
-        in_transit = Expr(((n, tuple(HOST_STEP_GRAD_ITEMSIZE * e for e in d.elements)),))
+        # while the host steps, the gradient waits there (in fp32 in mixed precision: ZeRO-Offload's buffer)
+        in_transit = Expr(((n, tuple(HOST_STEP_GRAD_ITEMSIZE * e for e in d.elements) if d.mixed
+                            else tuple(d.grad_bytes)),))
         fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.step_end,
                                f"optimizer state of {d.fqn}", f"opt:{n}"))
         # gradient out, parameter back: param + grad bytes = state - optimizer part
