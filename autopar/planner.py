@@ -157,7 +157,7 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
     t_scaling = time.perf_counter() - t_scaling
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
-                             result.gap)
+                             result.gap, cap.trace)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0, scaling_s=t_scaling)
     _phase(opts, "done")
     return plan

@@ -62,6 +62,7 @@ class Captured:
     param_names: dict[str, str] = field(default_factory=dict)   # every param FQN (aliases too) -> canonical FQN
     model_name: str = ""
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # lifted constant tensors by name
+    trace: str = ""     # a deep stack's capture: "short: ..." (copied, proven alike) or "whole: <why>"
 
 
 def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
@@ -77,19 +78,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     path = deep_stack(model) if dynamic_shapes is None else None
     if path is None:
         return _trace(model, args, kwargs, dynamic_shapes)
+    depth = len(model.get_submodule(path))
     try:
-        with traced_blocks(model, path) as depth:
+        with traced_blocks(model, path) as (depth, uses):
             cap = _trace(model, args, kwargs, None)
     except CaptureError as e:
         why = f"the short model does not trace ({str(e).splitlines()[0][:200]})"
     else:
         cap.param_names = _param_names(model)
-        why = expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn)
+        why = (f"the blocks read their index ({', '.join(sorted(set(uses)))}), so they may differ" if uses
+               else expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn))
         if why is None:
+            cap.trace = f"short: {path}, {depth} blocks proven alike, 3 traced and the rest copied"
             return cap
-    _log.info("capture: tracing all %d blocks of %s.%s: %s", len(model.get_submodule(path)), type(model).__name__,
-              path, why)
-    return _trace(model, args, kwargs, None)
+    _log.info("capture: tracing all %d blocks of %s.%s: %s", depth, type(model).__name__, path, why)
+    cap = _trace(model, args, kwargs, None)
+    cap.trace = f"whole: all {depth} blocks of {path} traced ({why})"
+    return cap
 
 
 def _param_names(model: torch.nn.Module) -> dict[str, str]:
@@ -112,7 +117,7 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
         # more than the ops it saves (1.3 s against 1.75 s; 1.65 s against 2.9 s as the process's first)
         no_cache = fake_tensor_cache(False) if dynamic_shapes is not None else contextlib.nullcontext()
         args, kwargs = _distinct_inputs(args, kwargs or {})
-        with experts_as_one_op(model), _no_partial_graph_dump(), no_cache:
+        with experts_as_one_op(model), _no_partial_graph_dump(), no_cache, _no_cache_built(model):
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         _inline_no_grad_regions(ep.graph_module)
         _functional_detach(ep)
@@ -200,6 +205,22 @@ def _is_cache(x) -> bool:
     return not isinstance(x, torch.Tensor) and any(
         c.__module__.startswith("transformers") and c.__name__.endswith("Cache")
         for c in type(x).__mro__)
+
+
+@contextlib.contextmanager
+def _no_cache_built(model: torch.nn.Module):
+    """A transformers model traced with `config.use_cache` off (restored after): it then builds no KV
+    cache, which a training step would drop anyway; storing into one is no op of the graph, but it
+    reads each layer's index (short_stack.py would then have to trace every block)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True or not type(config).__module__.startswith("transformers"):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _without_caches(forward):
