@@ -56,7 +56,7 @@ def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     virtual = spec.get("virtual_stages", 1)
     why = check_schedule(schedule, virtual)
     if why is not None:
-        raise PlanOptionError(f"pipeline: {why}")
+        raise PlanOptionError(f"pipeline.virtual_stages = {virtual}: {why}")
     if spec["microbatches"] < size and schedule in ("1f1b", "interleaved", "zb"):
         raise PlanOptionError(f"pipeline.microbatches = {spec['microbatches']} is fewer than the {size} stages: "
                               f"schedule {schedule!r} needs at least one microbatch per stage")
