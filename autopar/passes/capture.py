@@ -117,7 +117,7 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
         # more than the ops it saves (1.3 s against 1.75 s; 1.65 s against 2.9 s as the process's first)
         no_cache = fake_tensor_cache(False) if dynamic_shapes is not None else contextlib.nullcontext()
         args, kwargs = _distinct_inputs(args, kwargs or {})
-        with experts_as_one_op(model), _no_partial_graph_dump(), no_cache, _no_cache_built(model):
+        with experts_as_one_op(model), _no_partial_graph_dump(), no_cache:
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         _inline_no_grad_regions(ep.graph_module)
         _functional_detach(ep)
@@ -205,22 +205,6 @@ def _is_cache(x) -> bool:
     return not isinstance(x, torch.Tensor) and any(
         c.__module__.startswith("transformers") and c.__name__.endswith("Cache")
         for c in type(x).__mro__)
-
-
-@contextlib.contextmanager
-def _no_cache_built(model: torch.nn.Module):
-    """A transformers model traced with `config.use_cache` off (restored after): it then builds no KV
-    cache, which a training step would drop anyway; storing into one is no op of the graph, but it
-    reads each layer's index (short_stack.py would then have to trace every block)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is not True or not type(config).__module__.startswith("transformers"):
-        yield
-        return
-    config.use_cache = False
-    try:
-        yield
-    finally:
-        config.use_cache = True
 
 
 def _without_caches(forward):

@@ -15,7 +15,8 @@ its position in the stack). That is proven, not assumed, before copying:
 * constants: every attribute is equal across the blocks, but those holding the block's index
   (`layer_idx`; Hugging Face's per-layer kinds, `attention_type`, `sliding_window`, are compared);
   the index is swapped, in the traced blocks, for a watched index that records any use (a
-  comparison, arithmetic, hashing, indexing, formatting). A block whose code reads its index, and
+  comparison, arithmetic, hashing, indexing, formatting; not a transformers KV cache finding the
+  layer's slot, `UNRECORDED`). A block whose code reads its index, and
   so may branch on it for some middle blocks only (`if 10 <= self.layer_idx < 20`), is traced
   whole; so is one whose index reaches a torch op (the watched index is no int there: the short
   trace fails).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -95,9 +97,15 @@ class WatchedIndex:
         self.value, self.uses, self.where = value, uses, where
 
 
+# code whose reads of a layer's index do not shape the graph: a transformers KV cache finding the
+# layer's slot (the cache is dropped from a training step; each layer stores into it alike)
+UNRECORDED = ("transformers.cache_utils",)
+
+
 def _watched(method: str):
     def use(self, *args):
-        self.uses.append(f"{self.where} ({method})")
+        if sys._getframe(1).f_globals.get("__name__") not in UNRECORDED:
+            self.uses.append(f"{self.where} ({method})")
         return getattr(self.value, method)(*(a.value if isinstance(a, WatchedIndex) else a for a in args))
     return use
 
