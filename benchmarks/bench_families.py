@@ -46,8 +46,8 @@ def small_config(family: str):
     for k, v in SMALL.items():
         if hasattr(config, k) and not isinstance(getattr(type(config), k, None), property):  # derived sizes stay so
             setattr(config, k, v)
-    for k, v in list(vars(config).items()):       # no dropout: one process and the ranks draw differently
-        if isinstance(v, float) and any(s in k for s in ("dropout", "pdrop", "drop_prob")):
+    for k, v in list(vars(config).items()):       # no dropout, no LayerDrop: one process and the ranks draw differently
+        if isinstance(v, float) and any(s in k for s in ("dropout", "pdrop", "drop_prob", "layerdrop")):
             setattr(config, k, 0.0)
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = (config.layer_types * 2)[:2]
