@@ -4,7 +4,8 @@ A plan stores only the layouts it chose, so explaining rebuilds the planning pro
 model (`planner.planning_problem`, as the planner did), reads the plan back as one choice per
 decision and one option per memory decision, and prices that with the named node's decision
 switched to each of its other options, everything else fixed (`solver.evaluate`, the tables
-and terms the solver optimised). The
+and terms the solver optimised; a pipelined plan on its own problem, one microbatch on the mesh
+without the pipeline axis, priced per pipeline rank as `estimate()` prices it). The
 answer is the chosen option and the best alternatives with their step-time and memory
 differences; an alternative that is cheaper but over the memory budget says so.
 
@@ -21,13 +22,17 @@ from dataclasses import dataclass
 
 from .api import _as_tuple, check_plan
 from .errors import AutoparError
+from .estimate import stage_view
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.shape_prop import annotate
+from .passes.stages import microbatch
+from .pipelining import STAGE_LABEL, stage_options
 from .placement import layout_str
 from .plan import Plan
 from .planner import PlanOptions, plan_assignment, planning_problem
-from .solver.evaluate import evaluate
+from .solver.decisions.stages import node_chunks
+from .solver.evaluate import Staging, evaluate
 from .solver.problem import Problem
 
 TIE_S = 1e-12     # step times closer than this are equal (float sums in another order)
@@ -79,19 +84,18 @@ class Explanation:
 def explain(model, example_inputs, mesh: Mesh, plan: Plan, name: str, *, example_kwargs: dict | None = None,
             top: int = 5) -> Explanation:
     """Explain the plan's choice for node or parameter `name` (see the module docstring)."""
-    cap = capture(model, _as_tuple(example_inputs), example_kwargs)
-    check_plan(plan, cap, mesh)
+    problem, viewed, staging, lift = _planned_problem(model, _as_tuple(example_inputs), example_kwargs, mesh, plan)
     o = plan.options
-    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(o))
     node = _node_named(problem, plan, name)
-    choice, memory = plan_assignment(problem, plan)
+    choice, memory = plan_assignment(problem, viewed)
     budget = plan.scaling.memory_budget or o.get("memory_budget") or mesh.profile.memory_budget
     leader = problem.decisions[node].leader
     options: dict[tuple, Option] = {}
     for i in range(problem.n_choices(leader)):
-        ev = evaluate(problem, {**choice, leader: i}, memory)
+        ev = evaluate(problem, {**choice, leader: i}, memory, staging)
         s = problem.decisions[node].strategies[i]
-        opt = Option(tuple(layout_str(x) for x in s.inputs), layout_str(s.output), tuple(s.labels),
+        opt = Option(tuple(lift(layout_str(x)) for x in s.inputs), lift(layout_str(s.output)),
+                     lift(tuple(s.labels), STAGE_LABEL) if s.labels else (),
                      float(ev.step_s), float(ev.peak_bytes), float(ev.peak_bytes) <= budget)
         key = (opt.inputs, opt.output, opt.labels)
         if i == choice[leader]:
@@ -100,6 +104,30 @@ def explain(model, example_inputs, mesh: Mesh, plan: Plan, name: str, *, example
             options[key] = opt
     alts = sorted((v for k, v in options.items() if k != (chosen.inputs, chosen.output, chosen.labels)), key=_rank)
     return Explanation(name, node, leader, chosen, tuple(alts[:top]), problem.n_choices(leader), float(budget))
+
+
+def _planned_problem(model, args: tuple, kwargs, mesh: Mesh, plan: Plan):
+    """The problem the plan was solved on, the plan as one choice on it, its `Staging` (None without a
+    pipeline) and `lift(layout, entry="R")`, a layout of that problem as the plan writes it. A pipelined
+    plan was solved for one microbatch on the mesh without the pipeline axis, as estimate() prices it."""
+    pp = plan.pipeline
+    if pp.stages <= 1:
+        cap = capture(model, args, kwargs)
+        check_plan(plan, cap, mesh)
+        return (planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options)), plan, None,
+                lambda lay, entry="R": lay)
+    k = mesh.axis_index(pp.axis)
+    cap = capture(model, *microbatch(args, kwargs, pp.microbatches))
+    check_plan(plan, cap, mesh)
+    opts = stage_options(PlanOptions.from_dict(plan.options), mesh, k)
+    problem = planning_problem(cap, annotate(cap.gm), mesh.stage_mesh(pp.axis), opts)
+    staging = Staging(pp, node_chunks(problem, cap.gm.graph, pp), mesh.axes[k].link)
+    alone = mesh.ndim == 1       # the stage mesh was one device standing for no axis
+
+    def lift(lay: tuple, entry: str = "R") -> tuple:
+        rest = () if alone else tuple(lay)
+        return rest[:k] + (entry,) + rest[k:]
+    return problem, stage_view(plan, k), staging, lift
 
 
 def _rank(o: Option) -> tuple:

@@ -3,25 +3,29 @@
 A Mesh is data: a shape with one name per axis and a device profile. Planning needs no
 process group; `device_mesh()` builds torch.distributed's DeviceMesh when the plan runs.
 
-Axes are laid out row-major over global ranks (the last axis varies fastest), as torch's
-DeviceMesh does. An axis therefore connects devices `stride = prod(shape[i+1:])` ranks apart;
-it stays inside a node when `stride * size <= devices_per_node`, crosses nodes when
-`stride >= devices_per_node`, and is hierarchical in between (collectives run inside each
-node, then across nodes: `cost_model.profiles.HierarchicalLink`).
+Axes are laid out row-major over global ranks (the last axis varies fastest), as
+`init_device_mesh` does, unless the ranks are given (`ranks=`, what `from_device_mesh` reads from a
+DeviceMesh built in another order). Global rank r sits on node r // devices_per_node. An axis stays
+inside a node when each of its groups (the devices that differ only along it) is on one node,
+crosses nodes when each device of a group is on its own node, and is hierarchical in between
+(collectives run inside each node, then across nodes: `cost_model.profiles.HierarchicalLink`).
+Row-major, an axis connects devices `prod(shape[i+1:])` ranks apart.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Shard
 
 from .cost_model.comm import (GradBucket, ReshardCost, async_output_axis, bucketed_reduction, coded_reshard_cost,
                               layout_code, transfer_time)
-from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, load_profile
+from .cost_model.profiles import DeviceProfile, HierarchicalLink, Link, known_profiles, load_profile
 from .errors import MeshError
 
 
@@ -36,9 +40,10 @@ class AxisInfo:
 class Mesh:
     def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None,
                  device: str | DeviceProfile = "h100", *, host_memory: float | None = None,
-                 disk: float | None = None):
+                 disk: float | None = None, ranks=None):
         """host_memory / disk: bytes per device of the offload tiers, overriding the profile's
-        (0 takes a tier away)."""
+        (0 takes a tier away). ranks: the global rank at each mesh coordinate (nested lists or an
+        integer tensor of the mesh's shape; default row-major)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
             raise MeshError(f"mesh shape {shape!r} must be a non-empty tuple of positive ints, e.g. (2, 4)")
@@ -62,22 +67,32 @@ class Mesh:
                 self.profile = dataclasses.replace(self.profile, **{field_name: float(value)})
         self.shape: tuple[int, ...] = shape
         self.axis_names: tuple[str, ...] = axis_names
-        self.axes: tuple[AxisInfo, ...] = tuple(self._axis_info(i) for i in range(len(shape)))
+        order = torch.arange(math.prod(shape)) if ranks is None else torch.as_tensor(ranks)
+        if tuple(order.shape) not in (shape, (math.prod(shape),)) or order.is_floating_point() or \
+                sorted(order.flatten().tolist()) != list(range(math.prod(shape))):
+            raise MeshError(f"ranks {order.tolist()} must hold each global rank 0..{math.prod(shape) - 1} once, "
+                            f"in the mesh's shape {shape}")
+        self.axes: tuple[AxisInfo, ...] = tuple(self._axis_info(i, order.reshape(shape)) for i in range(len(shape)))
 
-    def _axis_info(self, i: int) -> AxisInfo:
-        stride = math.prod(self.shape[i + 1:])
-        per_node = self.profile.devices_per_node
-        if stride * self.shape[i] <= per_node:
+    def _axis_info(self, i: int, ranks) -> AxisInfo:
+        n, per_node = self.shape[i], self.profile.devices_per_node
+        # each group's devices' nodes, sorted: a group spans 1 + (changes along the row) nodes
+        nodes_of = (ranks.movedim(i, -1).reshape(-1, n) // per_node).sort(dim=1).values
+        spans = 1 + (nodes_of[:, 1:] != nodes_of[:, :-1]).sum(dim=1)
+        nodes = int(spans.max())
+        if nodes == 1:
             link, scope = self.profile.intra_node, "intra-node"
-        elif stride >= per_node:
+        elif nodes == n:
             link, scope = self.profile.inter_node, "inter-node"
         else:   # some of the axis's devices share a node: intra-node then inter-node (cost_model.comm)
-            local = per_node // stride
-            link = (HierarchicalLink(self.profile.intra_node, self.profile.inter_node, local, self.shape[i])
-                    if per_node % stride == 0 and local >= 2 and self.shape[i] % local == 0
-                    else self.profile.inter_node)
+            local = n // nodes
+            blocks = nodes_of.reshape(-1, nodes, local) if n % nodes == 0 else None     # `local` a node, each
+            even = (blocks is not None and local >= 2 and bool((spans == nodes).all())
+                    and bool((blocks == blocks[..., :1]).all()))
+            link = HierarchicalLink(self.profile.intra_node, self.profile.inter_node, local, n) if even \
+                else self.profile.inter_node
             scope = "hierarchical"
-        return AxisInfo(self.axis_names[i], self.shape[i], link, scope)
+        return AxisInfo(self.axis_names[i], n, link, scope)
 
     @property
     def ndim(self) -> int:
@@ -171,11 +186,13 @@ class Mesh:
     # -- torch.distributed ---------------------------------------------------------------
     @classmethod
     def from_device_mesh(cls, device_mesh, device: str | DeviceProfile | None = None) -> Mesh:
-        """Describe an existing torch DeviceMesh (profile defaults to 'cpu' or 'h100' by device type)."""
+        """Describe an existing torch DeviceMesh: its shape, names and rank order (`device_mesh.mesh`),
+        and, unless `device` is given, the shipped profile its device's name names ("NVIDIA H100 80GB
+        HBM3" -> "h100"; "cpu" for a CPU mesh); a device no profile names is a MeshError."""
         names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
         if device is None:
-            device = "cpu" if device_mesh.device_type == "cpu" else "h100"
-        m = cls(tuple(device_mesh.shape), names, device)
+            device = profile_for(device_mesh.device_type)
+        m = cls(tuple(device_mesh.shape), names, device, ranks=device_mesh.mesh.cpu())
         m._device_mesh = device_mesh
         return m
 
@@ -215,3 +232,18 @@ class Mesh:
 
 
 _DEVICE_MESHES: dict = {}
+
+
+def profile_for(device_type: str) -> str:
+    """The shipped profile named by this process's device of `device_type` (its name as torch reports
+    it: `torch.cuda.get_device_name`); MeshError when none is."""
+    if device_type == "cpu":
+        return "cpu"
+    module = getattr(torch, device_type, None)
+    name = module.get_device_name(module.current_device()) if hasattr(module, "get_device_name") else device_type
+    words = set(re.split(r"[^a-z0-9]+", name.lower()))
+    found = [p for p in known_profiles() if p != "cpu" and p in words]
+    if len(found) != 1:
+        raise MeshError(f"the DeviceMesh's device is {name!r}, which no shipped profile ({', '.join(known_profiles())}) "
+                        f"names: pass device= (a profile name, or the JSON `autopar calibrate` writes)")
+    return found[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from .cost_model.pipeline import check_schedule
 from .errors import PlanOptionError
 from .mesh import Mesh
 from .plan import PIPELINE_KEYS, PIPELINE_SCHEDULES, PipelinePlan, Plan, Scaling
@@ -53,9 +54,9 @@ def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
     if schedule not in PIPELINE_SCHEDULES:
         raise PlanOptionError(f"pipeline.schedule = {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
     virtual = spec.get("virtual_stages", 1)
-    if virtual > 1 and schedule not in ("interleaved", "zb"):
-        raise PlanOptionError(f"pipeline.virtual_stages = {virtual} needs schedule 'interleaved' (or 'zb'); "
-                              f"{schedule!r} runs one chunk per stage")
+    why = check_schedule(schedule, virtual)
+    if why is not None:
+        raise PlanOptionError(f"pipeline.virtual_stages = {virtual}: {why}")
     if spec["microbatches"] < size and schedule in ("1f1b", "interleaved", "zb"):
         raise PlanOptionError(f"pipeline.microbatches = {spec['microbatches']} is fewer than the {size} stages: "
                               f"schedule {schedule!r} needs at least one microbatch per stage")

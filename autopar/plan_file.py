@@ -213,7 +213,8 @@ class _Reader:
             solver=self.string(s["solver"], "solver.solver"), status=self.string(s["status"], "solver.status"),
             **{k: self.integer(s[k], f"solver.{k}", least=0) for k in s if k.startswith("n_")},
             objective_s=self.number(s["objective_s"], "solver.objective_s"),
-            gap=self.number(s.get("gap", 0.0), "solver.gap", least=0))
+            gap=self.number(s.get("gap", 0.0), "solver.gap", least=0),
+            capture=self.string(s.get("capture", ""), "solver.capture"))
 
     def scaling(self, sc: Any) -> Scaling:
         if sc is None:

@@ -185,7 +185,7 @@ def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sourc
         plan.pending_scaling = lazy_scaling(cap, infos, problem, result.choice, opts, budget, source, plan)
     plan.solver = SolverInfo(result.solver, result.status, result.n_variables, result.n_constraints,
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
-                             result.gap)
+                             result.gap, cap.trace)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0)
     _phase(opts, "done", f"{result.solver}: {result.status}")
     return plan

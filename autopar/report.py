@@ -80,7 +80,9 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
              f"  solver: {sol.status} ({sol.solver} in {plan.timings.solve_s:.2f} s; {sol.n_variables} variables, "
              f"{sol.n_constraints} constraints; {sol.n_decisions} decisions for {sol.n_nodes} nodes, "
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
-             f"planning took {plan.timings.total_s:.2f} s", ""]
+             f"planning took {plan.timings.total_s:.2f} s"]
+    lines += [f"  capture: {sol.capture}"] if sol.capture else []
+    lines += [""]
     lines += _mesh_search_lines(plan)
     lines += _pipeline_lines(plan)
     lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]

@@ -53,9 +53,21 @@ def gpt(dropout: float = 0.0, hidden: int = 32, seq: int = 16, batch: int = 4, l
     return model, gpt_inputs(batch=batch, seq=seq, vocab=64)
 
 
-def saved_plan(model, inputs, mesh, pins):
-    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it)."""
-    text = [autopar.plan(model, inputs, mesh, pins=pins, symbolic=False).to_json() if dist.get_rank() == 0 else None]
+# the planner's own memory decisions are planned under this fraction of the peak of the plan made
+# without a budget: the memory the device has would hold the tiny GPT many times over, so it chooses none
+PLANNER_BUDGET = 0.8
+
+
+def saved_plan(model, inputs, mesh, pins, tight: bool = False):
+    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it). tight: under
+    PLANNER_BUDGET of the peak of the plan made without a budget, so that the planner frees memory."""
+    def make():
+        plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False)
+        if tight:
+            plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False,
+                                memory_budget=PLANNER_BUDGET * plan.estimate.peak_memory_bytes)
+        return plan.to_json()
+    text = [make() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
     return autopar.Plan.from_json(text[0])
 
@@ -69,10 +81,11 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
         profile = dataclasses.replace(profile, grad_bucket_bytes=float(bucket_bytes))
     mesh = autopar.Mesh(mesh_shape, axes, device=profile)
     plan = saved_plan(model, inputs, mesh, pins)
-    # only the variant's decisions: the planner's own memory choices cleared
-    # only the variant's decisions (the planner's own memory choices cleared); None: the plan as planned
+    tight = saved_plan(model, inputs, mesh, pins, tight=True) if None in variants.values() else None
+    # only the variant's decisions (the planner's own memory choices cleared); None: the planner's own,
+    # made under a budget the plan without decisions exceeds
     return {name: train_variant(copy.deepcopy(model), inputs, mesh,
-                                plan if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
+                                tight if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
                                 compare)
             for name, dec in variants.items()}
 
@@ -139,6 +152,8 @@ def train_variant(model, inputs, mesh, plan, compare=True):
             if masks[k].any():
                 worst["param"] = max(worst["param"], rel(params[k].detach().full_tensor()[masks[k]], p.detach()[masks[k]]))
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
+    worst["decisions"] = sorted(f"{k}={v}" for fam in (plan.recompute, plan.residency, plan.offload)
+                                for k, v in fam.items() if v not in ("none", "keep", "device"))
     worst.update(seen, **predictions(ref, inputs, mesh, plan),
                  decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},

@@ -56,7 +56,22 @@ def _run_document(rank, world_size, path: str):
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(shared[0], ignore_errors=True)
-    return sorted(k for k in ns if not k.startswith("__"))
+    names = sorted(k for k in ns if not k.startswith("__"))
+    return names, (_called(ns) if Path(path).name == "README.md" else {})
+
+
+def _called(ns: dict) -> dict:
+    """What a document's distributed and compiled models give on its inputs, against the user's model
+    on one process (the README makes both: they must run, not just be built)."""
+    import torch
+    out = {}
+    want = ns["model"](*ns["example_inputs"])
+    for name in ("dmodel", "compiled"):
+        if name in ns:
+            got = ns[name](*ns["example_inputs"])
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            out[name] = float((got.detach() - want.detach()).abs() / want.detach().abs())
+    return out
 
 
 def test_documents_have_snippets():
@@ -65,5 +80,7 @@ def test_documents_have_snippets():
 
 @pytest.mark.parametrize("path", [p for p in DOCS if snippets(p)], ids=lambda p: p.name)
 def test_every_snippet_runs(rank_pool, path):
-    names = rank_pool(4).run(_run_document, str(path), timeout=300)[0]   # compile.md traces two programs
+    names, called = rank_pool(4).run(_run_document, str(path), timeout=600)[0]
     assert names
+    if path.name == "README.md":        # the distributed module and the compiled model compute the loss
+        assert set(called) == {"dmodel", "compiled"} and all(gap < 1e-5 for gap in called.values()), called

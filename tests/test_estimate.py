@@ -112,6 +112,10 @@ def test_hand_written_pipeline_is_priced_as_the_plan_it_describes():
                         symbolic=False, progress=False)
     _assert_same_price(est, plan)
     assert est.bubble_s == plan.estimate.bubble_s and est.p2p_s == plan.estimate.p2p_s > 0
+    # not only one path priced twice: the bubble is interleaved 1F1B's fill from the ranks' own times,
+    # (sum_d t_d - max_d t_d) / v, t_d one microbatch's forward and backward on rank d
+    t = [plan.estimate.stage_fwd_s[r] + plan.estimate.stage_bwd_s[r] for r in ("0", "1")]
+    assert len(set(t)) == 2 and est.bubble_s == pytest.approx((sum(t) - max(t)) / 2, rel=1e-12)
     assert est.layout_summary == plan.placements and est.layout_summary["blocks.0.fc2.weight"] == ("R", "S(1)")
     assert set(plan.recompute.values()) == {"selective"} and (est.stages, est.virtual_stages) == (2, 2)
 

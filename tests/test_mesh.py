@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.cost_model import load_profile
+from autopar.mesh import profile_for
 
 
 def test_axes_inside_and_across_nodes():
@@ -44,12 +46,34 @@ def test_reshard_cost_on_mesh_counts_launches():
 
 
 def _from_device_mesh(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
+    import dataclasses
+
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from autopar.cost_model.profiles import load_profile
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mesh = autopar.Mesh.from_device_mesh(dm)
-    return mesh.shape, mesh.axis_names, mesh.profile.name, mesh.device_mesh() is dm
+    two_a_node = dataclasses.replace(load_profile("h100"), devices_per_node=2)     # nodes {0, 1} and {2, 3}
+    scopes = [tuple(a.scope for a in autopar.Mesh.from_device_mesh(d, two_a_node).axes)
+              for d in (dm, DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "tp")))]
+    return mesh.shape, mesh.axis_names, mesh.profile.name, mesh.device_mesh() is dm, scopes
 
 
-def test_from_device_mesh(rank_pool):
-    for shape, names, prof, same in rank_pool(4).run(_from_device_mesh):
+def test_from_device_mesh_reads_the_rank_order(rank_pool):
+    for shape, names, prof, same, scopes in rank_pool(4).run(_from_device_mesh):
         assert shape == (2, 2) and names == ("dp", "tp") and prof == "cpu" and same
+        # row-major, tp pairs ranks {0, 1}: one node; built column-major, dp does
+        assert scopes == [("inter-node", "intra-node"), ("intra-node", "inter-node")]
+
+
+def test_the_device_name_picks_the_profile(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name, profile in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                          ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i, name=name: name)
+        assert profile_for("cuda") == profile
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA L4")
+    with pytest.raises(autopar.AutoparError, match="'NVIDIA L4', which no shipped profile"):
+        profile_for("cuda")
+    with pytest.raises(autopar.AutoparError, match="each global rank"):
+        autopar.Mesh((2, 2), ranks=[[0, 1], [1, 3]])

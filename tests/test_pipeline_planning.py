@@ -118,3 +118,13 @@ def test_without_batch_axes_microbatches_stay_splittable_over_the_other_axes():
     assert counts(None) == [2, 4, 8]                  # microbatches of 32, 16, 8: split 8 ways over dp x tp
     assert counts(("dp",)) == [4, 8, 16]              # of one dp rank's 16 sequences: 4, 2, 1 each
     assert counts(("dp", "tp")) == [2, 4, 8]          # of one pipeline's 8 sequences
+
+
+def test_explain_prices_a_pipelined_plan_as_the_plan(chosen):
+    """explain() rebuilds the problem the pipelined plan was solved on (one microbatch, the stage mesh):
+    the chosen option is the plan's layout at the plan's step time."""
+    model, inputs, mesh, plan = chosen
+    e = autopar.explain(model, inputs, mesh, plan, "blocks.0.fc.weight")
+    assert e.chosen.output == tuple(plan.placements["blocks.0.fc.weight"])
+    assert e.chosen.step_time_s == plan.estimate.step_time_s
+    assert e.alternatives and all(o.output[0] == "R" for o in e.alternatives)     # "R" on the pipeline axis

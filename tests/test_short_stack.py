@@ -100,3 +100,69 @@ def test_blocks_that_branch_on_their_index_deep_in_the_stack_are_traced_whole(mo
     short = capture(model, args)
     assert _canonical(short) == _canonical(_whole(model, args, monkeypatch))
     torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)
+
+
+class _Middle(torch.nn.Module):
+    """A block whose code branches on its index for one middle block, which the short trace never traces."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index, self.lin = index, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.lin(x))
+        return x * 2 if self.index == 3 else x
+
+
+class _MiddleStack(torch.nn.Module):
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Middle(i) for i in range(depth))
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _middle():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _MiddleStack(), (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+
+
+def test_a_block_that_reads_its_index_is_traced_whole_and_the_plan_says_so(monkeypatch):
+    model, args = _middle()
+    short = capture(model, args)
+    assert short.trace.startswith("whole: all 6 blocks of blocks traced") and "_Middle.index" in short.trace
+    assert _canonical(short) == _canonical(_whole(model, args, monkeypatch))
+    torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)
+    alike = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=5)
+    assert capture(alike, gpt_inputs(batch=2, seq=16, vocab=64)).trace.startswith("short: blocks, 5 blocks proven")
+
+
+def _train_middle(rank, world_size):
+    import copy
+
+    import autopar
+    from dist_checks import LAYOUTS_ONLY, rel, shard_happy_profile
+    model, args = _middle()
+    ref = copy.deepcopy(model)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
+    dmodel = autopar.autoparallelize(model, mesh, args, symbolic=False, **LAYOUTS_ONLY)
+    opt, ref_opt = torch.optim.SGD(dmodel.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gaps = []
+    for _ in range(2):
+        loss, ref_loss = dmodel(*args), ref(*args)
+        loss.backward(), ref_loss.backward()
+        gaps.append(rel(loss.detach(), ref_loss.detach()))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    mine = dict(dmodel.named_parameters())
+    gaps += [rel(mine[k].detach().full_tensor(), p.detach()) for k, p in ref.named_parameters()]
+    return max(gaps), dmodel.plan.report()
+
+
+def test_a_model_with_a_different_middle_layer_plans_and_trains_exactly(rank_pool):
+    for gap, report in rank_pool(4).run(_train_middle):
+        assert gap < 1e-5
+        assert "capture: whole: all 6 blocks of blocks traced" in report

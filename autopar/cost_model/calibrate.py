@@ -167,7 +167,10 @@ def _measure_compute(device: str, quick: bool) -> dict:
     # a CPU's generator is slow, so a smaller tensor there
     n_el = (nbytes if device == "cuda" else min(nbytes, 16 * 2 ** 20)) // 4
     # at p = 0.1, the usual training rate: a CPU's sampling is branchy, so its cost depends on p
-    t = _timeit_together(lambda: torch.ops.aten.native_dropout(src[:n_el], 0.1, True), reps, sync)
+    # the runtime's dropout (a counter-based hash of each element's place, runtime/rng.py), as it runs
+    from ..runtime.rng import draw
+    x = src[:n_el]
+    t = _timeit_together(lambda: draw(x, 0.1, 1, (0,), (n_el,), 0), reps, sync)
     out["rng_element_time"] = max(t - 9 * n_el / out["memory_bandwidth"], 0.0) / n_el
     if device == "cuda":
         host = torch.empty(nbytes // 4, pin_memory=True)
@@ -664,7 +667,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                      "median over ranks",
         "host_optimizer_element_time": "torch.optim.AdamW().step() over one fp32 CPU tensor of 2^20 elements, per "
                                        "element: the optimizer step of offloaded parameters; median over ranks",
-        "rng_element_time": "aten.native_dropout(x, 0.1, train=True) of fp32 x (up to 4M elements on CPU), minus "
+        "rng_element_time": "the runtime's dropout (runtime/rng.draw, p = 0.1) of fp32 x (up to 4M elements on CPU), minus "
                             "the time its bytes (read x, write y and a 1-byte mask) take at memory_bandwidth, per "
                             "element; median over ranks",
         "collective_overhead": "per collective beyond the ring terms and kernel_overhead: DTensor's redistribute and "

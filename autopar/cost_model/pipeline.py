@@ -23,18 +23,37 @@ so we price it by ZB-H1's bubble: with w_d the weight-gradient seconds of device
 
     T = m * max_d t_d  +  sum_d (t_d - 2 w_d) - max_d (t_d - 2 w_d)
 
+The zero-bubble weight pass reduces each parameter's gradient per microbatch (runtime/pipeline.py):
+those reductions are priced inside w_d (solver/evaluate.py), m of them per step.
+
 In-flight microbatches (activation memory): 1F1B keeps p - d forward passes in flight on device d,
-GPipe all m; zb as 1F1B (ZB-H1's memory bound); interleaved 1F1B keeps (p - d - 1) * 2 + (v - 1) * p + 1 chunk-forwards of 1/v of
-the device's activations each (Megatron's warm-up count), at most m * v.
+GPipe all m; interleaved 1F1B keeps (p - d - 1) * 2 + (v - 1) * p + 1 chunk-forwards of 1/v of
+the device's activations each (Megatron's warm-up count), at most m * v; zb (torch's
+ScheduleInterleavedZeroBubble, ZB-H1's memory bound) warms up one chunk-forward per hop instead of
+two: (p - d - 1) + (v - 1) * p + 1, at most m * v, which is 1F1B's p - d at v = 1.
+
+Which schedules take virtual stages (`check_schedule`): "interleaved" and "zb"; the planner, the
+estimate and the runtime all ask this one rule.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches", "SCHEDULES"]
+__all__ = ["Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches", "check_schedule", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+VIRTUAL_SCHEDULES = ("interleaved", "zb")     # schedules running several chunks per device
+
+
+def check_schedule(schedule: str, virtual_stages: int) -> str | None:
+    """Why `schedule` cannot run `virtual_stages` chunks per device (None: it can)."""
+    if schedule not in SCHEDULES:
+        return f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}"
+    if virtual_stages > 1 and schedule not in VIRTUAL_SCHEDULES:
+        return (f"virtual_stages={virtual_stages} needs schedule 'interleaved' or 'zb'; {schedule!r} runs one "
+                f"chunk per stage")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +61,7 @@ class Pipeline:
     """How a model is pipelined: `stages` devices along mesh axis `axis`, `microbatches` per step.
 
     schedule: "1f1b" (PipeDream-flush, Megatron's default), "gpipe", "zb" (zero bubble, ZB-1P), or
-    "interleaved" with `virtual_stages` chunks per device (`autopar.estimate` takes it as the
+    "interleaved"; "interleaved" and "zb" take `virtual_stages` chunks per device (`autopar.estimate` takes it as the
     planner's `pipeline=` dict).
     """
     stages: int = 1
@@ -54,10 +73,9 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.stages < 1 or self.microbatches < 1 or self.virtual_stages < 1:
             raise ValueError(f"{self!r}: stages, microbatches and virtual_stages must be >= 1")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        why = check_schedule(self.schedule, self.virtual_stages)
+        if why is not None:
+            raise ValueError(why)
         if self.stages > 1 and self.axis is None:
             raise ValueError("a pipeline of several stages needs the mesh axis it runs along (axis=...)")
 
@@ -103,4 +121,6 @@ def in_flight_microbatches(device: int, stages: int, microbatches: int, schedule
     if schedule == "interleaved" and v > 1:
         chunks = min((p - d - 1) * 2 + (v - 1) * p + 1, m * v)
         return chunks / v
+    if schedule == "zb":
+        return min((p - d - 1) + (v - 1) * p + 1, m * v) / v
     return float(min(p - d, m))

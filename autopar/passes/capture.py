@@ -62,6 +62,7 @@ class Captured:
     param_names: dict[str, str] = field(default_factory=dict)   # every param FQN (aliases too) -> canonical FQN
     model_name: str = ""
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # lifted constant tensors by name
+    trace: str = ""     # a deep stack's capture: "short: ..." (copied, proven alike) or "whole: <why>"
 
 
 def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
@@ -81,19 +82,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
     path = deep_stack(model) if dynamic_shapes is None else None
     if path is None:
         return _trace(model, args, kwargs, dynamic_shapes)
+    depth = len(model.get_submodule(path))
     try:
-        with traced_blocks(model, path) as depth:
+        with traced_blocks(model, path) as (depth, uses):
             cap = _trace(model, args, kwargs, None)
     except CaptureError as e:
         why = f"the short model does not trace ({str(e).splitlines()[0][:200]})"
     else:
         cap.param_names = _param_names(model)
-        why = expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn)
+        why = (f"the blocks read their index ({', '.join(sorted(set(uses)))}), so they may differ" if uses
+               else expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn))
         if why is None:
+            cap.trace = f"short: {path}, {depth} blocks proven alike, 3 traced and the rest copied"
             return cap
-    _log.info("capture: tracing all %d blocks of %s.%s: %s", len(model.get_submodule(path)), type(model).__name__,
-              path, why)
-    return _trace(model, args, kwargs, None)
+    _log.info("capture: tracing all %d blocks of %s.%s: %s", depth, type(model).__name__, path, why)
+    cap = _trace(model, args, kwargs, None)
+    cap.trace = f"whole: all {depth} blocks of {path} traced ({why})"
+    return cap
 
 
 def _param_names(model: torch.nn.Module) -> dict[str, str]:
@@ -115,8 +120,9 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
         # Llama-3-8B) and is left as it is there; at symbolic sizes making and reading its entries costs
         # more than the ops it saves (1.3 s against 1.75 s; 1.65 s against 2.9 s as the process's first)
         no_cache = fake_tensor_cache(False) if dynamic_shapes is not None else contextlib.nullcontext()
+        args, kwargs = _distinct_inputs(args, kwargs or {})
         with experts_as_one_op(model), _no_partial_graph_dump(), no_cache:
-            ep = torch.export.export(model, args, kwargs or {}, strict=False, dynamic_shapes=dynamic_shapes)
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         _inline_no_grad_regions(ep.graph_module)
         _functional_detach(ep)
         with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
@@ -137,6 +143,24 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
         model.train(was_training)
     _refuse_data_dependent_sizes(model, ep.graph_module)
     return _from_exported(model, ep)
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """One tensor passed twice (`model(input_ids=x, labels=x)`) as two tensors of the same value:
+    torch.export keys its inputs by tensor identity and would route every use to the last name,
+    leaving the first a placeholder with no use. Each name keeps its own placeholder, pinnable and
+    fed from its own position at run time."""
+    seen: set[int] = set()
+
+    def distinct(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in seen:
+            seen.add(id(x))
+            return x
+        return x.detach().clone().requires_grad_(x.requires_grad)
+
+    return pytree.tree_map(distinct, (tuple(args), dict(kwargs)))
 
 
 def _refuse_data_dependent_sizes(model: torch.nn.Module, gm: fx.GraphModule) -> None:

@@ -1,4 +1,4 @@
-"""Capture a deep stack of identical blocks by tracing three of them.
+"""Capture a deep stack of identical blocks by tracing three of them, once proven alike.
 
 Tracing costs about the same for every block (a 32-layer 8B model: ~0.2 s a block of the 6.5 s
 export). A model whose blocks are alike (a ModuleList of 4+ blocks of one class, with the same
@@ -7,12 +7,21 @@ its first two blocks and its last one (in block 2's place); the graph of the las
 then copied for each block not traced, its parameters swapped for that block's and its input taken
 from the block before, and what came after the stack reads the last block's results. The copy is
 exact when a block's computation depends only on its own attributes, parameters and inputs (not on
-its position in the stack): block 1 and the deepest block are traced and must give the same graph
-section (ops, shapes, constant arguments, wiring), else the model is traced whole. What this cannot
-see: code that reads a block's index (`layer_idx`, left out of the comparison) and branches on it
-for some middle blocks only (`if 10 <= self.layer_idx < 20`; a threshold such as `>= 16` differs at
-the ends and is seen); Hugging Face models keep per-layer kinds in attributes (`attention_type`,
-`sliding_window`), which are compared.
+its position in the stack). That is proven, not assumed, before copying:
+
+* code: every module of a block is of the same class, an object attribute (a method of its own, an
+  instance `forward`) is the same object in every block, and block 1 and the deepest block give the
+  same graph section (ops, shapes, constant arguments, wiring);
+* constants: every attribute is equal across the blocks, but those holding the block's index
+  (`layer_idx`; Hugging Face's per-layer kinds, `attention_type`, `sliding_window`, are compared);
+  the index is swapped, in the traced blocks, for a watched index that records any use (a
+  comparison, arithmetic, hashing, indexing, formatting; not a transformers KV cache finding the
+  layer's slot, `UNRECORDED`). A block whose code reads its index, and
+  so may branch on it for some middle blocks only (`if 10 <= self.layer_idx < 20`), is traced
+  whole; so is one whose index reaches a torch op (the watched index is no int there: the short
+  trace fails).
+
+What was used is `Captured.trace` ("short: ..." or "whole: <why>"), shown in the plan's report.
 
 Node names follow fx's namespace as the copies are made (`linear_7` of block 1 becomes the next
 free `linear_N`), so they differ from a whole trace's; every caller of `capture` gets the same
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,10 +59,15 @@ def _alike(blocks: list[torch.nn.Module]) -> bool:
     described = [_description(b) for b in blocks]
     if any(d is None for d in described):
         return False
-    index = {k for k, v in described[0][1].items()
-             if all(type(d[1].get(k)) is int and d[1][k] == i for i, d in enumerate(described))}
+    index = _index_attributes(described)
     first = (described[0][0], {k: v for k, v in described[0][1].items() if k not in index})
     return all((d[0], {k: v for k, v in d[1].items() if k not in index}) == first for d in described[1:])
+
+
+def _index_attributes(described: list) -> set[tuple[str, str]]:
+    """(module, attribute) of the attributes that hold each block's own index."""
+    return {k for k, v in described[0][1].items()
+            if all(type(d[1].get(k)) is int and d[1][k] == i for i, d in enumerate(described))}
 
 
 def _description(block: torch.nn.Module) -> tuple[tuple, dict] | None:
@@ -73,19 +88,59 @@ def _description(block: torch.nn.Module) -> tuple[tuple, dict] | None:
     return tuple(structure), attrs
 
 
+class WatchedIndex:
+    """A block's index attribute during the short trace: the int it stands for, every use recorded in
+    `uses`. Deliberately not an int: handed to a torch op it fails the short trace (traced whole)."""
+    __slots__ = ("value", "uses", "where")
+
+    def __init__(self, value: int, uses: list, where: str):
+        self.value, self.uses, self.where = value, uses, where
+
+
+# code whose reads of a layer's index do not shape the graph: a transformers KV cache finding the
+# layer's slot (the cache is dropped from a training step; each layer stores into it alike)
+UNRECORDED = ("transformers.cache_utils",)
+
+
+def _watched(method: str):
+    def use(self, *args):
+        if sys._getframe(1).f_globals.get("__name__") not in UNRECORDED:
+            self.uses.append(f"{self.where} ({method})")
+        return getattr(self.value, method)(*(a.value if isinstance(a, WatchedIndex) else a for a in args))
+    return use
+
+
+for _m in ("__index__", "__int__", "__float__", "__bool__", "__hash__", "__eq__", "__ne__", "__lt__", "__le__",
+           "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+           "__rfloordiv__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__divmod__", "__pow__", "__neg__",
+           "__pos__", "__abs__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
+           "__rshift__", "__invert__", "__format__", "__str__", "__repr__", "__round__", "__trunc__"):
+    setattr(WatchedIndex, _m, _watched(_m))
+
+
 @contextlib.contextmanager
 def traced_blocks(model: torch.nn.Module, path: str):
     """The model with its stack cut to its first `TRACED - 1` blocks and its last (restored after); the
-    last runs in the place of block `TRACED - 1` (its parameters named so in the trace)."""
+    last runs in the place of block `TRACED - 1` (its parameters named so in the trace). Yields (the
+    stack's depth, the uses of the traced blocks' index attributes, filled as the trace runs)."""
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     full = getattr(parent, name)
+    blocks = list(full)
+    index = sorted(_index_attributes([_description(b) for b in blocks]))
+    traced = list(range(TRACED - 1)) + [len(blocks) - 1]
+    uses: list[str] = []
+    swapped = [(blocks[i].get_submodule(mod), attr) for i in traced for mod, attr in index]
     # the last traced one is the stack's deepest block: what it computes, checked equal to block 1's,
-    # stands for every block between (their index attributes span both ends)
-    setattr(parent, name, torch.nn.ModuleList(list(full)[:TRACED - 1] + [full[-1]]))
+    # stands for every block between once no block reads its index
+    setattr(parent, name, torch.nn.ModuleList([blocks[i] for i in traced]))
+    for m, attr in swapped:
+        object.__setattr__(m, attr, WatchedIndex(getattr(m, attr), uses, f"{type(m).__name__}.{attr}"))
     try:
-        yield len(full)
+        yield len(full), uses
     finally:
+        for m, attr in swapped:
+            object.__setattr__(m, attr, getattr(m, attr).value)
         setattr(parent, name, full)
 
 

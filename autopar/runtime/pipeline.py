@@ -95,6 +95,23 @@ class _StepDone(torch.autograd.Function):
         return None, None
 
 
+class _Microbatch(torch.autograd.Function):
+    """A copy of a chunk's outputs whose backward sets the microbatch its dropouts draw for
+    (`rng.RngState.microbatch`): a recomputed region replays its forward inside the backward, after
+    other microbatches' forwards have run. A copy, not a view of the shard: the schedules free a sent
+    output's graph by detaching it in place."""
+
+    @staticmethod
+    def forward(ctx, state: rng.RngState, index: int, *outs: torch.Tensor):  # type: ignore[override]
+        ctx.state, ctx.index = state, index
+        return tuple(o.clone() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.state.microbatch = ctx.index
+        return (None, None, *grads)
+
+
 class _ChunkModule(torch.nn.Module):
     """One chunk as a pipeline stage's module: `forward(*received shards, mb=index)` -> the shards it
     sends on (or, for the last chunk, the loss of microbatch `mb` as a plain tensor)."""
@@ -111,7 +128,9 @@ class _ChunkModule(torch.nn.Module):
     def forward(self, *received, mb: torch.Tensor):
         owner = self._owner[0]
         mesh = owner._autopar["mesh"]
-        leaves = owner._micro[int(mb.reshape(-1)[0])]
+        index = int(mb.reshape(-1)[0])
+        leaves = owner._micro[index]
+        owner._rng.microbatch = index
         values = [_Arrive.apply(t, mesh, lay) for t, lay in zip(received, self.layouts)]
         values += [input_value(owner, owner._autopar["cap"], owner.slot(p), leaves, owner._input_layout)
                    for p in self.chunk.placeholders]
@@ -119,9 +138,8 @@ class _ChunkModule(torch.nn.Module):
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
             out = self.program(*values)
         if self.last:
-            return pytree.tree_leaves(out)[0]
-        # a copy, not a view of the shard: the schedules free a sent output's graph by detaching it in place
-        return tuple(_ToLocal.apply(v, grad_layout(v.placements)).clone() for v in out)
+            return _Microbatch.apply(owner._rng, index, pytree.tree_leaves(out)[0])[0]
+        return _Microbatch.apply(owner._rng, index, *(_ToLocal.apply(v, grad_layout(v.placements)) for v in out))
 
 
 class PipelinedModule(torch.nn.Module):

@@ -97,7 +97,8 @@ class StagePrice:
     bwd_s: float                      # one microbatch's backward (with recompute and the families' seconds)
     weight_grad_s: float              # the weight-gradient part of bwd_s (zero-bubble schedules)
     p2p_s: float                      # one microbatch's sends into its chunks, both directions (in fwd_s + bwd_s)
-    grad_sync_s: float                # its parameters' gradient synchronisation, once per step
+    grad_sync_s: float                # its parameters' gradient synchronisation per step (zb: m per-microbatch
+                                      # reductions, inside bwd_s; otherwise once, after its last backward)
     optimizer_s: float                # its optimizer step (and per-step family seconds)
     state_bytes: float
     saved_bytes: float                # what one microbatch leaves saved at the end of its forward
@@ -294,7 +295,7 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
         drained += b_r[r] / v
         layers = tuple(dict.fromkeys(layers_of[r]))
         stages.append(StagePrice(ranks[r], layers, f_r[r], b_r[r], sums(ch.wgrad, r), 2 * sums(ch.p2p, r),
-                                 sums(ch.sync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
+                                 sums(ch.sync, r) + m * sums(ch.wsync, r), opt, mem.state[r], mem.saved[r], mem.in_flight[r], mem.peak[r],
                                  done))
     slow = max(range(p), key=lambda r: pt.per_device_s[r])
     top = max(range(p), key=lambda r: mem.peak[r])
@@ -317,7 +318,8 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
 @dataclass(slots=True)
 class _Chunks:
     """Per model chunk: seconds of one microbatch (fwd, bwd, its weight-gradient part wgrad, compute
-    comp, collectives comm, runtime, p2p sends into it), per step (sync, once), the families' seconds
+    comp, collectives comm, runtime, p2p sends into it, the gradient reductions of the zero-bubble weight
+    pass wsync, in bwd), per step (sync, once), the families' seconds
     (fam_s per microbatch, per_step), state and gradient bytes, and where family terms land (terms)."""
     fwd: list
     bwd: list
@@ -326,6 +328,7 @@ class _Chunks:
     comm: list
     runtime: list
     p2p: list
+    wsync: list
     sync: list
     once: list
     fam_s: list
@@ -339,7 +342,7 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
     chunk_of, pipe, dec = staging.chunk_of, staging.pipe, problem.decisions
     n, p = pipe.stages * pipe.virtual_stages, pipe.stages
     where = lambda name: n - 1 if name == "output" else chunk_of[name]  # noqa: E731
-    ch = _Chunks(*([0.0] * n for _ in range(9)), [dict() for _ in range(n)], [], [], [], _term_chunks(problem, chunk_of))
+    ch = _Chunks(*([0.0] * n for _ in range(10)), [dict() for _ in range(n)], [], [], [], _term_chunks(problem, chunk_of))
     weighted = {e.dst for e in problem.edges if dec[e.src].kind == "param"}
     for d in dec.values():
         i, c = choice[d.leader], chunk_of[d.name]
@@ -358,7 +361,15 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
         ch.comm[c] += e.cost[a][b]
         if src.kind == "param":
             users.setdefault(e.src, {chunk_of[e.src]}).add(c)
-            ch.sync[c] += e.cost[a][b] - f
+            if pipe.schedule == "zb":
+                # zero bubble: the weight pass reduces each gradient alone, every microbatch (no bucket:
+                # runtime/pipeline.py), as its reshard: the bucketed leg and what it costs alone
+                s = e.sync[a][b] if e.sync is not None else None
+                alone = e.cost[a][b] - f + (s[2] if s is not None else 0.0)
+                ch.wsync[c] += alone
+                ch.comm[c] += alone - (e.cost[a][b] - f)
+            else:
+                ch.sync[c] += e.cost[a][b] - f
         else:
             ch.bwd[c] += e.cost[a][b] - f
             if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
@@ -367,6 +378,8 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
         ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
     for c in range(n):
         ch.fwd[c] += ch.runtime[c]
+        ch.bwd[c] += ch.wsync[c]
+        ch.wgrad[c] += ch.wsync[c]
         ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
     ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
     ch.state, ch.grads = [0.0] * n, [0.0] * n

@@ -26,13 +26,15 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from ...cost_model.pipeline import check_schedule
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan import PIPELINE_KEYS, PipelinePlan
 from ..evaluate import Evaluation, Staging, evaluate
 from ..problem import Problem
 
-# schedules the planner chooses among (each has an executor in runtime/pipeline.py); "zb" is priced
-# when a user fixes it but not chosen until its executor exists
+# schedules the planner chooses among (each has an executor in runtime/pipeline.py). "zb" runs there too
+# and is priced as it runs (its weight pass reduces gradients per microbatch, solver/evaluate.py), but
+# is planned only when a user fixes it: searching it is a change of the planner's defaults, not made yet
 CHOSEN_SCHEDULES = ("1f1b", "interleaved", "gpipe")
 VIRTUAL_STAGES = (2, 3, 4)           # interleaved: chunks per pipeline rank tried
 MICROBATCH_SIZES = 3                 # the smallest microbatch sizes tried per axis (each one ILP solve)
@@ -180,7 +182,7 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
         vs = [1] if sched != "interleaved" else [v for v in VIRTUAL_STAGES if stages * v <= n_layers]
         if "virtual_stages" in fixed:       # interleaving needs several chunks per rank, zero bubble takes any
             v = fixed["virtual_stages"]
-            fits = (v > 1 or sched != "interleaved") and (v == 1 or sched in ("interleaved", "zb"))
+            fits = (v > 1 or sched != "interleaved") and check_schedule(sched, v) is None
             vs = [v] if fits and stages * v <= n_layers else []
         out += [(sched, v) for v in vs]
     return out
