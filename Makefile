@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 # two workers: while one test's rank 0 plans alone (its other ranks wait), the other worker uses the
 # second core; whole files go to one worker, so a module's fixtures are built once
 test: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -n 2 --dist loadfile --durations=25
 
 demo: venv
 	$(PY) examples/demo_gpt.py
