@@ -100,3 +100,17 @@ def test_estimate_charges_each_measured_overhead():
     assert len(r1.collectives) == 2 and r1.seconds - r0.seconds == pytest.approx(2e-3)
     e3 = _est(dataclasses.replace(base, collective_overhead=1e-3), pins)
     assert e3.comm_s + e3.grad_sync_s > e0.comm_s + e0.grad_sync_s
+
+
+def _overlap_on_ranks(rank, world_size):
+    from autopar.cost_model.calibrate import _measure_overlap
+    return _measure_overlap((world_size,), ("axis0",), "cpu", quick=True)
+
+
+def test_calibrate_measures_the_overlap_of_the_runtimes_buckets(rank_pool):
+    """`autopar calibrate` times a data-parallel step whose every layer fills a bucket against the same
+    compute with nothing to reduce and the buckets alone: the overlap it writes is a fraction."""
+    for r in rank_pool(2).run(_overlap_on_ranks):
+        assert r["buckets"] == r["depth"]               # one bucket per layer, as the measurement intends
+        assert r["buckets_alone_s"] > r["last_bucket_s"] > 0 and r["step_s"] > 0 and r["no_sync_s"] > 0
+        assert 0.0 <= r["overlap"] <= 1.0

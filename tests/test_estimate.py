@@ -95,6 +95,10 @@ def test_hand_written_pins_are_priced_as_written():
     one_bucket = estimate(model, (x,), mesh, {n: ("R",) for n, _ in model.named_parameters()},
                           batch_axes=("dp",), bucket_bytes=math.inf)
     assert one_bucket.grad_sync_s <= hidden
+    # one bucket leaves when the backward ends (runtime/grad_sync.py): no overlap hides any of it
+    one_overlapped = estimate(model, (x,), mesh, {n: ("R",) for n, _ in model.named_parameters()},
+                              batch_axes=("dp",), bucket_bytes=math.inf, grad_overlap=1.0)
+    assert one_overlapped.grad_sync_s == pytest.approx(one_bucket.grad_sync_s)
 
 
 # -- layers and pipelines ----------------------------------------------------------------------

@@ -30,7 +30,10 @@ ranks; any other figure's median over ranks.
 * autopar's runtime against eager PyTorch on a 2-block transformer of width 16 (all replicated)
   -> runtime_op_overhead per node of the rank's graph (as the evaluator counts them); AdamW's step
   through `dmodel.optimizer` ->
-  optimizer_param_overhead, and on one 2^20-element parameter -> optimizer_element_time.
+  optimizer_param_overhead, and on one 2^20-element parameter -> optimizer_element_time;
+* a data-parallel step's gradient buckets against the same compute with nothing to reduce and
+  against the buckets alone -> grad_sync_overlap (the share of the early buckets' transfer the
+  backward hides; `_measure_overlap`).
 
 `_measured.launch` records ranks, mesh, cores and the load average before and after: the figures
 hold for that launch (with 4 ranks on 2 cores every rate is a shared one).
@@ -482,6 +485,91 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
             "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
 
 
+# The model that measures how much of the gradient buckets' transfer the backward hides: OVERLAP_DEPTH
+# linear layers of OVERLAP_WIDTH (each layer's gradient one bucket: every bucket but the last leaves
+# while layers are still to go) over OVERLAP_ROWS rows per rank, so that the backward's compute outlasts
+# the transfer (one layer's backward, 4 x rows x width^2 FLOPs, against its all-reduce of 4 x width^2
+# bytes: at the shipped CPU figures about 5x the transfer), as in the steps whose buckets it prices.
+OVERLAP_WIDTH, OVERLAP_DEPTH, OVERLAP_ROWS = 512, 8, 512
+OVERLAP_ROUNDS = 3
+
+
+def _measure_overlap(mesh_shape, names, device: str, quick: bool) -> dict:
+    """The share of the gradient buckets' transfer the backward hides, as the runtime runs them
+    (runtime/grad_sync.py), all ranks at once: a data-parallel step of a linear stack (every axis
+    splitting the batch, each rank OVERLAP_ROWS rows) against the same program with nothing to reduce
+    (every parameter replicated, each rank the same rows whole: the same compute); the difference is
+    the buckets' exposed time. The same buckets' all-reduces issued back to back give their time
+    alone; the last, launched when the backward ends, hides nothing (`cost_model.comm.final_bucket_time`
+    prices it so). overlap = 1 - (exposed - last) / (alone - last), the share of the early buckets'
+    time hidden, in [0, 1]; the copies into the buckets are part of what is exposed."""
+    import dataclasses as dc
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..api import autoparallelize
+    from ..api import plan as make_plan
+    from ..mesh import Mesh
+    from .profiles import load_profile
+    width, depth, rows = (256, 4, 256) if quick else (OVERLAP_WIDTH, OVERLAP_DEPTH, OVERLAP_ROWS)
+    world = math.prod(mesh_shape)
+    if world == 1:
+        return {}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Stack().to(device)
+    layer_bytes = 4 * (width * width + width)
+    base = load_profile("cpu" if device == "cpu" else "h100")
+    mesh = Mesh(tuple(mesh_shape), tuple(names), device=dc.replace(base, grad_bucket_bytes=layer_bytes))
+    whole = {n: tuple("R" for _ in mesh_shape) for n, _ in model.named_parameters()}
+    x_local = torch.randn(rows, width, device=device)
+    x_global = torch.cat([x_local] * world)
+    dp = autoparallelize(model, mesh, (x_global,), plan=make_plan(
+        model, (x_global,), mesh, pins=whole, batch_axes=tuple(names), memory_budget=float("inf")))
+    alone = autoparallelize(model, mesh, (x_local,), plan=make_plan(
+        model, (x_local,), mesh, pins={"*": tuple("R" for _ in mesh_shape)}, batch_axes=None,   # ops too: no split
+        memory_budget=float("inf")))
+    reps = 3 if quick else 7
+
+    def run(mod, x):
+        out = mod(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.backward()
+    dp._grad_sync.buckets_launched = 0
+    run(dp, x_local)
+    buckets = dp._grad_sync.buckets_launched          # one backward's
+    flat = [torch.randn(layer_bytes // 4, device=device) for _ in range(buckets)]
+
+    def reduce_all():
+        works = [dist.all_reduce(t, async_op=True) for t in flat]
+        for w in works:
+            w.wait()
+    # the four timed in turn, OVERLAP_ROUNDS times, each figure's median: a change of load hits all alike
+    rounds = [(_timeit_together(lambda: run(dp, x_local), reps, sync),
+               _timeit_together(lambda: run(alone, x_local), reps, sync),
+               _timeit_together(reduce_all, reps, sync), _timeit_together(lambda: dist.all_reduce(flat[0]), reps, sync))
+              for _ in range(OVERLAP_ROUNDS)]
+    t_dp, t_alone, t_comm, t_last = (statistics.median(r[i] for r in rounds) for i in range(4))
+    exposed = t_dp - t_alone
+    early = max(t_comm - t_last, 1e-9)
+    return {"width": width, "depth": depth, "rows": rows, "buckets": buckets, "step_s": t_dp, "no_sync_s": t_alone,
+            "buckets_alone_s": t_comm, "last_bucket_s": t_last,
+            "overlap": min(max(1.0 - (exposed - t_last) / early, 0.0), 1.0)}
+
+
 def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tuple[dict, dict, list, float]:
     """(per-axis fits, the fit's record, a Link per axis, collective_overhead) from the ranks'
     `_measure_step_collectives` (mean over ranks: in lockstep each rank's cycle takes as long) and
@@ -554,6 +642,8 @@ def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device:
         rounds.append(_measure_rates(device, quick, sync))
         dist.barrier()
         compute["runtime"] = _measure_runtime(mesh_shape, names, device, quick)
+        dist.barrier()
+        compute["overlap"] = _measure_overlap(mesh_shape, names, device, quick)
         dist.barrier()
         while len(rounds) < RATE_ROUNDS:
             rounds.append(_measure_rates(device, quick, sync))
@@ -640,6 +730,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         rng_element_time=med([c["rng_element_time"] for c in comp]),
         disk_link=Link(med([c["disk_bandwidth"] for c in comp]), med([c["disk_latency"] for c in comp])),
         host_optimizer_element_time=med([c["host_optimizer_element_time"] for c in comp]),
+        grad_sync_overlap=med([c["overlap"]["overlap"] for c in comp]) if comp[0]["overlap"] else base_p.grad_sync_overlap,
         devices_per_node=max(base_p.devices_per_node, world_size) if device == "cpu" else base_p.devices_per_node,
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
@@ -678,6 +769,11 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                                f"{TINY_DEPTH}-block transformer (attention, MLP) of width {TINY_WIDTH} through "
                                "autoparallelize (all replicated: no collective) minus the same model in eager "
                                "PyTorch, divided by the graph's nodes; median over ranks",
+        "grad_sync_overlap": f"the share of the gradient buckets' transfer a backward hides, as the runtime runs them: a "
+                             f"data-parallel step of {OVERLAP_DEPTH} linear layers of width {OVERLAP_WIDTH} ({OVERLAP_ROWS} "
+                             "rows per rank, a bucket per layer) against the same compute with nothing to reduce, "
+                             "against the same buckets' all-reduces alone; the last bucket, launched when the backward "
+                             "ends, is priced exposed (cost_model.comm.final_bucket_time); median over ranks",
         "optimizer_param_overhead": "torch.optim.AdamW().step() on that graph's DTensor parameters, divided by their "
                                     "number (their bytes are negligible); median over ranks",
         "optimizer_element_time": "the same AdamW step on one replicated DTensor parameter of 2^20 elements, minus "

@@ -55,8 +55,10 @@ As DDP, the first bucket of each kind is small (`first_bucket_bytes`: 1 MiB, or 
 less), so that its reduction starts early in the backward; `bucket_count` counts the buckets.
 `bucketed_reduction` says which parameter gradients the runtime reduces in buckets
 (runtime/grad_sync.py): those go to a flat bucket of their kind (collective, group size, link); a
-gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term), and each
-bucket adds one latency and launch per step (`bucket_launch_time`).
+gradient's own share of the price is its transfer (`transfer_time`, the bandwidth term) less the share
+`profile.grad_sync_overlap` that the backward hides (measured by `autopar calibrate`), each bucket adds
+one latency and launch per step (`bucket_launch_time`), and the last bucket of each kind, launched when
+the backward ends, is exposed whole (`final_bucket_time` adds back what the overlap took off it).
 
 Resharding between layouts (`reshard_cost`) is priced step by step as the runtime moves the tensor
 (`runtime/reshard.py`, DTensor's redistribute: `_redistribute_steps`), each collective on the local
@@ -86,7 +88,7 @@ __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_ti
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
            "flat_gather_axis", "async_output_axis",
-           "bucket_launch_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
+           "bucket_launch_time", "final_bucket_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
            "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost",
            "coded_reshard_cost", "layout_code", "placement_code"]
 
@@ -288,6 +290,19 @@ def bucket_launch_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, l
         return 0.0
     return (bucketed_time(b.collective, nbytes, b.n, b.link, bucket_bytes, launch_overhead)
             - transfer_time(b.collective, nbytes, b.n, b.link))
+
+
+def final_bucket_time(bucket: GradBucket, nbytes: float, bucket_bytes: float, overlap: float) -> float:
+    """Seconds of the last bucket of `nbytes` of gradients of one kind that a per-gradient price of
+    `(1 - overlap)` of its transfer (`Mesh.grad_sync_leg`) leaves out: the runtime launches every
+    bucket as it fills, while the backward goes on, but the last (what is left once the buckets before
+    it, the first of `first_bucket_bytes` and then `bucket_bytes` each, have left; all of it when one
+    bucket holds everything) when the backward ends (runtime/grad_sync.py `finish`): nothing hides it."""
+    if bucket.n == 1 or nbytes <= 0 or overlap <= 0:
+        return 0.0
+    buckets = bucket_count(nbytes, bucket_bytes)
+    last = nbytes if buckets == 1 else nbytes - first_bucket_bytes(bucket_bytes) - (buckets - 2) * bucket_bytes
+    return overlap * transfer_time(bucket.collective, last, bucket.n, bucket.link)
 
 
 # bytes of one routed-row count (int64) in the counts exchange before an expert-parallel dispatch

@@ -30,7 +30,7 @@ from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..cost_model.comm import bucket_launch_time, collective_time, p2p_time
+from ..cost_model.comm import bucket_launch_time, collective_time, final_bucket_time, p2p_time, transfer_time
 from ..cost_model.compute import optimizer_seconds
 from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
 from ..cost_model.symbolic import Poly2, smax, ssum
@@ -185,8 +185,9 @@ def grad_sync_total(p: Problem, choice: Mapping[str, int]):
 
 
 def grad_buckets_total(p: Problem, choice: Mapping[str, int], alone=frozenset()) -> float:
-    """The gradient buckets' latencies and launches per step (runtime/grad_sync.py): the bucketed
-    gradients' bytes summed per bucket kind, `profile.grad_bucket_bytes` to a bucket; parameters in
+    """The gradient buckets' latencies and launches per step (runtime/grad_sync.py), and the part of the
+    last bucket of each kind the overlap took off (`final_bucket_time`: it leaves when the backward
+    ends): the bucketed gradients' bytes summed per bucket kind, `profile.grad_bucket_bytes` to a bucket; parameters in
     `alone` (gradients moved to the host as they are made) are reduced outside the buckets."""
     per_kind: dict = {}
     for e, a, b in picked_edges(p, choice):
@@ -195,7 +196,8 @@ def grad_buckets_total(p: Problem, choice: Mapping[str, int], alone=frozenset())
             per_kind[kind] = per_kind.get(kind, 0.0) + nbytes
     prof = p.mesh.profile
     launch = prof.kernel_overhead + prof.collective_overhead        # per collective, as Mesh.reshard_cost
-    return sum(bucket_launch_time(k, nb, prof.grad_bucket_bytes, launch) for k, nb in per_kind.items())
+    return sum(bucket_launch_time(k, nb, prof.grad_bucket_bytes, launch)
+               + final_bucket_time(k, nb, prof.grad_bucket_bytes, prof.grad_sync_overlap) for k, nb in per_kind.items())
 
 
 def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset(), only=None) -> float:
@@ -369,7 +371,11 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
                 ch.wsync[c] += alone
                 ch.comm[c] += alone - (e.cost[a][b] - f)
             else:
-                ch.sync[c] += e.cost[a][b] - f
+                # deferred to the schedule's end (runtime/pipeline.py): no backward left to hide it behind
+                s = e.sync[a][b] if e.sync is not None else None
+                hidden = (problem.mesh.profile.grad_sync_overlap * transfer_time(s[0].collective, s[1], s[0].n, s[0].link)
+                          if s is not None else 0.0)
+                ch.sync[c] += e.cost[a][b] - f + hidden
         else:
             ch.bwd[c] += e.cost[a][b] - f
             if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
