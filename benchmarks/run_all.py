@@ -30,6 +30,8 @@ RUNS = [
     ["bench_cpu_plans.py"],
     # issue 15: autopar's executed plans against DDP / fully_shard / parallelize_module, side by side
     ["bench_wrappers.py", "--aten"],
+    # issue 35: data parallel (pinned, and the planner's own plan) against DDP on GPTs of other shapes
+    ["bench_wrappers.py", "--only", "dp2,auto2", "--model", "narrow,deep,wide"],
     ["bench_kernels.py"],
     # issue 36: the torch.compile backend (inductor) against torch.compile(DDP(model)), 2 gloo ranks
     ["bench_compile.py"],
