@@ -89,7 +89,7 @@ def shard_happy_profile():
     base = load_profile("cpu")
     free = Link(1e15, 0.0)
     return replace(base, name="test-shard-happy", peak_flops={k: 1e6 for k in base.peak_flops},
-                   memory_bandwidth=1e6, intra_node=free, inter_node=free, kernel_overhead=0.0)
+                   memory_bandwidth=1e6, intra_node=free, inter_node=free, kernel_overhead=0.0, collective_overhead=0.0)
 
 
 def well_posed_elements(grad: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ FIELDS = ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhea
 def test_shipped_profiles_default_the_new_fields_and_round_trip(tmp_path):
     for name in ("cpu", "a100", "h100"):
         p = load_profile(name)
-        assert all(getattr(p, f) == 0.0 for f in FIELDS)
+        # the CPU profile prices what a collective inside a step costs beyond its ring terms (its _notes)
+        assert all(getattr(p, f) == 0.0 for f in FIELDS if (name, f) != ("cpu", "collective_overhead"))
+    assert load_profile("cpu").collective_overhead > 0
     p = dataclasses.replace(load_profile("cpu"), runtime_op_overhead=1e-4, collective_overhead=2e-3,
                             optimizer_param_overhead=3e-4)
     assert load_profile(save_profile(p, tmp_path / "p.json")) == p
@@ -73,7 +75,7 @@ def _est(profile, plan_kw):
 
 
 def test_estimate_charges_each_measured_overhead():
-    base = load_profile("cpu")
+    base = dataclasses.replace(load_profile("cpu"), collective_overhead=0.0)     # every overhead from 0
     pins = {n: ("R", "R") for n, _ in GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2).named_parameters()}
     e0 = _est(base, pins)
     assert e0.runtime_s == 0.0 and e0.graph_nodes > 0
