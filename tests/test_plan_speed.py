@@ -32,6 +32,12 @@ def unbounded():
 
 
 @pytest.fixture(scope="module")
+def unbounded_2x4():
+    """The best plan on (2, 4) without a budget: two tests set their budgets from its peak."""
+    return _plan(None, float("inf"), shape=(2, 4))
+
+
+@pytest.fixture(scope="module")
 def tight(unbounded):
     """A budget that needs memory decisions: 75% of the peak of the best plan without a budget (at 80%
     the LP relaxation's rounded layouts, solved without presolve, fit with none)."""
@@ -70,11 +76,11 @@ def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
     assert plan.solver.objective_s == pytest.approx(best.solver.objective_s, rel=1e-6)
 
 
-def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypatch):
+def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypatch, unbounded_2x4):
     """Where the joint model is not built (large models), layouts and memory options are alternated:
     the plan fits, is priced as estimate() prices it, and is near the joint model's optimum. On (2, 4)
     the joint model is small enough to build (13k columns), so the two can be compared."""
-    tight = 0.75 * _plan(None, float("inf"), shape=(2, 4)).estimate.peak_memory_bytes
+    tight = 0.75 * unbounded_2x4.estimate.peak_memory_bytes
     joint = _plan(None, tight, shape=(2, 4))
     assert joint.solver.status.startswith(ilp.OPTIMAL) and joint.solver.status != ilp.OPTIMAL_ALTERNATION
     monkeypatch.setattr(ilp, "JOINT_MAX_COLUMNS", 0)
@@ -85,14 +91,14 @@ def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypa
     assert alone.solver.objective_s >= joint.solver.objective_s * (1 - 1e-3)      # the joint model's gap
 
 
-def test_rounded_lp_relaxation_is_within_the_mip_gap(monkeypatch):
+def test_rounded_lp_relaxation_is_within_the_mip_gap(monkeypatch, unbounded_2x4):
     """A large layout model (here (2, 4) with memory decisions: 13k columns) first solves its LP
     relaxation and rounds it; where the rounded plan is within the MIP gap of the relaxation's bound,
     that is the answer (the guarantee the MIP solver's own stop gives). Forcing the MIP everywhere
     gives a plan of the same objective within that gap, and both fit the budget."""
     # 0.85: with backward temporaries priced, at 0.75 of the unbounded peak the rounded relaxation no
     # longer lands within the gap (the MIP answers instead) and 0.65 fits no plan
-    tight = 0.85 * _plan(None, float("inf"), shape=(2, 4)).estimate.peak_memory_bytes
+    tight = 0.85 * unbounded_2x4.estimate.peak_memory_bytes
     monkeypatch.setattr(ilp, "ROUND_FROM", float("inf"))     # every model solved as a MIP
     by_mip = _plan(None, tight, shape=(2, 4))
     monkeypatch.setattr(ilp, "ROUND_FROM", 0)                # every model's relaxation rounded first
