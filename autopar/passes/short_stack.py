@@ -21,6 +21,11 @@ its position in the stack). That is proven, not assumed, before copying:
   whole; so is one whose index reaches a torch op (the watched index is no int there: the short
   trace fails).
 
+Blocks of a few kinds in a fixed order (Gemma-2's sliding-window and global layers alternate) are
+alike every p blocks: the stack is traced as its first two periods and its last (3p blocks, p dividing
+the stack), checked period against period, and block j copied from the traced block of the last
+period at j's place in its period.
+
 What was used is `Captured.trace` ("short: ..." or "whole: <why>"), shown in the plan's report.
 
 Node names follow fx's namespace as the copies are made (`linear_7` of block 1 becomes the next
