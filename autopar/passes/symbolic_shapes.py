@@ -257,7 +257,8 @@ def _build(cap: Captured, static_infos, dcap: Captured, marks, batch: int, seq: 
 
 def _constant_metas(cap: Captured, static_infos) -> dict[str, tuple[TensorMeta, ...]]:
     """The lifted tensor constants' metas: their captured sizes, which no input size changes."""
-    return {n.name: tuple(TensorMeta(tuple(sympy.Integer(x) for x in m.shape), m.dtype) for m in static_infos[n.name].out)
+    return {n.name: tuple(TensorMeta(tuple(sympy.Integer(x) for x in m.shape), m.dtype)
+                          for m in static_infos[n.name].out)
             for n in cap.gm.graph.nodes if n.op == "placeholder" and cap.inputs[n.name].kind == "constant"}
 
 
