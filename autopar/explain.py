@@ -88,7 +88,9 @@ def explain(model, example_inputs, mesh: Mesh, plan: Plan, name: str, *, example
     o = plan.options
     node = _node_named(problem, plan, name)
     choice, memory = plan_assignment(problem, viewed)
-    budget = plan.scaling.memory_budget or o.get("memory_budget") or mesh.profile.memory_budget
+    # the budget the plan was solved for (not `plan.scaling.memory_budget`: reading that prices a pending
+    # symbolic table, a whole trace of the model, which explaining one choice does not need)
+    budget = o["memory_budget"] if o.get("memory_budget") is not None else mesh.profile.memory_budget
     leader = problem.decisions[node].leader
     options: dict[tuple, Option] = {}
     for i in range(problem.n_choices(leader)):

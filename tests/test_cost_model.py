@@ -301,18 +301,33 @@ def test_bad_arguments():
         cost((S(2), R), (R, R))
 
 
-def test_members_at_sweeps_intervals_as_a_filter_would():
-    """liveness' one-sweep membership (members_at) equals filtering every owner at every point, going
-    forward or backward, with empty intervals (lo > hi) never members."""
+def test_liveness_timeline_sweeps_intervals_as_a_filter_would():
+    """liveness' sweep (`Timeline`) gives, point to point, the changes of the members that filtering
+    every owner at every point gives, going forward then backward, with empty intervals (lo > hi)
+    never members and, where asked, points without members skipped."""
     import random
 
-    from autopar.cost_model.memory import members_at
+    from autopar.cost_model.memory import Timeline
     rng = random.Random(1)
+
+    def changes(points):
+        out, before = [], ()
+        for members in points:
+            out.append((tuple(o for o in before if o not in members), tuple(o for o in members if o not in before)))
+            before = members
+        return out
+
     for _ in range(300):
         n = rng.randint(0, 30)
         owners = tuple(f"o{i}" for i in range(n))
-        lo = [rng.randint(-2, 20) for _ in range(n)]
-        hi = [rng.randint(-2, 20) for _ in range(n)]
-        times = sorted(rng.sample(range(-3, 24), rng.randint(1, 10)), reverse=rng.random() < 0.5)
-        want = [tuple(o for o, a, b in zip(owners, lo, hi) if a <= t <= b) for t in times]
-        assert members_at(owners, lo, hi, times) == want
+        tl, want = Timeline(owners), []
+        for down in (False, rng.random() < 0.5):
+            lo = [rng.randint(-2, 20) for _ in range(n)]
+            hi = [rng.randint(-2, 20) for _ in range(n)]
+            times = sorted(rng.sample(range(-3, 24), rng.randint(1, 10)), reverse=down)
+            skip = rng.random() < 0.5
+            points = [tuple(o for o, a, b in zip(owners, lo, hi) if a <= t <= b) for t in times]
+            kept = [(t, p) for t, p in zip(times, points) if p or not skip]
+            assert tl.sweep(lo, hi, times, skip_empty=skip) == [t for t, _ in kept]
+            want += [p for _, p in kept]
+        assert tl.changes == changes(want) and tl.sizes == [len(p) for p in want]

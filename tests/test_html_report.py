@@ -117,7 +117,12 @@ def test_chromium_renders_the_report_without_errors(gpt_plan, tmp_path):
 
 def test_explain_prices_the_chosen_layout_as_the_plan_does(gpt_plan):
     model, inputs, mesh, plan = gpt_plan
-    e = autopar.explain(model, inputs, mesh, plan, "blocks.0.fc.weight")
+    scaling = plan.scaling
+    plan.pending_scaling = lambda: pytest.fail("explain() priced the plan at symbolic sizes (a trace it does not need)")
+    try:
+        e = autopar.explain(model, inputs, mesh, plan, "blocks.0.fc.weight")
+    finally:
+        plan.scaling = scaling
     assert e.node == "p_blocks_0_fc_weight" and e.chosen.output == plan.placements["blocks.0.fc.weight"]
     assert e.chosen.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     assert e.chosen.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-9)

@@ -141,6 +141,45 @@ def test_a_block_that_reads_its_index_is_traced_whole_and_the_plan_says_so(monke
     assert capture(alike, gpt_inputs(batch=2, seq=16, vocab=64)).trace.startswith("short: blocks, 5 blocks proven")
 
 
+class _Kind(torch.nn.Module):
+    """A block of one of two kinds (Gemma-2's sliding-window and global layers): its own constant
+    differs by kind, and the model's loop hands it an input picked by its position."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index, self.kind, self.lin = index, ("local", "global")[index % 2], torch.nn.Linear(8, 8)
+        self.scale = 0.5 if self.kind == "local" else 2.0
+
+    def forward(self, x, bias):
+        return torch.tanh(self.lin(x) * self.scale + bias)
+
+
+class _Alternating(torch.nn.Module):
+    def __init__(self, depth: int = 8):
+        super().__init__()
+        self.kinds = [("local", "global")[i % 2] for i in range(depth)]
+        self.blocks = torch.nn.ModuleList(_Kind(i) for i in range(depth))
+
+    def forward(self, x):
+        bias = {"local": x.mean(0), "global": x.amax(0)}
+        for i, b in enumerate(self.blocks):
+            x = b(x, bias[self.kinds[i]])
+        return x.sum()
+
+
+def test_a_stack_of_alternating_blocks_is_traced_one_period_deep_per_check(monkeypatch):
+    """Blocks alike every 2 (not every 1): the first two periods and the last are traced, the rest
+    copied by kind; the graph is a whole trace's, the loss exact."""
+    torch.manual_seed(0)
+    model, args = _Alternating(), (torch.randn(4, 8),)
+    short = capture(model, args)
+    assert short.trace == "short: blocks, 8 blocks proven alike every 2 blocks, 6 traced and the rest copied"
+    assert _canonical(short) == _canonical(_whole(model, args, monkeypatch))
+    torch.testing.assert_close(_loss(short, model, args), model(*args), rtol=0, atol=0)
+    odd = _Alternating(depth=9)          # a period that does not divide the stack: traced whole
+    assert capture(odd, args).trace == ""
+
+
 def _train_middle(rank, world_size):
     import copy
 

@@ -36,8 +36,8 @@ import torch.fx as fx
 
 from ..compat import HigherOrderOperator, OpOverload, fake_tensor_cache, is_mutable, pytree, sym_hint
 from ..errors import CaptureError
-from .lowering import DECOMPOSITIONS, drop_assertions, exact_mean_losses, experts_as_one_op
-from .short_stack import deep_stack, expand, traced_blocks
+from .lowering import DECOMPOSITIONS, drop_assertions, drop_identity_dropouts, exact_mean_losses, experts_as_one_op
+from .short_stack import TRACED, deep_stack, expand, traced_blocks
 
 _log = logging.getLogger("autopar")
 
@@ -79,21 +79,23 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, 
         # real inputs next to meta weights would meet on two devices (`arange(T, device=idx.device)` + an
         # embedding); devices in the graph are the mesh's at run time (rewrite.py), so trace on meta alone
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    path = deep_stack(model) if dynamic_shapes is None else None
-    if path is None:
+    stack = deep_stack(model) if dynamic_shapes is None else None
+    if stack is None:
         return _trace(model, args, kwargs, dynamic_shapes)
+    path, period = stack
     depth = len(model.get_submodule(path))
     try:
-        with traced_blocks(model, path) as (depth, uses):
+        with traced_blocks(model, path, period) as (depth, uses):
             cap = _trace(model, args, kwargs, None)
     except CaptureError as e:
         why = f"the short model does not trace ({str(e).splitlines()[0][:200]})"
     else:
         cap.param_names = _param_names(model)
         why = (f"the blocks read their index ({', '.join(sorted(set(uses)))}), so they may differ" if uses
-               else expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn))
+               else expand(cap, path, depth, lambda fqn: cap.param_names.get(fqn) == fqn, period))
         if why is None:
-            cap.trace = f"short: {path}, {depth} blocks proven alike, 3 traced and the rest copied"
+            kind = "alike" if period == 1 else f"alike every {period} blocks"
+            cap.trace = f"short: {path}, {depth} blocks proven {kind}, {TRACED * period} traced and the rest copied"
             return cap
     _log.info("capture: tracing all %d blocks of %s.%s: %s", depth, type(model).__name__, path, why)
     cap = _trace(model, args, kwargs, None)
@@ -125,6 +127,7 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         _inline_no_grad_regions(ep.graph_module)
         _functional_detach(ep)
+        drop_identity_dropouts(ep.graph_module)
         with warnings.catch_warnings():   # torch's own deepcopy of its tree specs warns about itself
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # functional (mutations out, no-grad regions inlined), composites kept, BatchNorm lowered;
@@ -274,14 +277,16 @@ def _inline_no_grad_regions(gm: fx.GraphModule) -> None:
 
 
 def _functional_detach(ep) -> None:
-    """`x.detach_()` on a constant or buffer (Hugging Face detaches lifted scalars) as `x.detach()`:
-    they carry no gradient either way, and an in-place op would force decomposition."""
+    """`x.detach_()` on a constant or buffer (Hugging Face detaches lifted scalars), or on a tensor
+    nothing else reads (`torch.tensor(...)`'s fresh copy: a transformers cache's sliding window), as
+    `x.detach()`: they carry no gradient either way, and an in-place op would force decomposition
+    (a second trace of the whole model: 8 of Mistral-7B's 15 CPU seconds of planning)."""
     still = {spec.arg.name for spec in ep.graph_signature.input_specs
              if spec.kind.name in ("CONSTANT_TENSOR", "BUFFER") and hasattr(spec.arg, "name")}
     g = ep.graph_module.graph
     for n in list(g.nodes):
         if (n.op == "call_function" and n.target is torch.ops.aten.detach_.default
-                and isinstance(n.args[0], fx.Node) and n.args[0].name in still):
+                and isinstance(n.args[0], fx.Node) and (n.args[0].name in still or len(n.args[0].users) == 1)):
             with g.inserting_before(n):
                 d = g.call_function(torch.ops.aten.detach.default, n.args)
             d.meta = dict(n.meta)

@@ -16,7 +16,9 @@
   them and the results are partial sums), or both (strategies/moe.py). It runs as `moe_grouped`:
   the token-slots sorted by expert through two `torch.nn.functional.grouped_mm` calls, their
   backward autograd's (dX and dW grouped GEMMs; nothing recomputed).
-* Assertions that output nothing (`_assert_tensor_metadata`, ...) are dropped.
+* Assertions that output nothing (`_assert_tensor_metadata`, ...) are dropped, and so are dropouts
+  that drop nothing (probability 0 or not training: eager attention's `attention_dropout=0.0`),
+  which would otherwise force a decomposition pass and run as a copy.
 """
 from __future__ import annotations
 
@@ -349,4 +351,13 @@ _ASSERTS = tuple(getattr(aten, n).default for n in ("_assert_tensor_metadata", "
 def drop_assertions(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target in _ASSERTS and not n.users:
+            gm.graph.erase_node(n)
+
+
+def drop_identity_dropouts(gm: fx.GraphModule) -> None:
+    """`aten.dropout(x, p, train)` with p == 0 or train False is x: its uses read x."""
+    for n in list(gm.graph.nodes):
+        if (n.op == "call_function" and n.target is aten.dropout.default and len(n.args) == 3
+                and (n.args[1] == 0 or not n.args[2])):
+            n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)

@@ -21,6 +21,11 @@ its position in the stack). That is proven, not assumed, before copying:
   whole; so is one whose index reaches a torch op (the watched index is no int there: the short
   trace fails).
 
+Blocks of a few kinds in a fixed order (Gemma-2's sliding-window and global layers alternate) are
+alike every p blocks: the stack is traced as its first two periods and its last (3p blocks, p dividing
+the stack), checked period against period, and block j copied from the traced block of the last
+period at j's place in its period.
+
 What was used is `Captured.trace` ("short: ..." or "whole: <why>"), shown in the plan's report.
 
 Node names follow fx's namespace as the copies are made (`linear_7` of block 1 becomes the next
@@ -30,8 +35,10 @@ graph, names included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,25 +50,35 @@ from .layers import layer_of, module_path
 if TYPE_CHECKING:       # capture.py imports this module
     from .capture import Captured
 
-TRACED = 3      # blocks traced: the first (its input differs), and two to check that blocks repeat
+TRACED = 3      # periods traced: the first (its input differs), and two to check that periods repeat
 
 
-def deep_stack(model: torch.nn.Module) -> str | None:
-    """The path of the model's one ModuleList of more than `TRACED` alike blocks (None: none, or several)."""
-    found = [name for name, m in model.named_modules()
-             if isinstance(m, torch.nn.ModuleList) and len(m) > TRACED and _alike(list(m))]
+def deep_stack(model: torch.nn.Module) -> tuple[str, int] | None:
+    """(path, period) of the model's one ModuleList of more than `TRACED` periods of alike blocks
+    (None: none, or several)."""
+    found = {name: period for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) > TRACED and (period := _period(list(m)))}
     outer = [p for p in found if not any(p.startswith(q + ".") for q in found if q != p)]
-    return outer[0] if len(outer) == 1 else None
+    return (outer[0], found[outer[0]]) if len(outer) == 1 else None
 
 
-def _alike(blocks: list[torch.nn.Module]) -> bool:
-    """Blocks of one structure whose attributes are equal but for those that hold the block's index."""
+def _period(blocks: list[torch.nn.Module]) -> int | None:
+    """The smallest p such that block i is alike block i + p (one structure, attributes equal but for
+    those that hold the block's index): 1 where all blocks are alike, 2 for Gemma-2's alternating
+    sliding-window and global layers. A period above 1 must divide the stack (the model's own loop
+    may pick a block's inputs by its position, `config.layer_types[i]`: the deepest period, traced in
+    the place of the third, then sits where blocks of its kinds sit) and repeat more than `TRACED`
+    times. None: no such period."""
     described = [_description(b) for b in blocks]
     if any(d is None for d in described):
-        return False
+        return None
     index = _index_attributes(described)
-    first = (described[0][0], {k: v for k, v in described[0][1].items() if k not in index})
-    return all((d[0], {k: v for k, v in d[1].items() if k not in index}) == first for d in described[1:])
+    kinds = [(d[0], {k: v for k, v in d[1].items() if k not in index}) for d in described]
+    n = len(blocks)
+    for p in range(1, (n - 1) // TRACED + 1):
+        if (p == 1 or n % p == 0) and all(kinds[i] == kinds[i - p] for i in range(p, n)):
+            return p
+    return None
 
 
 def _index_attributes(described: list) -> set[tuple[str, str]]:
@@ -82,10 +99,24 @@ def _description(block: torch.nn.Module) -> tuple[tuple, dict] | None:
             return None
         for k, v in vars(m).items():
             if not k.startswith("_"):
-                attrs[(name, k)] = v if isinstance(v, (int, float, str, bool, type(None), tuple)) else id(v)
+                attrs[(name, k)] = _value(v, m)
         params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m.named_parameters(recurse=False))
         structure.append((name, type(m), params))
     return tuple(structure), attrs
+
+
+def _value(v, owner: torch.nn.Module):
+    """An attribute as compared across blocks: a plain value itself; a `functools.partial` by its
+    function and arguments, a method bound to its own module by its function (transformers' GELUTanh
+    makes one of either per block); any other object by identity."""
+    if isinstance(v, (int, float, str, bool, type(None), tuple)):
+        return v
+    if isinstance(v, functools.partial):
+        return ("partial", _value(v.func, owner), tuple(_value(a, owner) for a in v.args),
+                tuple(sorted((k, _value(a, owner)) for k, a in v.keywords.items())))
+    if isinstance(v, types.MethodType) and v.__self__ is owner:
+        return ("method", id(v.__func__))
+    return id(v)
 
 
 class WatchedIndex:
@@ -119,16 +150,16 @@ for _m in ("__index__", "__int__", "__float__", "__bool__", "__hash__", "__eq__"
 
 
 @contextlib.contextmanager
-def traced_blocks(model: torch.nn.Module, path: str):
-    """The model with its stack cut to its first `TRACED - 1` blocks and its last (restored after); the
-    last runs in the place of block `TRACED - 1` (its parameters named so in the trace). Yields (the
-    stack's depth, the uses of the traced blocks' index attributes, filled as the trace runs)."""
+def traced_blocks(model: torch.nn.Module, path: str, period: int = 1):
+    """The model with its stack cut to its first `TRACED - 1` periods and its last (restored after);
+    the last runs in the place of period `TRACED - 1` (its parameters named so in the trace). Yields
+    (the stack's depth, the uses of the traced blocks' index attributes, filled as the trace runs)."""
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     full = getattr(parent, name)
     blocks = list(full)
     index = sorted(_index_attributes([_description(b) for b in blocks]))
-    traced = list(range(TRACED - 1)) + [len(blocks) - 1]
+    traced = list(range((TRACED - 1) * period)) + list(range(len(blocks) - period, len(blocks)))
     uses: list[str] = []
     swapped = [(blocks[i].get_submodule(mod), attr) for i in traced for mod, attr in index]
     # the last traced one is the stack's deepest block: what it computes, checked equal to block 1's,
@@ -144,30 +175,33 @@ def traced_blocks(model: torch.nn.Module, path: str):
         setattr(parent, name, full)
 
 
-def expand(cap: Captured, path: str, depth: int, is_param: Callable[[str], bool]) -> str | None:
-    """Copy the last traced block of stack `path` until it is `depth` blocks deep, in place
-    (`cap.inputs` gains the new parameters). Returns why it cannot (nothing changed), or None."""
+def expand(cap: Captured, path: str, depth: int, is_param: Callable[[str], bool], period: int = 1) -> str | None:
+    """Copy the last traced period of stack `path` until it is `depth` blocks deep, in place (block j
+    a copy of the traced block of the last period at j's place in its period; `cap.inputs` gains the
+    new parameters). Returns why it cannot (nothing changed), or None."""
     gm, inputs = cap.gm, cap.inputs
-    sections, params = _sections(cap, path)
-    why = _check(sections, params, inputs, gm)
+    sections, params = _sections(cap, path, TRACED * period)
+    why = _check(sections, params, inputs, gm, period)
     if why is not None:
         return why
-    last = TRACED - 1
-    if not all(is_param(_renumber(inputs[p.name].target, path, last, j)) for p in params[last]
-               for j in range(TRACED, depth) if inputs[p.name].kind == "param"):
+    first = (TRACED - 1) * period        # block j is a copy of block `first + j % period`
+    last = TRACED * period - 1
+    if not all(is_param(_renumber(inputs[p.name].target, path, first + j % period, j)) for j in range(last + 1, depth)
+               for p in params[first + j % period] if inputs[p.name].kind == "param"):
         return "the blocks not traced do not hold parameters of their own named like the traced ones"
     tail = {n: i for i, n in enumerate(sections[last])}
     made: set[fx.Node] = set()
     block = sections[last]
     anchors = {inputs[p.name].kind: p for p in params[last]}     # the last placeholder of each kind
-    for j in range(TRACED, depth):
+    for j in range(last + 1, depth):
+        t = first + j % period
         own = {}
-        for p in params[last]:
+        for p in params[t]:
             kind = inputs[p.name].kind
-            anchors[kind] = own[p] = _new_input(cap, anchors[kind], p, path, j)
-        block = _copy_block(gm.graph, sections[last], block, sections[last - 1], own, path, j)
+            anchors[kind] = own[p] = _new_input(cap, anchors[kind], p, path, t, j)
+        block = _copy_block(gm.graph, sections[t], block, sections[t - 1], own, path, t, j)
         made.update(block)
-    for n in sections[last]:      # what comes after the stack reads the deepest block
+    for n in sections[last]:      # what comes after the stack reads the deepest block (a copy of `last`)
         for u in [u for u in n.users if u not in tail and u not in made]:
             u.replace_input_with(n, block[tail[n]])
     # `cap.inputs` in the graph's placeholder order, as capture gives it (callers feed the program
@@ -180,22 +214,22 @@ def expand(cap: Captured, path: str, depth: int, is_param: Callable[[str], bool]
     return None
 
 
-def _new_input(cap: Captured, after: fx.Node, p: fx.Node, path: str, j: int) -> fx.Node:
-    """Block j's placeholder for block `TRACED - 1`'s parameter or constant placeholder p, after `after`."""
+def _new_input(cap: Captured, after: fx.Node, p: fx.Node, path: str, t: int, j: int) -> fx.Node:
+    """Block j's placeholder for traced block t's parameter or constant placeholder p, after `after`."""
     with cap.gm.graph.inserting_after(after):
-        q = cap.gm.graph.placeholder(_renumber(p.name, path, TRACED - 1, j, sep="_"))
+        q = cap.gm.graph.placeholder(_renumber(p.name, path, t, j, sep="_"))
     q.meta = dict(p.meta)
     slot = cap.inputs[p.name]
-    cap.inputs[q.name] = type(slot)(slot.kind, _renumber(slot.target, path, TRACED - 1, j))
+    cap.inputs[q.name] = type(slot)(slot.kind, _renumber(slot.target, path, t, j))
     if slot.kind == "constant":
         cap.constants[cap.inputs[q.name].target] = cap.constants[slot.target]
     return q
 
 
 def _copy_block(g: fx.Graph, model_block: list[fx.Node], previous: list[fx.Node], model_prev: list[fx.Node],
-                own: dict, path: str, j: int) -> list[fx.Node]:
-    """Block j: `model_block`'s nodes copied after `previous` (block j - 1), reading it where
-    `model_block` reads `model_prev`, and block j's parameters `own`."""
+                own: dict, path: str, t: int, j: int) -> list[fx.Node]:
+    """Block j: `model_block`'s (traced block t's) nodes copied after `previous` (block j - 1),
+    reading it where `model_block` reads `model_prev`, and block j's parameters `own`."""
     inside = {n: i for i, n in enumerate(model_block)}
     before = {n: i for i, n in enumerate(model_prev)}
     made: list[fx.Node] = []
@@ -209,15 +243,15 @@ def _copy_block(g: fx.Graph, model_block: list[fx.Node], previous: list[fx.Node]
     for n in model_block:
         with g.inserting_after(at):
             at = g.node_copy(n, arg)
-        at.meta = _renumbered_meta(n.meta, path, TRACED - 1, j)
+        at.meta = _renumbered_meta(n.meta, path, t, j)
         made.append(at)
     return made
 
 
-def _sections(cap: Captured, path: str):
+def _sections(cap: Captured, path: str, traced: int):
     """Per traced block: its ops in order, and its placeholders."""
-    sections: list[list[fx.Node]] = [[] for _ in range(TRACED)]
-    params: list[list[fx.Node]] = [[] for _ in range(TRACED)]
+    sections: list[list[fx.Node]] = [[] for _ in range(traced)]
+    params: list[list[fx.Node]] = [[] for _ in range(traced)]
     for n in cap.gm.graph.nodes:
         where = layer_of(module_path(n, cap))
         if where is None or where[0] != path:
@@ -226,13 +260,14 @@ def _sections(cap: Captured, path: str):
     return sections, params
 
 
-def _check(sections, params, inputs: dict, gm: fx.GraphModule) -> str | None:
-    """Why the last traced block cannot stand for the others (None: it can)."""
+def _check(sections, params, inputs: dict, gm: fx.GraphModule, period: int) -> str | None:
+    """Why the last traced period cannot stand for the others (None: it can)."""
     if any(not s for s in sections) or any(not p for p in params):
         return "a traced block has no ops or no parameters"
-    kinds = [inputs[p.name].kind for p in params[-1]]
-    if kinds != sorted(kinds, reverse=True):
-        return "a block's parameters and constants are not in that order"
+    for ps in params[-period:]:
+        kinds = [inputs[p.name].kind for p in ps]
+        if kinds != sorted(kinds, reverse=True):
+            return "a block's parameters and constants are not in that order"
     if any(inputs[p.name].kind not in ("param", "constant") for ps in params for p in ps):
         return "a block reads a buffer"
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -244,8 +279,9 @@ def _check(sections, params, inputs: dict, gm: fx.GraphModule) -> str | None:
     early = {n for s in sections[:-1] for n in s}
     if any(u not in early and order[u] > span[-1] for n in early for u in n.users):
         return "the ops after the stack read a block other than the last"
-    sigs = [_wiring(sections[i], sections[i - 1], params[i]) for i in (TRACED - 2, TRACED - 1)]
-    return None if sigs[0] == sigs[1] else "block 1 and the deepest block trace to different graphs"
+    sigs = [[_wiring(sections[i], sections[i - 1], params[i]) for i in range(k * period, (k + 1) * period)]
+            for k in (TRACED - 2, TRACED - 1)]
+    return None if sigs[0] == sigs[1] else "period 1 and the deepest period trace to different graphs"
 
 
 def _wiring(section: list[fx.Node], prev: list[fx.Node], params: list[fx.Node]) -> tuple:

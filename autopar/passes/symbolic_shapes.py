@@ -71,10 +71,14 @@ def _marked_dims(args: tuple, kwargs: dict):
     return tuple(a) + tuple(k.values()), marks, int(batch), (int(seq) if seq is not None else None)
 
 
-def _tensor_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """Nodes that produce tensors, in order: the ones both captures share."""
+def _tensor_nodes(cap: Captured) -> list[fx.Node]:
+    """Nodes that produce tensors, in order: the ones both captures share. Lifted tensor constants are
+    left out: how many a trace lifts depends on the path its code takes (a sliding-window mask lifts
+    more at variable sizes), and their sizes are constants (`_constant_metas`)."""
     out = []
-    for n in gm.graph.nodes:
+    for n in cap.gm.graph.nodes:
+        if n.op == "placeholder" and cap.inputs[n.name].kind == "constant":
+            continue
         vals = pytree.tree_leaves(n.meta.get("val")) if n.op != "output" else []
         if any(isinstance(v, torch.Tensor) for v in vals):
             out.append(n)
@@ -127,7 +131,7 @@ def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap
     args = args if isinstance(args, tuple) else (args,)
     kwargs = dict(kwargs or {})
     dyn, marks, batch, seq = _marked_dims(args, kwargs)
-    static = _tensor_nodes(cap.gm)
+    static = _tensor_nodes(cap)
     stacks = _stacks(model, cap, static)
     if stacks:
         try:
@@ -143,7 +147,7 @@ def symbolic_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, cap
     except CaptureError as e:    # a model that only traces at fixed sizes has no scaling
         raise SymbolicUnavailable(f"the model does not trace with a variable batch/sequence size: "
                                   f"{str(e).splitlines()[0][:200]}") from e
-    return _build(cap, static_infos, dcap, marks, batch, seq, list(_align(static, _tensor_nodes(dcap.gm))))
+    return _build(cap, static_infos, dcap, marks, batch, seq, list(_align(static, _tensor_nodes(dcap))))
 
 
 _KEEP = 2     # blocks traced of a long stack: the first, and one that stands for all the others
@@ -199,7 +203,7 @@ def _short_pairs(cap: Captured, static: list[fx.Node], dcap: Captured, stacks: d
         if b is None or b[1] < _KEEP:
             kept.append(n)
         inner.setdefault(b, []).append(n)
-    pairs = list(_align(kept, _tensor_nodes(dcap.gm)))
+    pairs = list(_align(kept, _tensor_nodes(dcap)))
     twin = {s.name: d for s, d in pairs}
     for b, nodes in inner.items():
         if b is None or b[1] < _KEEP:
@@ -237,6 +241,7 @@ def _build(cap: Captured, static_infos, dcap: Captured, marks, batch: int, seq: 
             raise SymbolicUnavailable(f"node {s.name}: symbolic shape {[m.shape for m in out]} does not give the "
                                       f"captured {want}")
         metas[s.name] = out
+    metas.update(_constant_metas(cap, static_infos))
     infos: dict[str, NodeInfo] = {}
     cache: dict = {}
     for n in cap.gm.graph.nodes:
@@ -248,6 +253,13 @@ def _build(cap: Captured, static_infos, dcap: Captured, marks, batch: int, seq: 
         flops = _flops(n, ins, cache) if info.flops else sympy.Integer(0)
         infos[n.name] = NodeInfo(n.name, out, info.ins, flops, nbytes)
     return SymbolicGraph(infos, batch, seq, fixed)
+
+
+def _constant_metas(cap: Captured, static_infos) -> dict[str, tuple[TensorMeta, ...]]:
+    """The lifted tensor constants' metas: their captured sizes, which no input size changes."""
+    return {n.name: tuple(TensorMeta(tuple(sympy.Integer(x) for x in m.shape), m.dtype)
+                          for m in static_infos[n.name].out)
+            for n in cap.gm.graph.nodes if n.op == "placeholder" and cap.inputs[n.name].kind == "constant"}
 
 
 def _metas(d: fx.Node, subs) -> tuple[TensorMeta, ...]:
