@@ -10,7 +10,9 @@
    auto: a pipelined one by the pipeline search with its axis ("pp") and microbatch count fixed
    (schedule, virtual stages, layouts and memory decisions chosen), the others by one solve; a
    candidate is not planned when its bound is above the best plan found ("pruned"), when its
-   estimate is over SCREEN_SLACK times the best estimate, or when the time is out;
+   estimate is over SCREEN_SLACK times the best estimate, when its estimate scaled by the meshes
+   planned so far (their least price over estimate) is over the best plan by more than
+   SCREEN_MARGIN, or when the time is out;
 4. the fastest plan that fits wins (ties: the earlier candidate); `plan.mesh` records its mesh and
    the cluster, `plan.mesh_search` every candidate with its price or why it was not planned.
 
@@ -44,6 +46,11 @@ SCREEN_SLACK = 2.0       # candidates whose screen estimate is over this many ti
                          # the screen is a rough account (transformer constants, no layout choice), so a
                          # margin of 2x leaves it room to misjudge a contender
 MAX_PLANNED = 8          # at most this many candidates are planned (each is one or a few ILP solves)
+SCREEN_MARGIN = 0.05     # once meshes are planned, the screen is calibrated by them: a candidate whose estimate
+                         # times the least (price / estimate) seen is over the best plan's step by more than
+                         # this fraction is not planned. The screen's error is mostly one factor across meshes
+                         # of a model (GPT-3 175B: prices 1.246-1.267x the estimates over five meshes); 5% is
+                         # over twice that spread
 
 
 def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluster: Cluster,
@@ -90,10 +97,12 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
     rows: list[MeshCandidate] = []
     last_s, n_planned = 0.0, 0
     top = screened[0].estimate_s if screened else math.inf
+    scale = math.inf        # the least (price / screen estimate) of the meshes planned
     for s in screened:
         row = MeshCandidate(s.mesh.shape, s.mesh.axis_names, "not planned", screen_s=_finite(s.estimate_s))
         left = None if deadline is None else deadline - time.perf_counter()
-        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, left, last_s)
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, left,
+                                                  last_s)
         if skip is not None:
             rows.append(replace(row, status=skip[0], note=skip[1]))
             continue
@@ -107,20 +116,26 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
         row = replace(row, status="planned", step_time_s=e.step_time_s, peak_memory_bytes=e.peak_memory_bytes,
                       note=_shape_note(plan))
         rows.append(row)
+        if 0 < s.estimate_s < math.inf:
+            scale = min(scale, e.step_time_s / s.estimate_s)
         if best is None or e.step_time_s < best[0].estimate.step_time_s * (1 - 1e-12):
             best = (plan, row)
     return best, rows
 
 
-def _skipped(s: Screened, best_s: float, n_planned: int, top: float, left: float | None,
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, left: float | None,
              last_s: float) -> tuple[str, str] | None:
-    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already)."""
+    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already;
+    `scale`: the least price over screen estimate of the meshes planned)."""
     if s.bound_s >= best_s:
         return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
     if n_planned >= MAX_PLANNED:
         return "not planned", f"{MAX_PLANNED} meshes planned already"
     if s.estimate_s > SCREEN_SLACK * top:
         return "not planned", f"its screen estimate is over {SCREEN_SLACK:g}x the best one's"
+    if s.estimate_s * scale > best_s * (1 + SCREEN_MARGIN):
+        return "not planned", (f"its screen estimate scaled as the planned meshes' prices (x{scale:.3g}) is "
+                               f"{s.estimate_s * scale / best_s - 1:.1%} over the best plan's step")
     if left is not None and left < last_s:
         return "not planned", "the time limit"
     return None
@@ -167,4 +182,4 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-__all__ = ["search_mesh", "SCREEN_SLACK", "MAX_PLANNED"]
+__all__ = ["search_mesh", "SCREEN_SLACK", "SCREEN_MARGIN", "MAX_PLANNED"]
