@@ -98,8 +98,15 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
     last_s, n_planned = 0.0, 0
     top = screened[0].estimate_s if screened else math.inf
     scale = math.inf        # the least (price / screen estimate) of the meshes planned
+    first_of: dict[tuple, Screened] = {}     # (shape, pipeline axis index) -> the first candidate of that mesh
     for s in screened:
         row = MeshCandidate(s.mesh.shape, s.mesh.axis_names, "not planned", screen_s=_finite(s.estimate_s))
+        same = first_of.setdefault(_problem_key(s), s)
+        if same is not s:
+            rows.append(replace(row, note=f"the same mesh as {_label(same.mesh)}, planned as that one (the names "
+                                          f"of axes other than pp are labels: the planner chooses what every op "
+                                          f"does on each axis)"))
+            continue
         left = None if deadline is None else deadline - time.perf_counter()
         skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, left,
                                                   last_s)
@@ -141,6 +148,13 @@ def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: floa
     return None
 
 
+def _problem_key(s: Screened) -> tuple:
+    """What planning a candidate depends on: its axis sizes in order on the devices (each axis's links follow
+    from them) and which is the pipeline's; the names of the others are labels."""
+    names = s.mesh.axis_names
+    return s.mesh.shape, names.index("pp") if "pp" in names else None
+
+
 def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, left: float | None):
     """The planner's best plan on candidate `s`'s mesh, or why none fits (text)."""
     limit = opts.time_limit if left is None else max(left, 1.0)
@@ -174,7 +188,7 @@ def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate]) -> str
             f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)")
 
 
-def _label(r: MeshCandidate) -> str:
+def _label(r) -> str:       # a MeshCandidate or a Mesh
     return "(" + ", ".join(f"{n}={s}" for n, s in zip(r.axis_names, r.shape)) + ")"
 
 
