@@ -16,9 +16,10 @@
 4. the fastest plan that fits wins (ties: the earlier candidate); `plan.mesh` records its mesh and
    the cluster, `plan.mesh_search` every candidate with its price or why it was not planned.
 
-`time_limit` bounds the whole search: the candidates share one deadline, each solve gets the time
-left, and a candidate is started only while the time left is at least what the last one took (the
-first always runs, so that there is a plan). Without a time limit the result depends on the
+`time_limit` bounds the whole search after the model's capture (as `plan()` on a Mesh counts its
+time limit from the capture on): the candidates share one deadline, each gets the time left (the
+first one all of it, what `plan()` on its mesh would get), and a candidate is started only while the
+time left is at least what the last one took (the first always runs, so that there is a plan). Without a time limit the result depends on the
 inputs alone; with one, on how far the search got (the report says how many were planned).
 """
 from __future__ import annotations
@@ -46,11 +47,11 @@ SCREEN_SLACK = 2.0       # candidates whose screen estimate is over this many ti
                          # the screen is a rough account (transformer constants, no layout choice), so a
                          # margin of 2x leaves it room to misjudge a contender
 MAX_PLANNED = 8          # at most this many candidates are planned (each is one or a few ILP solves)
-SCREEN_MARGIN = 0.05     # once meshes are planned, the screen is calibrated by them: a candidate whose estimate
+SCREEN_MARGIN = 0.10     # once meshes are planned, the screen is calibrated by them: a candidate whose estimate
                          # times the least (price / estimate) seen is over the best plan's step by more than
-                         # this fraction is not planned. The screen's error is mostly one factor across meshes
-                         # of a model (GPT-3 175B: prices 1.246-1.267x the estimates over five meshes); 5% is
-                         # over twice that spread
+                         # this fraction is not planned. The screen's error is mostly one factor across the
+                         # meshes of a model (GPT-3 175B: prices 1.246-1.267x the estimates over three meshes,
+                         # a 1.7% spread); 10% leaves room for models the screen's account fits worse
 
 
 def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluster: Cluster,
@@ -64,7 +65,6 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
                               f"planner chooses the mesh and its pipeline (pipeline=None or {{}}), or forbids "
                               f"pipelines (pipeline=False); give a Mesh to fix one")
     t0 = time.perf_counter()
-    deadline = None if opts.time_limit is None else t0 + opts.time_limit
     with frozen_gc():
         cap = capture(model, args, kwargs)
         infos = annotate(cap.gm)
@@ -73,6 +73,8 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
         degrees = mesh_candidates(cluster.size, cluster.devices_per_node, facts, pipeline=opts.pipeline is not False)
         screened = sorted((screen(cluster, facts, d, budget, opts.optimizer, opts.precision) for d in degrees),
                           key=lambda s: (not s.fits, s.estimate_s))
+        # the deadline starts after the capture, as `plan()` on a Mesh starts its own (planner.deadline_of)
+        deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
         best, rows = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
     if best is None:
         raise InfeasibleError(f"no mesh of {cluster} fits a plan in the memory budget of {budget / 2**30:.2f} GiB "
