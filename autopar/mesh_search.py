@@ -19,8 +19,9 @@
 `time_limit` bounds the whole search after the model's capture (as `plan()` on a Mesh counts its
 time limit from the capture on): the candidates share one deadline, each gets the time left (the
 first one all of it, what `plan()` on its mesh would get), and a candidate is started only while the
-time left is at least what the last one took (the first always runs, so that there is a plan). Without a time limit the result depends on the
-inputs alone; with one, on how far the search got (the report says how many were planned).
+time left is at least what the last one took (the first always runs, so that there is a plan).
+Without a time limit the result depends on the inputs alone; with one, on how far the search got
+(the report says how many were planned).
 """
 from __future__ import annotations
 
