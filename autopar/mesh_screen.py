@@ -12,9 +12,12 @@ and the outer ones cross nodes where they must; `Mesh` prices each axis by where
 `screen` gives each candidate two numbers, neither of them a plan's price (the planner's evaluator
 prices every plan the search returns or reports):
 
-* `bound_s`, a lower bound on any plan's step on that mesh: the forward and backward FLOPs at the
-  device's dense peak, stretched by the least pipeline bubble the candidate's microbatch counts allow.
-  A candidate whose bound is above a plan found is not planned.
+* `bound_s`, a lower bound on any plan's step on that mesh: the forward and backward FLOPs spread
+  evenly over the devices at the device's dense peak times its matmul efficiency (the cost model runs
+  no op faster: matmuls and attention reach at most that fraction of their dtype's peak, the other
+  ops run on the slower vector units), stretched by the pipeline bubble of the candidate's microbatch
+  count at its most virtual stages (`cost_model.pipeline.pipeline_time`: m t_max + (sum t - t_max) / v
+  is least with every stage equal). A candidate whose bound is above a plan found is not planned.
 * `estimate_s`, the order in which candidates are planned: a Megatron-style account of one step
   (Narayanan et al. 2021; Korthikanti et al. 2022) from the model's FLOPs, parameters and the size of
   one layer's output, with the mesh's links: compute at the profile's matmul efficiency, bubble,
@@ -143,7 +146,7 @@ def screen(cluster, facts: ModelFacts, degrees: Mapping[str, int], budget: float
     # the microbatches the data axis can split (the screen's account splits a microbatch over "dp")
     opts = [(m, v) for m, v in opts if (facts.batch // m) % degrees["dp"] == 0] or opts
     prof = mesh.profile
-    floor = facts.flops * (1 + BACKWARD_FLOPS) / (mesh.size * max(prof.peak_flops.values()))
+    floor = facts.flops * (1 + BACKWARD_FLOPS) / (mesh.size * max(prof.peak_flops.values()) * prof.matmul_efficiency)
     (est, fits), m = min(((_estimate(mesh, facts, degrees, m, v, budget, optimizer, precision), m) for m, v in opts),
                          key=lambda t: (t[0][0], t[1]), default=((math.inf, False), 1))
     v_most = max((v for mm, v in opts if mm == m), default=1)

@@ -10,14 +10,18 @@
    auto: a pipelined one by the pipeline search with its axis ("pp") and microbatch count fixed
    (schedule, virtual stages, layouts and memory decisions chosen), the others by one solve; a
    candidate is not planned when its bound is above the best plan found ("pruned"), when its
-   estimate is over SCREEN_SLACK times the best estimate, or when the time is out;
+   estimate is over SCREEN_SLACK times the best estimate, when its estimate scaled by the meshes
+   planned so far (their least price over estimate) is over the best plan by more than
+   SCREEN_MARGIN, or when the time is out;
 4. the fastest plan that fits wins (ties: the earlier candidate); `plan.mesh` records its mesh and
    the cluster, `plan.mesh_search` every candidate with its price or why it was not planned.
 
-`time_limit` bounds the whole search: the candidates share one deadline, each solve gets the time
-left, and a candidate is started only while the time left is at least what the last one took (the
-first always runs, so that there is a plan). Without a time limit the result depends on the
-inputs alone; with one, on how far the search got (the report says how many were planned).
+`time_limit` bounds the whole search after the model's capture (as `plan()` on a Mesh counts its
+time limit from the capture on): the candidates share one deadline, each gets the time left (the
+first one all of it, what `plan()` on its mesh would get), and a candidate is started only while the
+time left is at least what the last one took (the first always runs, so that there is a plan).
+Without a time limit the result depends on the inputs alone; with one, on how far the search got
+(the report says how many were planned).
 """
 from __future__ import annotations
 
@@ -44,6 +48,11 @@ SCREEN_SLACK = 2.0       # candidates whose screen estimate is over this many ti
                          # the screen is a rough account (transformer constants, no layout choice), so a
                          # margin of 2x leaves it room to misjudge a contender
 MAX_PLANNED = 8          # at most this many candidates are planned (each is one or a few ILP solves)
+SCREEN_MARGIN = 0.25     # once meshes are planned, the screen is calibrated by them: a candidate whose estimate
+                         # times the least (price / estimate) seen is over the best plan's step by more than
+                         # this fraction is not planned. Measured price / estimate: GPT-3 175B 1.246-1.267 over
+                         # three meshes; Llama-3-8B at 8 x 8192 on 8 H100 1.47-2.08 over eight, its winner
+                         # (dp=2, tp=4) at 1.47 against 1.63 for (dp=8): 25% is over twice that 11% gap
 
 
 def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluster: Cluster,
@@ -57,7 +66,6 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
                               f"planner chooses the mesh and its pipeline (pipeline=None or {{}}), or forbids "
                               f"pipelines (pipeline=False); give a Mesh to fix one")
     t0 = time.perf_counter()
-    deadline = None if opts.time_limit is None else t0 + opts.time_limit
     with frozen_gc():
         cap = capture(model, args, kwargs)
         infos = annotate(cap.gm)
@@ -66,6 +74,8 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
         degrees = mesh_candidates(cluster.size, cluster.devices_per_node, facts, pipeline=opts.pipeline is not False)
         screened = sorted((screen(cluster, facts, d, budget, opts.optimizer, opts.precision) for d in degrees),
                           key=lambda s: (not s.fits, s.estimate_s))
+        # the deadline starts after the capture, as `plan()` on a Mesh starts its own (planner.deadline_of)
+        deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
         best, rows = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
     if best is None:
         raise InfeasibleError(f"no mesh of {cluster} fits a plan in the memory budget of {budget / 2**30:.2f} GiB "
@@ -90,10 +100,19 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
     rows: list[MeshCandidate] = []
     last_s, n_planned = 0.0, 0
     top = screened[0].estimate_s if screened else math.inf
+    scale = math.inf        # the least (price / screen estimate) of the meshes planned
+    first_of: dict[tuple, Screened] = {}     # (shape, pipeline axis index) -> the first candidate of that mesh
     for s in screened:
         row = MeshCandidate(s.mesh.shape, s.mesh.axis_names, "not planned", screen_s=_finite(s.estimate_s))
+        same = first_of.setdefault(_problem_key(s), s)
+        if same is not s:
+            rows.append(replace(row, note=f"the same mesh as {_label(same.mesh)}, planned as that one (the names "
+                                          f"of axes other than pp are labels: the planner chooses what every op "
+                                          f"does on each axis)"))
+            continue
         left = None if deadline is None else deadline - time.perf_counter()
-        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, left, last_s)
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, left,
+                                                  last_s)
         if skip is not None:
             rows.append(replace(row, status=skip[0], note=skip[1]))
             continue
@@ -107,23 +126,36 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
         row = replace(row, status="planned", step_time_s=e.step_time_s, peak_memory_bytes=e.peak_memory_bytes,
                       note=_shape_note(plan))
         rows.append(row)
+        if 0 < s.estimate_s < math.inf:
+            scale = min(scale, e.step_time_s / s.estimate_s)
         if best is None or e.step_time_s < best[0].estimate.step_time_s * (1 - 1e-12):
             best = (plan, row)
     return best, rows
 
 
-def _skipped(s: Screened, best_s: float, n_planned: int, top: float, left: float | None,
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, left: float | None,
              last_s: float) -> tuple[str, str] | None:
-    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already)."""
+    """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already;
+    `scale`: the least price over screen estimate of the meshes planned)."""
     if s.bound_s >= best_s:
         return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
     if n_planned >= MAX_PLANNED:
         return "not planned", f"{MAX_PLANNED} meshes planned already"
     if s.estimate_s > SCREEN_SLACK * top:
         return "not planned", f"its screen estimate is over {SCREEN_SLACK:g}x the best one's"
+    if s.estimate_s * scale > best_s * (1 + SCREEN_MARGIN):
+        return "not planned", (f"its screen estimate scaled as the planned meshes' prices (x{scale:.3g}) is "
+                               f"{s.estimate_s * scale / best_s - 1:.1%} over the best plan's step")
     if left is not None and left < last_s:
         return "not planned", "the time limit"
     return None
+
+
+def _problem_key(s: Screened) -> tuple:
+    """What planning a candidate depends on: its axis sizes in order on the devices (each axis's links follow
+    from them) and which is the pipeline's; the names of the others are labels."""
+    names = s.mesh.axis_names
+    return s.mesh.shape, names.index("pp") if "pp" in names else None
 
 
 def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, left: float | None):
@@ -159,7 +191,7 @@ def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate]) -> str
             f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)")
 
 
-def _label(r: MeshCandidate) -> str:
+def _label(r) -> str:       # a MeshCandidate or a Mesh
     return "(" + ", ".join(f"{n}={s}" for n, s in zip(r.axis_names, r.shape)) + ")"
 
 
@@ -167,4 +199,4 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-__all__ = ["search_mesh", "SCREEN_SLACK", "MAX_PLANNED"]
+__all__ = ["search_mesh", "SCREEN_SLACK", "SCREEN_MARGIN", "MAX_PLANNED"]

@@ -8,7 +8,8 @@
   `pipeline={}` (every family on auto; issue 37 measured 7.29 s);
 * mixtral: Hugging Face Mixtral-8x7B (examples/zoo.py, bf16) at 8 x 4096 on 8 nodes of 8 H100;
 * llama-cp: Hugging Face Llama-3-8B at 8 sequences of 131,072 tokens on 8 nodes of 8 H100
-  (bench_context_parallel's sizes);
+  (bench_context_parallel's sizes), outputs left sharded as there (`sharded_outputs=True`: the logits,
+  256 GiB at that size, are never gathered whole on a device);
 * llama-node: Llama-3-8B at 8 x 8192 on one node of 8 H100; --baseline also plans the (8,) FSDP-style
   mesh (one "dp" axis) for comparison.
 Prints one JSON line per search: the chosen mesh, its step and peak memory, the runners-up (each with
@@ -42,27 +43,27 @@ def gpt3():
         model = GPT(vocab=51200, seq=2048, hidden=12288, heads=96, layers=96).to(torch.bfloat16)
         idx = torch.zeros(1536, 2048, dtype=torch.long)
     return model, (idx, idx), {}, autopar.Cluster(nodes=128, devices_per_node=8, device="h100"), \
-        autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100"), dict(pipeline={})
+        autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100"), dict(pipeline={}), {}
 
 
-def _llama(batch, seq, nodes, fsdp_mesh=None):
+def _llama(batch, seq, nodes, fsdp_mesh=None, **opts):
     import transformers
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA3_8B, max_position_embeddings=seq))
         model = model.to(torch.bfloat16)
         ids = torch.zeros(batch, seq, dtype=torch.long)
     return model, (ids,), {"labels": ids}, autopar.Cluster(nodes=nodes, devices_per_node=8, device="h100"), \
-        fsdp_mesh, {}
+        fsdp_mesh, opts, opts
 
 
 def mixtral():
     from zoo import build
     model, args, kwargs, _ = build("mixtral", full=True, batch=8, seq=4096)
     model = model.to(torch.bfloat16)
-    return model, args, kwargs, autopar.Cluster(nodes=8, devices_per_node=8, device="h100"), None, {}
+    return model, args, kwargs, autopar.Cluster(nodes=8, devices_per_node=8, device="h100"), None, {}, {}
 
 
-CASES = {"gpt3": gpt3, "mixtral": mixtral, "llama-cp": lambda: _llama(8, 131072, 8),
+CASES = {"gpt3": gpt3, "mixtral": mixtral, "llama-cp": lambda: _llama(8, 131072, 8, sharded_outputs=True),
          "llama-node": lambda: _llama(8, 8192, 1, autopar.Mesh((8,), ("dp",), "h100"))}
 
 
@@ -78,12 +79,13 @@ def _row(c) -> dict:
 
 
 def run(name: str, time_limit: float, baseline: bool) -> dict:
-    model, args, kwargs, cluster, base_mesh, base_opts = CASES[name]()
+    model, args, kwargs, cluster, base_mesh, base_opts, opts = CASES[name]()
     load0 = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, args, cluster, example_kwargs=kwargs, time_limit=time_limit, progress=False)
+        plan = autopar.plan(model, args, cluster, example_kwargs=kwargs, time_limit=time_limit, progress=False,
+                           **opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     e, pp = plan.estimate, plan.pipeline
     out = {"bench": f"mesh search {name}", "cluster": repr(cluster), "chosen": _mesh(plan.mesh),

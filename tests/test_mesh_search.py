@@ -81,6 +81,8 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
     assert {r.axis_names for r in plan.mesh_search} == {("dp",), ("pp",), ("tp",)}
     assert all(r.step_time_s >= chosen.step_time_s for r in others if r.status == "planned")
     assert all(r.note for r in others if r.status != "planned")      # why it was not planned
+    twins = [r for r in others if r.note.startswith("the same mesh as")]  # (dp=2) and (tp=2): one problem
+    assert len(twins) == 1 and tuple(twins[0].shape) == (2,) and twins[0].status == "not planned"
     assert "Mesh search" in plan.report()
     priced = autopar.estimate(model, inputs, cluster, plan)        # a Cluster where a Mesh goes: the plan's mesh
     assert priced.devices == 2 and priced.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-6)
