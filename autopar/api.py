@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -11,7 +12,7 @@ from .cluster import Cluster
 from .errors import AutoparError, MeshError, PlanFileError, PlanMismatchError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
-from .plan import Plan
+from .plan import Plan, Scaling
 from .progress import PhaseProgress
 from .pipeline_search import search_pipeline
 from .passes.stages import microbatch
@@ -165,15 +166,27 @@ def planned_on_rank0(make) -> Plan:
     if not dist.is_initialized():
         return make()
     chosen: list = [None]
+    mine = None
     if dist.get_rank() == 0:
         try:
-            chosen = [make()]
+            mine = make()
+            chosen = [_without_pending_scaling(mine)]
         except AutoparError as e:
             chosen = [e]
     dist.broadcast_object_list(chosen, src=0)
     if isinstance(chosen[0], AutoparError):
         raise chosen[0]
-    return chosen[0]
+    return mine if mine is not None else chosen[0]
+
+
+def _without_pending_scaling(plan: Plan) -> Plan:
+    """What the other ranks receive: the plan whole, except a scaling table rank 0 has not priced yet
+    (a trace of the model at symbolic sizes that no rank needs to run the plan); it stays pending on
+    rank 0, where the plan was made."""
+    if plan.pending_scaling is None:
+        return plan
+    return replace(plan, pending_scaling=None, scaling=Scaling(
+        unavailable="priced on rank 0, where the plan was made: read plan.scaling there"))
 
 
 def check_plan(plan: Plan, cap, mesh: Mesh) -> None:
