@@ -86,9 +86,9 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
                               f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
                               f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
                               f"the batch of one pipeline)")
-    flat, least = None, math.inf
+    flat, why = None, None
     if cands[0].axis is None:           # no pipeline among the choices: the planner's own plan first
-        flat, least = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > 1)
+        flat, why = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > 1)
         cands = cands[1:]
     floor = _floor(captured[1][0], captured[1][1], mesh)
     cands = _ordered(cands, floor)
@@ -96,7 +96,9 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
     statuses: dict[tuple, str] = {}         # (axis, microbatches) -> its last solve's status
     plans: dict[tuple, tuple] = {}          # (axis, microbatches) -> (problem, choice, options) solved
-    took = [flat.timings.total_s if flat is not None else 0.0]     # seconds of the costliest step so far
+    # seconds of the costliest group so far; before the first, what the plan without a pipeline took
+    # besides its solve (the capture, strategies and problem a group makes again)
+    took = [flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0]
 
     def solve_at(axis, m, scale):
         t = time.perf_counter()
@@ -123,10 +125,12 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
 
     found = choose_pipeline(mesh, cands, solve_at, budget, out_of_time, floor,
                             flat.estimate.step_time_s if flat is not None else math.inf)
-    least = min(least, found.least)
     if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
         if flat is not None:
             return _flat_status(flat, found)
+        least = found.least
+        if why is not None and (why.min_memory_bytes or math.inf) <= least:     # the plan without one needs least
+            raise InfeasibleError(f"{why} No pipeline fits either ({len(cands)} candidates).", why.min_memory_bytes)
         raise InfeasibleError(f"no pipeline of {len(cands)} candidates fits the budget of {budget / 2**30:.2f} GiB "
                               f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
     best = found.best
@@ -147,32 +151,37 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     return plan
 
 
-FLAT_SHARE = 0.5     # of the time limit, the no-pipeline plan's solve at most where pipelines are candidates too:
-                     # its heuristic's first plans come whatever the limit; the pipelines' groups get the rest
+FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
+                     # its heuristic's first plans come whatever the limit (what follows only refines them);
+                     # the pipeline groups, one solve each, get the rest
 
 
 def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0: float, deadline: float | None,
-          more: bool) -> tuple[Plan | None, float]:
-    """(the plan without a pipeline, the least memory seen): the planner's own plan of the whole batch
-    (None where nothing fits: then its least memory)."""
+          more: bool) -> tuple[Plan | None, InfeasibleError | None]:
+    """(the plan without a pipeline, None), the planner's own plan of the whole batch; (None, why)
+    where nothing fits."""
     cap, infos = captured[1]
     own = deadline
     if more and deadline is not None:
         own = time.perf_counter() + FLAT_SHARE * max(deadline - time.perf_counter(), 0.0)
     try:
-        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos), math.inf
+        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos), None
     except InfeasibleError as e:
         log.info("no pipeline: infeasible (%s)", e)
-        return None, e.min_memory_bytes if e.min_memory_bytes is not None else math.inf
+        return None, e
 
 
 def _flat_status(flat: Plan, found: Searched) -> Plan:
     """The plan without a pipeline, its status saying how the pipelines were weighed."""
     groups = found.solved + found.pruned + found.unsearched
-    if groups:
-        head = f"{AT_TIME_LIMIT}: " if found.unsearched else ""
+    if found.unsearched:
+        own = flat.solver.status
         flat.solver = replace(flat.solver, status=(
-            f"{head}{flat.solver.status}; no pipeline is faster ({found.solved} of {groups} (axis, microbatch count) "
+            f"{'' if own.startswith(AT_TIME_LIMIT) else AT_TIME_LIMIT + ': '}{own}; pipelines: {found.solved} of {groups} (axis, microbatch count) "
+            f"candidates solved, {found.pruned} ruled out by their lower bound, {found.unsearched} not searched"))
+    elif groups:
+        flat.solver = replace(flat.solver, status=(
+            f"{flat.solver.status}; no pipeline is faster ({found.solved} of {groups} (axis, microbatch count) "
             f"candidates solved, {found.pruned} ruled out by their lower bound)"))
     return flat
 
