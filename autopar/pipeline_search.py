@@ -81,24 +81,25 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
     batch = _batch(args, kwargs)
     cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)
+    if "axis" not in fixed:     # an axis a pin splits over cannot carry stages (`stage_options`): not a choice
+        split = {a for k, a in enumerate(mesh.axis_names) for lay in (opts.pins or {}).values()
+                 if len(lay) == mesh.ndim and str(lay[k]).strip() != "R"}
+        cands = [c for c in cands if c.axis not in split]
     if not cands:
         raise PlanOptionError(f"pipeline={dict(fixed)}: no pipeline of this mesh {mesh.axis_names} {mesh.shape}, "
                               f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
                               f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
                               f"the batch of one pipeline)")
-    flat, why = None, None
-    if cands[0].axis is None:           # no pipeline among the choices: the planner's own plan first
-        flat, why = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > 1)
-        cands = cands[1:]
+    flat, why, unpiped = None, None, cands[0].axis is None     # "no pipeline" among the choices
+    cands = cands[1:] if unpiped else cands
     floor = _floor(captured[1][0], captured[1][1], mesh)
     cands = _ordered(cands, floor)
+    hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
     stage_opts = replace(opts, symbolic=False)
     problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
     statuses: dict[tuple, str] = {}         # (axis, microbatches) -> its last solve's status
     plans: dict[tuple, tuple] = {}          # (axis, microbatches) -> (problem, choice, options) solved
-    # seconds of the costliest group so far; before the first, what the plan without a pipeline took
-    # besides its solve (the capture, strategies and problem a group makes again)
-    took = [flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0]
+    took = [0.0]        # seconds of the costliest group so far (the first is tried whatever the time left)
 
     def solve_at(axis, m, scale):
         t = time.perf_counter()
@@ -123,8 +124,22 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     def out_of_time() -> bool:          # the next group, as long as the costliest so far, would end past it
         return deadline is not None and time.perf_counter() + took[0] >= deadline
 
-    found = choose_pipeline(mesh, cands, solve_at, budget, out_of_time, floor,
-                            flat.estimate.step_time_s if flat is not None else math.inf)
+    # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
+    # its floor, or the time is out), then the other axes
+    found = choose_pipeline(mesh, hinted, solve_at, budget, out_of_time, floor)
+    if unpiped:
+        beat = found.best.evaluation.step_s if found.best is not None else math.inf
+        if floor(Candidate(None, 1, 1, "1f1b", 1)) >= beat:
+            found = replace(found, pruned=found.pruned + 1)
+        elif found.best is not None and out_of_time():
+            found = replace(found, unsearched=found.unsearched + 1)
+        else:
+            flat, why = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > len(hinted))
+            took[0] = max(took[0], flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0)
+    rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], solve_at, budget, out_of_time, floor,
+                           min(flat.estimate.step_time_s if flat is not None else math.inf,
+                               found.best.evaluation.step_s if found.best is not None else math.inf))
+    found = _merged(found, rest)
     if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
         if flat is not None:
             return _flat_status(flat, found)
@@ -149,6 +164,13 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
+
+
+def _merged(a: Searched, b: Searched) -> Searched:
+    """Two searches' outcomes as one: the faster best (the first on a tie), the counts summed."""
+    best = a.best if b.best is None or (a.best is not None and a.best.evaluation.step_s <= b.best.evaluation.step_s) \
+        else b.best
+    return Searched(best, min(a.least, b.least), a.solved + b.solved, a.pruned + b.pruned, a.unsearched + b.unsearched)
 
 
 FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
