@@ -110,8 +110,10 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
         problem = problems[axis, m]
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, plans, axis, m) if (axis, m) not in plans else None
+        first = not plans and flat is None      # no plan to return yet: its first plans whatever the time
         try:
-            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline), start=start)
+            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline), start=start,
+                           floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
