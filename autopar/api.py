@@ -61,10 +61,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
-    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). A dict fixes the keys it gives
-        (axis, stages, virtual_stages, microbatches, schedule) and the planner chooses the rest, with
-        "no pipeline" among its choices when `axis` is not given (`pipeline={}`: choose everything; the
-        search solves one ILP per pipeline axis and microbatch count); None or False: no pipeline.
+    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). None (the default) or `{}`: the
+        planner chooses, "no pipeline" among its choices (`pipeline_search.py`: the plan without one
+        first, then one ILP per pipeline axis and microbatch count, in the order of their lower bounds,
+        a candidate that cannot beat the best found left unsolved); a dict fixes the keys it gives
+        (axis, stages, virtual_stages, microbatches, schedule), the planner chooses the rest; False: no
+        pipeline. Axis names are hints (an axis named "pp" is searched first), never requirements.
     moe_capacity_factor: mixture-of-experts layers drop the token-slots past each expert's capacity,
         ceil(factor x tokens x top_k / experts) over the global batch (GShard, Switch Transformer; the rule:
         `autopar/runtime/experts.py`, one process: `autopar.moe_capacity`); None: dropless.
@@ -79,11 +81,23 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
         if isinstance(mesh, Cluster):
             from .mesh_search import search_mesh
             return search_mesh(model, args, example_kwargs, mesh, opts)
-        if isinstance(pipeline, Mapping):
-            return search_pipeline(model, args, example_kwargs, mesh, opts, pipeline)
-        if pipeline is not None and pipeline is not False:
-            raise PlanOptionError(f"pipeline={pipeline!r}: give None, False or a dict such as dict(axis='pp')")
+        chosen = _pipeline_keys(pipeline)
+        if chosen is not None:
+            return search_pipeline(model, args, example_kwargs, mesh, opts, chosen)
         return make_plan(model, args, example_kwargs, mesh, opts)
+
+
+def _pipeline_keys(pipeline) -> Mapping | None:
+    """The pipeline keys fixed by the `pipeline=` option (None: choose all of them; a dict: those it
+    gives), or None where `False` forbids a pipeline."""
+    if pipeline is None:
+        return {}
+    if isinstance(pipeline, Mapping):
+        return pipeline
+    if pipeline is not False:
+        raise PlanOptionError(f"pipeline={pipeline!r}: give None (choose), False (none) or a dict such as "
+                              f"dict(axis='pp')")
+    return None
 
 
 def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs, *, plan: Plan | None = None,
@@ -124,8 +138,9 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
         watch_mesh(device_mesh, collective_timeout)
     args, kwargs = _as_tuple(example_inputs), example_kwargs
     plan_opts = PlanOptions(**options) if plan is None else None
-    if plan is None and isinstance(plan_opts.pipeline, Mapping):     # searched and priced as `plan()` does
-        plan = planned_on_rank0(lambda: search_pipeline(model, args, kwargs, mesh, plan_opts, plan_opts.pipeline))
+    keys = _pipeline_keys(plan_opts.pipeline) if plan is None else None
+    if keys is not None:     # searched and priced as `plan()` does
+        plan = planned_on_rank0(lambda: search_pipeline(model, args, kwargs, mesh, plan_opts, keys))
     pipe = plan.pipeline if plan is not None and plan.pipeline.stages > 1 else None
     if pipe is not None:     # a pipelined plan runs on one microbatch
         args, kwargs = microbatch(args, kwargs, pipe.microbatches)

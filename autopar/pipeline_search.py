@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -18,18 +19,26 @@ from dataclasses import replace
 import torch
 
 from .compat import pytree
+from .cost_model.comm import p2p_time
+from .cost_model.compute import POINTWISE_EFFICIENCY, TENSOR_CORE_FAMILIES, backward_factor
+from .cost_model.pipeline import step_floor
 from .errors import InfeasibleError, PlanOptionError
 from .mesh import Mesh
 from .passes.capture import capture
 from .passes.layers import layer_key
 from .passes.stages import microbatch
 from .passes.shape_prop import annotate
+from .placement import layout_str
 from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
+from .plan_cache import PlanCache
 from .pipelining import fixed_pipeline, lifted, stage_options
-from .planner import PlanOptions, assemble, deadline_of, frozen_gc, planning_problem, remaining
-from .solver.decisions.stages import PIPELINE_KEYS, candidates, choose_pipeline, node_chunks, per_step_view
+from .planner import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, planning_problem, remaining,
+                      solve_captured)
+from .solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
+                                      per_step_view)
 from .solver.evaluate import Staging
-from .solver.ilp import AT_TIME_LIMIT, solve
+from .solver.ilp import AT_TIME_LIMIT, most_sharded, solve
+from .strategies import op_name, rule_for
 
 log = logging.getLogger("autopar")
 
@@ -38,57 +47,110 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
                     fixed: Mapping, captured: dict[int, tuple] | None = None) -> Plan:
     """The fastest plan, pipelined or not, whose every pipeline rank fits the budget; `fixed`: the
     pipeline keys the user gave (the rest are chosen); `captured`: microbatch count -> (capture of one
-    microbatch, its annotations) made already (filled with those the search makes)."""
+    microbatch, its annotations) made already (filled with those the search makes). The plan cache
+    (`cache_dir=`) keeps the search's answer under every option, `pipeline=` and the time limit too."""
+    t0 = time.perf_counter()
+    deadline = deadline_of(opts)        # the whole call (the capture aside) within the one time limit
+    _check(fixed, mesh)
+    captured = {} if captured is None else captured
     with frozen_gc():
-        return _search(model, args, kwargs, mesh, opts, fixed, captured)
+        cap1 = _captured(model, args, kwargs, 1, captured)[0]
+        cache = PlanCache.open(opts.cache_dir)
+        key = cache.key(fingerprint(cap1), mesh, opts) if cache else None
+        if cache and (hit := cache.get(key)) is not None:
+            hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
+            return hit
+        plan = _search(model, args, kwargs, mesh, opts, fixed, captured, t0, deadline)
+    if cache:
+        cache.put(key, plan)
+    return plan
+
+
+def _captured(model, args, kwargs, m: int, captured: dict[int, tuple]) -> tuple:
+    """(capture of one of `m` microbatches, its annotations), made once per count."""
+    if m not in captured:
+        cap = capture(model, *microbatch(args, kwargs, m))
+        captured[m] = (cap, annotate(cap.gm))
+        gc.freeze()       # kept for the whole search (`frozen_gc`)
+    return captured[m]
 
 
 def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
-            fixed: Mapping, captured: dict[int, tuple] | None) -> Plan:
-    t0 = time.perf_counter()
-    deadline = deadline_of(opts)        # every candidate's solve within the one time limit
-    _check(fixed, mesh)
+            fixed: Mapping, captured: dict[int, tuple], t0: float, deadline: float | None) -> Plan:
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
     batch = _batch(args, kwargs)
     cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)
+    if "axis" not in fixed:     # an axis a pin splits over cannot carry stages (`stage_options`): not a choice
+        split = {a for k, a in enumerate(mesh.axis_names) for lay in (opts.pins or {}).values()
+                 if len(lay) == mesh.ndim and str(lay[k]).strip() != "R"}
+        cands = [c for c in cands if c.axis not in split]
     if not cands:
         raise PlanOptionError(f"pipeline={dict(fixed)}: no pipeline of this mesh {mesh.axis_names} {mesh.shape}, "
                               f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
                               f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
                               f"the batch of one pipeline)")
-    captured = {} if captured is None else captured
+    flat, why, unpiped = None, None, cands[0].axis is None     # "no pipeline" among the choices
+    cands = cands[1:] if unpiped else cands
+    floor = _floor(captured[1][0], captured[1][1], mesh)
+    cands = _ordered(cands, floor)
+    hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
     stage_opts = replace(opts, symbolic=False)
     problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
     statuses: dict[tuple, str] = {}         # (axis, microbatches) -> its last solve's status
+    plans: dict[tuple, tuple] = {}          # (axis, microbatches) -> (problem, choice, options) solved
+    took = [0.0]        # seconds of the costliest group so far (the first is tried whatever the time left)
 
     def solve_at(axis, m, scale):
-        if m not in captured:
-            cap = capture(model, *microbatch(args, kwargs, m))
-            captured[m] = (cap, annotate(cap.gm))
-            gc.freeze()       # kept for the whole search (`frozen_gc`)
-        cap, infos = captured[m]
-        sub = mesh.stage_mesh(axis)
-        stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
+        t = time.perf_counter()
+        cap, infos = _captured(model, args, kwargs, m, captured)
         if (axis, m) not in problems:
-            problems[axis, m] = planning_problem(cap, infos, sub, _stage_opts(stage_opts, mesh, axis))
+            problems[axis, m] = planning_problem(cap, infos, mesh.stage_mesh(axis), _stage_opts(stage_opts, mesh, axis))
             gc.freeze()
         problem = problems[axis, m]
+        stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
+        start = _carried(problem, plans, axis, m) if (axis, m) not in plans else None
+        first = not plans and flat is None      # no plan to return yet: its first plans whatever the time
         try:
-            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline))
+            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline), start=start,
+                           floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
+        finally:
+            took[0] = max(took[0], time.perf_counter() - t)
         statuses[axis, m] = result.status
+        plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
 
-    def out_of_time() -> bool:
-        return deadline is not None and time.perf_counter() >= deadline
+    def out_of_time() -> bool:          # the next group, as long as the costliest so far, would end past it
+        return deadline is not None and time.perf_counter() + took[0] >= deadline
 
-    best, least = choose_pipeline(mesh, cands, solve_at, budget, out_of_time)
-    if best is None:
+    # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
+    # its floor, or the time is out), then the other axes
+    found = choose_pipeline(mesh, hinted, solve_at, budget, out_of_time, floor)
+    if unpiped:
+        beat = found.best.evaluation.step_s if found.best is not None else math.inf
+        if floor(Candidate(None, 1, 1, "1f1b", 1)) >= beat:
+            found = replace(found, pruned=found.pruned + 1)
+        elif found.best is not None and out_of_time():
+            found = replace(found, unsearched=found.unsearched + 1)
+        else:
+            flat, why = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > len(hinted))
+            took[0] = max(took[0], flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0)
+    rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], solve_at, budget, out_of_time, floor,
+                           min(flat.estimate.step_time_s if flat is not None else math.inf,
+                               found.best.evaluation.step_s if found.best is not None else math.inf))
+    found = _merged(found, rest)
+    if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
+        if flat is not None:
+            return _flat_status(flat, found)
+        least = found.least
+        if why is not None and (why.min_memory_bytes or math.inf) <= least:     # the plan without one needs least
+            raise InfeasibleError(f"{why} No pipeline fits either ({len(cands)} candidates).", why.min_memory_bytes)
         raise InfeasibleError(f"no pipeline of {len(cands)} candidates fits the budget of {budget / 2**30:.2f} GiB "
                               f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
+    best = found.best
     c = best.candidate
     cap = captured[c.microbatches][0]
     sub = mesh.stage_mesh(c.axis)
@@ -99,20 +161,136 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
-    plan.solver = SolverInfo("search", _status(cands, statuses, c, out_of_time()), 0, 0, plan.estimate.step_time_s,
+    timed_out = found.unsearched > 0 or (deadline is not None and time.perf_counter() >= deadline)
+    plan.solver = SolverInfo("search", _status(statuses, c, found, timed_out), 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
 
 
-def _status(cands, statuses: dict[tuple, str], chosen, timed_out: bool) -> str:
+def _merged(a: Searched, b: Searched) -> Searched:
+    """Two searches' outcomes as one: the faster best (the first on a tie), the counts summed."""
+    best = a.best if b.best is None or (a.best is not None and a.best.evaluation.step_s <= b.best.evaluation.step_s) \
+        else b.best
+    return Searched(best, min(a.least, b.least), a.solved + b.solved, a.pruned + b.pruned, a.unsearched + b.unsearched)
+
+
+FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
+                     # its heuristic's first plans come whatever the limit (what follows only refines them);
+                     # the pipeline groups, one solve each, get the rest
+
+
+def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0: float, deadline: float | None,
+          more: bool) -> tuple[Plan | None, InfeasibleError | None]:
+    """(the plan without a pipeline, None), the planner's own plan of the whole batch; (None, why)
+    where nothing fits."""
+    cap, infos = captured[1]
+    own = deadline
+    if more and deadline is not None:
+        own = time.perf_counter() + FLAT_SHARE * max(deadline - time.perf_counter(), 0.0)
+    try:
+        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos), None
+    except InfeasibleError as e:
+        log.info("no pipeline: infeasible (%s)", e)
+        return None, e
+
+
+def _flat_status(flat: Plan, found: Searched) -> Plan:
+    """The plan without a pipeline, its status saying how the pipelines were weighed."""
+    groups = found.solved + found.pruned + found.unsearched
+    if found.unsearched:
+        own = flat.solver.status
+        flat.solver = replace(flat.solver, status=(
+            f"{'' if own.startswith(AT_TIME_LIMIT) else AT_TIME_LIMIT + ': '}{own}; pipelines: {found.solved} of {groups} (axis, microbatch count) "
+            f"candidates solved, {found.pruned} ruled out by their lower bound, {found.unsearched} not searched"))
+    elif groups:
+        flat.solver = replace(flat.solver, status=(
+            f"{flat.solver.status}; no pipeline is faster ({found.solved} of {groups} (axis, microbatch count) "
+            f"candidates solved, {found.pruned} ruled out by their lower bound)"))
+    return flat
+
+
+PIPELINE_AXIS_HINTS = ("pp", "pipe", "pipeline", "stage", "stages")   # axis names searched first (hints only)
+
+
+def _ordered(cands: list[Candidate], floor) -> list[Candidate]:
+    """The pipeline candidates by group, most promising first: axes named for pipelines
+    (PIPELINE_AXIS_HINTS) before the others, then the least lower bound (more microbatches, a smaller
+    bubble); stable, so the order is the same on every run. The names order the search, never
+    restrict it: every axis stays a candidate."""
+    bound: dict[tuple, float] = {}
+    for c in cands:
+        key = (c.axis, c.microbatches)
+        bound[key] = min(bound.get(key, math.inf), floor(c))
+    rank = {k: (k[0] not in PIPELINE_AXIS_HINTS, b) for k, b in bound.items()}
+    return sorted(cands, key=lambda c: rank[c.axis, c.microbatches])
+
+
+def _floor(cap, infos, mesh: Mesh):
+    """Candidate -> a lower bound on its step (`cost_model.pipeline.step_floor`) from the whole batch's
+    graph: its FLOPs over every device at the profile's best rate (a tensor-core op's backward at its
+    FLOP ratio where its output needs a gradient); per microbatch, one kernel's fixed cost per op
+    that does work and a send's latency into every chunk but the first."""
+    prof = mesh.profile
+    rate = max(prof.peak_flops.values()) * max(prof.matmul_efficiency, POINTWISE_EFFICIENCY)
+    grad: dict[str, bool] = {}
+    flops, kernels = 0.0, 0
+    for n in cap.gm.graph.nodes:
+        v = n.meta.get("val")
+        grad[n.name] = (n.op == "placeholder" and bool(getattr(v, "requires_grad", False))) or any(
+            grad.get(a.name, False) for a in n.all_input_nodes)
+        if n.op != "call_function" or n.name not in infos:
+            continue
+        rule = rule_for(n.target)
+        info = infos[n.name]
+        if rule is not None and rule.is_view or (info.flops <= 0 and info.bytes_moved <= 0):
+            continue
+        kernels += 1
+        back = backward_factor(op_name(n.target), rule.family) if (
+            rule is not None and rule.family in TENSOR_CORE_FAMILIES and grad[n.name]) else 0.0
+        flops += info.flops * (1.0 + back)
+    work, fixed = flops / (mesh.size * rate), kernels * prof.kernel_overhead
+
+    def floor(c: Candidate) -> float:
+        sends = 0.0     # every chunk but the first receives its input (priced in its forward and backward)
+        if c.stages > 1:
+            sends = 2 * (c.stages * c.virtual_stages - 1) * p2p_time(1.0, mesh.axes[mesh.axis_index(c.axis)].link)
+        return step_floor(work, fixed + sends, c.stages, c.microbatches, c.schedule, c.virtual_stages)
+    return floor
+
+
+def _carried(problem, plans: dict[tuple, tuple], axis, m: int):
+    """A start for (axis, m): the plan solved for the nearest microbatch count on the same stage mesh,
+    each decision's layouts and strategy found among this problem's options (else its most sharded),
+    the family options where this problem has the same groups; None where none was solved."""
+    near = sorted((abs(k[1] - m), k[1]) for k in plans if k[0] == axis)
+    if not near:
+        return None
+    old, choice, options = plans[axis, near[0][1]]
+    sharded = most_sharded(problem)
+    out = {}
+    for leader in problem.leaders:
+        d = old.decisions.get(leader)
+        want = None if d is None else _signature(d.strategies[choice[d.leader]])
+        mine = problem.decisions[leader].strategies
+        out[leader] = next((i for i, s in enumerate(mine) if _signature(s) == want), sharded[leader])
+    opts = {g.key: options[g.key] if options.get(g.key) in g.allowed else g.allowed[0]
+            for g in problem.families.groups}
+    return out, opts
+
+
+def _signature(s) -> tuple:
+    return layout_str(s.output), tuple(layout_str(i) for i in s.inputs), tuple(s.labels)
+
+
+def _status(statuses: dict[tuple, str], chosen, found: Searched, timed_out: bool) -> str:
     """The search's outcome in words (`solver.ilp.status_words`): the chosen pipeline's own solve's
-    status, and how many of the (axis, microbatch count) groups were solved."""
-    groups = len(dict.fromkeys((c.axis, c.microbatches) for c in cands))
+    status, and how many of the (axis, microbatch count) groups were solved and ruled out by bound."""
+    groups = found.solved + found.pruned + found.unsearched
     own = statuses.get((chosen.axis, chosen.microbatches), "")
     head = AT_TIME_LIMIT if timed_out or own.startswith(AT_TIME_LIMIT) else "the best pipeline found"
-    return (f"{head}: {len(statuses)} of {groups} (axis, microbatch count) candidates solved, the chosen one's "
-            f"layouts {own}")
+    return (f"{head}: {found.solved} of {groups} (axis, microbatch count) candidates solved, {found.pruned} ruled "
+            f"out by their lower bound, the chosen one's layouts {own}")
 
 
 def _check(fixed: Mapping, mesh: Mesh) -> None:

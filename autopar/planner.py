@@ -45,7 +45,8 @@ class PlanOptions:
     residency: str = "auto"                     # "auto" | "keep" | "regather"
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
-    pipeline: Mapping | bool | None = None      # None / False: no pipeline; a dict: that pipeline (pipelining.py)
+    pipeline: Mapping | bool | None = None      # plan(): None chooses, False forbids, a dict fixes keys;
+                                                # make_plan() plans without one (pipeline_search.py)
     moe_capacity_factor: float | None = None    # None: dropless MoE routing; a number: each expert's capacity
                                                 # (runtime/experts.py)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
@@ -127,7 +128,8 @@ def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Me
 
 def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None,
                   source: tuple | None = None) -> Plan:
-    """Plan a captured graph; `source` = (model, args, kwargs) it came from, for symbolic costs."""
+    """Plan a captured graph; `source` = (model, args, kwargs) it came from, for symbolic costs.
+    No pipeline: `pipeline_search.search_pipeline` chooses among pipelines."""
     t0 = time.perf_counter() if t0 is None else t0
     cache = PlanCache.open(opts.cache_dir)
     key = cache.key(fingerprint(cap), mesh, opts) if cache else None
@@ -143,7 +145,7 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
 
 def _solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
     with frozen_gc():
-        return _plan_problem(cap, mesh, opts, t0, source)
+        return solve_captured(cap, mesh, opts, t0, source)
 
 
 @contextlib.contextmanager
@@ -164,10 +166,14 @@ def frozen_gc():
             gc.unfreeze()
 
 
-def _plan_problem(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None) -> Plan:
-    deadline = deadline_of(opts)         # the capture aside, the whole call within the time limit
+def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None,
+                   deadline: float | None = None, infos=None) -> Plan:
+    """The plan of a captured graph without a pipeline, uncached; `deadline`: when it must be
+    done (default: the time limit from now: the capture aside, the whole call within it); `infos`:
+    its annotations where the caller made them."""
+    deadline = deadline_of(opts) if deadline is None else deadline
     _phase(opts, "strategies")
-    infos = annotate(cap.gm)
+    infos = annotate(cap.gm) if infos is None else infos
     problem = planning_problem(cap, infos, mesh, opts)
     gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget

@@ -146,7 +146,7 @@ def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), s
     mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
     plan = autopar.plan(model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()},
                         batch_axes=("dp",), residency="regather", recompute="none", offload="none",
-                        memory_budget=float("inf"))
+                        memory_budget=float("inf"), pipeline=False)     # the gathers of one unpipelined step
     assert set(plan.residency.values()) == {"regather"}
     # the parameters re-gathered, the activations kept (their re-gather is one by one: not counted here)
     plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v

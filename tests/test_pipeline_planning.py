@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import autopar
-from autopar.cost_model.pipeline import in_flight_microbatches, pipeline_time
+from autopar.cost_model.pipeline import in_flight_microbatches, pipeline_time, step_floor
 from autopar.estimate import estimate
 from memory_checks import gpt
 
@@ -40,7 +40,7 @@ def test_planner_chooses_a_pipeline_priced_by_the_evaluator(chosen):
     assert autopar.Plan.from_json(plan.to_json()) == plan                     # a pipelined plan is data
 
 
-def test_fixed_keys_are_respected_and_false_forbids():
+def test_fixed_keys_are_respected_and_false_forbids(chosen):
     model, inputs = _gpt()
     mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="h100")
     plan = autopar.plan(model, inputs, mesh, batch_axes=("dp",),
@@ -49,6 +49,10 @@ def test_fixed_keys_are_respected_and_false_forbids():
     assert plan.pipeline.virtual_stages == 1
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert flat.pipeline.stages == 1 and flat.pipeline.axis is None
+    # the default (pipeline=None) chooses among both: no slower than either (issue 37)
+    default = autopar.plan(model, inputs, mesh, batch_axes=("dp",), **KW)
+    assert default.estimate.step_time_s <= min(flat.estimate.step_time_s, chosen[3].estimate.step_time_s)
+    assert "ruled out by their lower bound" in default.solver.status
 
 
 def test_schedules_bubble_and_memory():
@@ -59,6 +63,12 @@ def test_schedules_bubble_and_memory():
     assert pipeline_time([1.0] * 4, [2.0] * 4, 8, virtual_stages=2).bubble_s == t.bubble_s / 2
     zb = pipeline_time([1.0] * 4, [2.0] * 4, 8, weight_grad=[1.0] * 4)
     assert zb.bubble_s == 3 * (1.0 + 2.0 - 2 * 1.0) < t.bubble_s
+    # the search's lower bound: never above the step, equal on equal stages (m t >= work, p t >= kernels)
+    for fwd, bwd, m, v in (([1.0] * 4, [2.0] * 4, 8, 1), ([1.0, 3.0], [2.0, 1.0], 4, 2), ([0.5] * 3, [4.0] * 3, 3, 3)):
+        t = pipeline_time(fwd, bwd, m, virtual_stages=v).total_s
+        per = [f + b for f, b in zip(fwd, bwd)]
+        floor = step_floor(m * sum(per) / len(per), sum(per), len(per), m, "interleaved", v)
+        assert floor <= t * (1 + 1e-12) and (len(set(per)) > 1 or floor == pytest.approx(t))
     # in flight: GPipe all m, 1F1B p - d on rank d, interleaved more than 1F1B on rank 0
     assert [in_flight_microbatches(d, 4, 8, "gpipe") for d in range(4)] == [8.0] * 4
     assert [in_flight_microbatches(d, 4, 8, "1f1b") for d in range(4)] == [4.0, 3.0, 2.0, 1.0]

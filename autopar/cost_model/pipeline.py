@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Pipeline", "PipelineTime", "pipeline_time", "in_flight_microbatches", "check_schedule", "SCHEDULES"]
+__all__ = ["Pipeline", "PipelineTime", "pipeline_time", "step_floor", "in_flight_microbatches", "check_schedule", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 VIRTUAL_SCHEDULES = ("interleaved", "zb")     # schedules running several chunks per device
@@ -110,6 +110,19 @@ def pipeline_time(fwd: Sequence[float], bwd: Sequence[float], microbatches: int,
     busy = m * t_max
     p2p = c * (m + (p - 1) / v)
     return PipelineTime(total, busy, total - busy, p2p, tuple(t))
+
+
+def step_floor(work_s: float, kernels_s: float, stages: int, microbatches: int, schedule: str = "1f1b",
+               virtual_stages: int = 1) -> float:
+    """A lower bound on `pipeline_time`'s T for any per-device costs: `work_s`, a floor on one
+    device's share of the whole step's work (the step's FLOPs over the devices at their best rate),
+    and `kernels_s`, a floor on the seconds of one microbatch summed over the pipeline's devices (its
+    kernels' fixed costs). T = m t_max + (sum t - t_max) / v is least, for a given sum, at equal
+    devices: T >= (m + (p - 1) / v) t with m t >= work_s and p t >= kernels_s; the zero-bubble
+    schedule's fill can vanish (T >= m t). Without a pipeline: max(work_s, kernels_s)."""
+    p, m, v = stages, microbatches, virtual_stages
+    t = max(work_s / m, kernels_s / p)
+    return (m + (0.0 if schedule == "zb" else (p - 1) / v)) * t
 
 
 def in_flight_microbatches(device: int, stages: int, microbatches: int, schedule: str = "1f1b",

@@ -414,12 +414,19 @@ def _term_chunks(problem: Problem, chunk_of: Mapping[str, int]):
             layer_chunk.setdefault(problem.layer[n], chunk_of[n])
     fqn_chunk = {d.fqn: chunk_of[d.name] for d in problem.decisions.values() if d.kind == "param"}
 
+    seen: dict[str, int] = {}       # member -> chunk: a family group's members are asked once per cost
+
     def member(m: str) -> int:
+        if m in seen:
+            return seen[m]
         kind, sep, what = m.partition(":")
         what = what if sep and kind in OFFLOAD_CLASSES else m
         if what in layer_chunk:
-            return layer_chunk[what]
-        return fqn_chunk.get(what, layer_chunk.get(layer_key(what) or "", 0))
+            c = layer_chunk[what]
+        else:
+            c = fqn_chunk.get(what, layer_chunk.get(layer_key(what) or "", 0))
+        seen[m] = c
+        return c
 
     def term(expr) -> int:
         if expr.nodes:
@@ -445,6 +452,7 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
     `fam_s`), per step (optimizer offload) to `once`; returns the per-step seconds by chunk and family."""
     member, _ = chunks
     groups = {g.key: g for g in problem.families.groups}
+    shares: dict = {}           # group key -> its `_shares` (many costs gate on one group)
     per_step = [dict() for _ in bwd]
     for c in problem.families.costs:
         if on.get(c.gate[0]) != c.gate[1]:
@@ -452,7 +460,9 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
         g = groups[c.gate[0]]
         total = c.count * smax(0.0, c.expr.value(problem, choice))
         step_wise = any(x.startswith("optimizer:") for x in g.members)
-        for k, share in _shares(g, member).items():
+        if g.key not in shares:
+            shares[g.key] = _shares(g, member)
+        for k, share in shares[g.key].items():
             (once if step_wise else bwd)[k] += share * total
             book = per_step[k] if step_wise else fam_s[k]
             book[g.family] = book.get(g.family, 0.0) + share * total
@@ -509,6 +519,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
     groups = {g.key: g for g in fam.groups}
+    shares: dict = {}           # group key -> its `_shares`
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
     back = [[0.0] * n_pts for _ in range(p)]
@@ -536,7 +547,9 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         tiers: dict[str, float] = {}
         for h in fam.held:
             if on.get(h.gate[0]) == h.gate[1]:
-                share = sum(x for c, x in _shares(groups[h.gate[0]], member).items() if rank(c) == r)
+                if h.gate[0] not in shares:
+                    shares[h.gate[0]] = _shares(groups[h.gate[0]], member)
+                share = sum(x for c, x in shares[h.gate[0]].items() if rank(c) == r)
                 tiers[h.tier] = tiers.get(h.tier, 0.0) + share * h.count * h.expr.value(problem, choice)
         out.state.append(device_state)
         out.saved.append(saved)

@@ -58,6 +58,22 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     return improve(problem, budget, best, deadline, progress, models)
 
 
+CARRIED = "Feasible (a neighbouring problem's plan, carried over)"
+
+
+def resume_plan(problem, budget: float, plan: Assignment, deadline: float | None,
+                progress: bool = False) -> Heuristic | None:
+    """Step 3 from `plan` instead of steps 1 and 2: a plan carried over from a neighbouring problem
+    (the pipeline search's same stage mesh at another microbatch count, whose layouts mostly stay
+    best); None where it does not fit the budget (the caller then starts from step 1)."""
+    ev = evaluate(problem, *plan)
+    if ev.peak_bytes > budget:
+        return None
+    models = _Models(problem, budget)
+    return improve(problem, budget, Heuristic(plan, ev.objective_s, CARRIED, "HiGHS", 1.0), deadline, progress,
+                   models)
+
+
 def _first(problem, budget: float, deadline: float | None, models: _Models) -> Heuristic:
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
     relaxation's layouts rounded, the better."""

@@ -492,16 +492,20 @@ def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[s
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
-          progress: bool = False) -> SolveResult:
+          progress: bool = False, start: tuple[dict[str, int], dict[str, int]] | None = None,
+          floor: bool = False) -> SolveResult:
     """The best plan found within `time_limit` seconds (None: the optimum of the alternation, and of
     the joint model where that is built), never worse than the alternating heuristic's plan
     (`heuristic.py`). The joint model (layouts and family options together) is built only where
     the layout model has at most JOINT_MAX_COLUMNS columns; without free family options the
     layout model is the joint model and its solve is the answer. The status is in `status_words`'
-    words; how the solver got there is logged."""
+    words; how the solver got there is logged. `start`: a (layout choice, family options) to improve
+    instead of the heuristic's first plans (`heuristic.resume_plan`), where it fits the budget.
+    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`: a
+    caller with no other plan to return)."""
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
-    r = _solve(problem, memory_budget, deadline, t0, progress)
+    r = _solve(problem, memory_budget, deadline, t0, progress, start, floor)
     log.info("solver: %s (%s, %.2f s)", r.status, r.solver, r.seconds)
     timed_out = deadline is not None and time.perf_counter() >= deadline
     return replace(r, status=status_words(r.status, r.gap, timed_out=timed_out))
@@ -543,15 +547,18 @@ def status_words(raw: str, gap: float, *, timed_out: bool) -> str:
 
 
 def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: float,
-           progress: bool) -> SolveResult:
-    from .heuristic import start_plan, subspace_plan
+           progress: bool, carried: tuple[dict[str, int], dict[str, int]] | None = None,
+           floor: bool = False) -> SolveResult:
+    from .heuristic import resume_plan, start_plan, subspace_plan
     from .prune import too_large
     if too_large(problem):
         start = subspace_plan(problem, memory_budget, deadline, progress)
         return SolveResult(start.plan[0], start.objective_s, f"{SUBSPACES}: {start.status})",
                            start.solver, time.perf_counter() - t0, start.n_variables, start.n_constraints,
                            known_gap(float("nan")), start.plan[1])
-    start = start_plan(problem, memory_budget, deadline, progress)
+    start = None if carried is None else resume_plan(problem, memory_budget, carried, deadline, progress)
+    if start is None:
+        start = start_plan(problem, memory_budget, deadline, progress, floor=floor)
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
         status = start.status if not free else (

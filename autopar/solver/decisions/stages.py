@@ -218,31 +218,50 @@ class Chosen:
 
 
 SolveAt = Callable[[str | None, int, float], tuple[Problem, dict, dict, object] | None]
+Floor = Callable[[Candidate], float]
 TIGHTEN_ROUNDS = 2       # re-solves of one (axis, microbatches) whose every pipeline overflowed its ranks
 TIGHTEN_MARGIN = 0.95    # each aims the whole-model budget this much below the overflow seen
 
 
+@dataclass(frozen=True, slots=True)
+class Searched:
+    best: Chosen | None      # the fastest candidate that fits (None: none found)
+    least: float             # the least peak memory seen (inf: nothing priced)
+    solved: int              # (axis, microbatches) groups solved
+    pruned: int              # groups whose lower bound was no faster than the best step found
+    unsearched: int          # groups left when the time ran out
+
+
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
-                    out_of_time: Callable[[], bool] = lambda: False) -> tuple[Chosen | None, float]:
-    """The fastest candidate whose every pipeline rank fits `budget` (None if none does) and the
-    least peak memory seen. `solve_at(axis, microbatches, scale)` -> (problem of one microbatch on the
-    mesh without `axis`, its layout choice, its family options, the captured graph), the ILP's
-    whole-model budget scaled by `scale`; None when nothing fits. The whole-model budget only
-    approximates the ranks' (a rank holds 1/stages of the parameters and several microbatches in
-    flight): where no pipeline of an (axis, microbatches) fits its ranks, that ILP is solved again
-    with the budget lowered by the overflow, at most TIGHTEN_ROUNDS times. Once `out_of_time()`, the
-    best found so far is the answer (the search goes on only while none fits)."""
-    best, least = None, math.inf
-    for key in dict.fromkeys((c.axis, c.microbatches) for c in cands):
-        if best is not None and out_of_time():
-            break
+                    out_of_time: Callable[[], bool] = lambda: False, floor: Floor | None = None,
+                    incumbent_s: float = math.inf) -> Searched:
+    """The fastest candidate whose every pipeline rank fits `budget`. `solve_at(axis, microbatches,
+    scale)` -> (problem of one microbatch on the mesh without `axis`, its layout choice, its family
+    options, the captured graph), the ILP's whole-model budget scaled by `scale`; None when nothing
+    fits. The groups are searched in the order of `cands`. `floor(candidate)`: a lower bound on its
+    step: a group none of whose candidates can beat the best step found (or `incumbent_s`, a plan
+    the caller has) is not solved. The whole-model budget only approximates the ranks' (a rank
+    holds 1/stages of the parameters and several microbatches in flight): where no pipeline of an
+    (axis, microbatches) fits its ranks, that ILP is solved again with the budget lowered by the
+    overflow, at most TIGHTEN_ROUNDS times. Once `out_of_time()`, the best found so far is the
+    answer (the search goes on only while neither it nor `incumbent_s` exists)."""
+    best, least, solved, pruned = None, math.inf, 0, 0
+    keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
+    for done, key in enumerate(keys):
+        beat = min(incumbent_s, best.evaluation.step_s if best is not None else math.inf)
+        if math.isfinite(beat) and out_of_time():
+            return Searched(best, least, solved, pruned, len(keys) - done)
         group = [c for c in cands if (c.axis, c.microbatches) == key]
+        if floor is not None and min(floor(c) for c in group) >= beat:
+            pruned += 1
+            continue
+        solved += 1
         scale = 1.0
         for _ in range(1 + TIGHTEN_ROUNDS):
-            solved = solve_at(key[0], key[1], scale)
-            if solved is None:          # no plan of this microbatch fits even the relaxed budget
+            found_plan = solve_at(key[0], key[1], scale)
+            if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
                 break
-            found, low = _best_of(mesh, group, solved, budget)
+            found, low = _best_of(mesh, group, found_plan, budget)
             least = min(least, low)
             if found is not None:
                 if best is None or found.evaluation.step_s < best.evaluation.step_s * (1 - 1e-12):
@@ -251,7 +270,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             if not math.isfinite(low):      # nothing was priced: a lower budget changes nothing
                 break
             scale *= TIGHTEN_MARGIN * budget / low
-    return best, least
+    return Searched(best, least, solved, pruned, 0)
 
 
 def _best_of(mesh, group: list[Candidate], solved, budget: float) -> tuple[Chosen | None, float]:
