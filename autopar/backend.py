@@ -157,7 +157,8 @@ def compile_backend(mesh: Mesh, *, compiler: str = "inductor", **options):
                     values.append(gm.get_buffer(slot.target))
             return values
 
-        compiled = compile_program(fn, feeds(example_inputs), len(cap.outputs), compiler, untraceable(cap))
+        compiled = compile_program(fn, feeds(example_inputs), len(cap.outputs), compiler, device_mesh,
+                                   untraceable(cap))
 
         # Dynamo may reuse this graph at other sizes (dynamic=True): the program is compiled at these
         shapes = {i: tuple(example_inputs[i].shape) for i in tensors}
@@ -219,7 +220,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, example_inputs, *, example_kwarg
     example = [x.chunk(n_batch)[0] if isinstance(x, torch.Tensor) and x.ndim and n_batch > 1 else x
                for x in flatten_inputs(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
                                        example_kwargs)]
-    compiled = compile_program(fn, feeds(example), len(cap.outputs), compiler, untraceable(cap))
+    compiled = compile_program(fn, feeds(example), len(cap.outputs), compiler, device_mesh, untraceable(cap))
 
     def forward(*args, **kwargs):
         dmodel._rng.next_call()

@@ -36,7 +36,7 @@ from .placement import parse_layout
 from .plan import Plan
 from .runtime import rng
 from .runtime.async_output import AsyncOutput
-from .runtime.reshard import Reshard, reshard
+from .runtime.reshard import Reshard, reshard, traced_coordinate
 
 _log = logging.getLogger(__name__)
 
@@ -104,24 +104,32 @@ def untraceable(cap: Captured) -> str | None:
     return None
 
 
-def compile_program(fn: Callable, example_inputs: Sequence[torch.Tensor], n_outputs: int, compiler,
+def compile_program(fn: Callable, example_inputs: Sequence[torch.Tensor], n_outputs: int, compiler, device_mesh,
                     why_not: str | None = None) -> Callable:
-    """`fn` (a `per_rank_program`) compiled by `compiler` for inputs like `example_inputs`; `fn` itself
-    (logged) where the program does not trace (`why_not`, or the tracer's error)."""
+    """`fn` (a `per_rank_program` over `device_mesh`) compiled by `compiler` for inputs like
+    `example_inputs`; `fn` itself (logged) where the program does not trace (`why_not`, or the
+    tracer's error). Every rank traces the same graph: what differs between ranks (which one keeps
+    a value made a partial sum, `reshard.traced_coordinate`) is read from one more input, this rank's
+    mesh coordinate, so the compiler partitions and orders every rank's collectives alike."""
     if compiler == "eager":
         return fn
     if why_not is not None:
         warnings.warn(f"autopar: running the eager DTensor program, not {compiler}: {why_not}", stacklevel=3)
         return fn
-    g = fx.Graph()
-    out = g.call_function(fn, tuple(g.placeholder(f"x{i}") for i in range(len(example_inputs))))
-    g.output(tuple(g.call_function(operator.getitem, (out, k)) for k in range(n_outputs)))
-    gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoparPerRank")
-    try:
-        compiled = compat.compile_graph(gm, list(example_inputs), compiler)
-    except Exception as e:   # noqa: BLE001 - any tracer refusal: run eager, logged
-        warnings.warn(f"autopar: the per-rank program does not trace ({type(e).__name__}: {str(e)[:300]}); "
-                      f"running the eager DTensor program instead of {compiler}", stacklevel=3)
-        _log.info("autopar: trace failure", exc_info=True)
-        return fn
-    return compiled
+    coordinate = torch.tensor(device_mesh.get_coordinate())
+    with traced_coordinate(device_mesh) as set_coordinate:
+        def traced(*values):
+            set_coordinate(values[-1])
+            return fn(*values[:-1])
+        g = fx.Graph()
+        out = g.call_function(traced, tuple(g.placeholder(f"x{i}") for i in range(len(example_inputs) + 1)))
+        g.output(tuple(g.call_function(operator.getitem, (out, k)) for k in range(n_outputs)))
+        gm = fx.GraphModule(torch.nn.Module(), g, class_name="AutoparPerRank")
+        try:
+            compiled = compat.compile_graph(gm, [*example_inputs, coordinate], compiler)
+        except Exception as e:   # noqa: BLE001 - any tracer refusal: run eager, logged
+            warnings.warn(f"autopar: the per-rank program does not trace ({type(e).__name__}: {str(e)[:300]}); "
+                          f"running the eager DTensor program instead of {compiler}", stacklevel=3)
+            _log.info("autopar: trace failure", exc_info=True)
+            return fn
+    return lambda *values: compiled(*values, coordinate)

@@ -61,13 +61,11 @@ def _run_document(rank, world_size, path: str):
 
 
 def _called(ns: dict) -> dict:
-    """What a document's distributed model gives on its inputs, against the user's model on one process
-    (it must run, not just be built). The README's compiled model is not called here: its first call
-    hangs ranks 1-3 in a collective of the compiled program while rank 0 returns (issue 36, open);
-    tests/test_backend.py runs the backend."""
+    """What a document's distributed model and compiled model give on its inputs, against the user's
+    model on one process (they must run, not just be built)."""
     out = {}
     want = ns["model"](*ns["example_inputs"])
-    for name in ("dmodel",):
+    for name in ("dmodel", "compiled"):
         if name in ns:
             got = ns[name](*ns["example_inputs"])
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
@@ -84,4 +82,4 @@ def test_every_snippet_runs(rank_pool, path):
     names, called = rank_pool(4).run(_run_document, str(path), timeout=600)[0]
     assert names
     if path.name == "README.md":        # the distributed module and the compiled model compute the loss
-        assert set(called) == {"dmodel"} and all(gap < 1e-5 for gap in called.values()), called
+        assert set(called) == {"dmodel", "compiled"} and all(gap < 1e-5 for gap in called.values()), called

@@ -9,10 +9,14 @@ that data parallelism needs before the optimizer sees it.
 
 DTensor refuses `Replicate -> Partial`; we do it here exactly: for a partial sum the
 coordinate-0 device keeps the value and the others hold zeros, so the sum equals the original
-bit for bit; for a partial average every device keeps the value.
+bit for bit; for a partial average every device keeps the value. Traced into the compiled
+per-rank program (`compiled.py`), which device keeps it is read from an input of the program
+(`traced_coordinate`), not decided while tracing: the traced graph is the same on every rank.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -54,10 +58,7 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     issued = None if mid == cur or tracing() else one_collective(x, cur, mid)
     y = x if mid == cur else issued[0] if issued is not None else x.redistribute(x.device_mesh, mid)
     if to_partial:
-        local = y.to_local()
-        coord = x.device_mesh.get_coordinate()
-        if any(coord[i] != 0 and layout[i].reduce_op == "sum" for i in to_partial):
-            local = torch.zeros_like(local)
+        local = _first_keeps(y.to_local(), x.device_mesh, [i for i in to_partial if layout[i].reduce_op == "sum"])
         y = DTensor.from_local(local, x.device_mesh, layout, run_check=False)
     local = y.to_local()
     if not local.is_contiguous():
@@ -65,6 +66,44 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
         # later views, forward or backward, cannot take
         y = DTensor.from_local(local.contiguous(), y.device_mesh, layout, run_check=False)
     return y
+
+
+# the traced input holding this rank's mesh coordinate, while a per-rank program is traced (per thread)
+_TRACED = threading.local()
+
+
+@contextlib.contextmanager
+def traced_coordinate(device_mesh):
+    """While the per-rank program over `device_mesh` is traced, forward and backward: yields
+    `set(t)`, which names the traced tensor (an input of the program) holding this rank's coordinate.
+    A move to a partial sum then keeps or zeros the value by that tensor. Decided while tracing, by
+    the Python coordinate, the graph would differ between ranks (zeros have no inputs): inductor's
+    partitioner then moves a collective reducing such zeros into the forward on some ranks and
+    leaves it in the backward on others, and the ranks wait on different collectives."""
+    _TRACED.mesh, _TRACED.coordinate = device_mesh, None
+
+    def set_coordinate(t: torch.Tensor) -> None:
+        _TRACED.coordinate = t
+    try:
+        yield set_coordinate
+    finally:
+        _TRACED.mesh = _TRACED.coordinate = None
+
+
+def _first_keeps(local: torch.Tensor, mesh, axes: list[int]) -> torch.Tensor:
+    """`local` on the device at coordinate 0 of every axis in `axes`, zeros on the others (a partial
+    sum over `axes` of a whole value)."""
+    if not axes:
+        return local
+    if not tracing():
+        coord = mesh.get_coordinate()
+        return local if all(coord[i] == 0 for i in axes) else torch.zeros_like(local)
+    coordinate = getattr(_TRACED, "coordinate", None)
+    if coordinate is None or _TRACED.mesh is not mesh:
+        raise RuntimeError("autopar: a move to a partial sum traced outside compiled.compile_program, which feeds "
+                           "the program this rank's mesh coordinate: the graph would differ between ranks")
+    keep = (coordinate[list(axes)] == 0).all()
+    return torch.where(keep, local, local.new_zeros(()))
 
 
 def over_one_device(mesh_shape, cur: tuple, layout: tuple) -> bool:
