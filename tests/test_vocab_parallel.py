@@ -27,7 +27,7 @@ TOL = 1e-4
 VOCAB = "vocab_parallel"
 # per model: its head's linear (-> logits) and the view that flattens the logits for the loss
 LOGITS = {"gpt": ("linear_8", "view_8"), "gpt-nll": ("linear_4", "view_4", "log_softmax"),
-          "gpt-nll3d": ("linear_4", "view_4", "log_softmax"), "zoo:llama": ("linear_14", "view_10")}
+          "gpt-nll3d": ("linear_4", "view_4", "log_softmax"), "zoo:llama": ("linear_14", "view_6")}
 # per model: its loss's nodes and the label of their batch split (others: cross_entropy_loss, "batch")
 LOSS = {"gpt-nll": {"log_softmax": "split", "nll_loss*": "batch"},
         "gpt-nll3d": {"log_softmax": "split", "nll_loss*": "batch"}}
