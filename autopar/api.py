@@ -14,9 +14,9 @@ from .mesh import Mesh
 from .passes.capture import capture
 from .plan import Plan, Scaling
 from .progress import PhaseProgress
-from .pipeline_search import search_pipeline
+from .planner.pipeline_search import search_pipeline
 from .passes.stages import microbatch
-from .planner import PlanOptions, fingerprint, make_plan, plan_captured
+from .planner.solve import PlanOptions, fingerprint, make_plan, plan_captured
 from .runtime.fit import layout_misfits
 from .runtime.weights import Weights
 
@@ -34,7 +34,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
          moe_capacity_factor: float | None = None) -> Plan:
     """Choose how to parallelize `model` over `mesh`; nothing runs, nothing is allocated.
 
-    mesh: a `Mesh`, or a `Cluster`: the planner then chooses the mesh as well (`autopar/mesh_search.py`;
+    mesh: a `Mesh`, or a `Cluster`: the planner then chooses the mesh as well (`autopar/planner/mesh_search.py`;
         `plan.mesh` records it, `plan.mesh_search` the meshes weighed; `time_limit` bounds the whole search;
         `pipeline=None` or `{}` lets it choose pipelines, `False` forbids them).
 
@@ -62,7 +62,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
     pipeline: pipeline stages over one mesh axis (`plan.pipeline`). `{}`: the planner chooses, "no
-        pipeline" among its choices (`pipeline_search.py`: one ILP per pipeline axis and microbatch
+        pipeline" among its choices (`planner/pipeline_search.py`: one ILP per pipeline axis and microbatch
         count, in the order of their lower bounds, a candidate that cannot beat the best found left
         unsolved); a dict fixes the keys it gives (axis, stages, virtual_stages, microbatches,
         schedule), the planner chooses the rest; None (the default) or False: no pipeline (the search
@@ -80,7 +80,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
                            precision=precision, pipeline=pipeline, moe_capacity_factor=moe_capacity_factor)
         args = _as_tuple(example_inputs)
         if isinstance(mesh, Cluster):
-            from .mesh_search import search_mesh
+            from .planner.mesh_search import search_mesh
             return search_mesh(model, args, example_kwargs, mesh, opts)
         chosen = _pipeline_keys(pipeline)
         if chosen is not None:
@@ -167,7 +167,7 @@ def _on_cluster(model, cluster: Cluster, example_inputs, example_kwargs, given: 
         raise MeshError(f"{cluster} has {cluster.size} devices but the job has world size {dist.get_world_size()}: "
                         f"launch {cluster.size} processes or describe the cluster the job runs on")
     if given is None:
-        from .mesh_search import search_mesh
+        from .planner.mesh_search import search_mesh
         given = planned_on_rank0(lambda: search_mesh(model, _as_tuple(example_inputs), example_kwargs, cluster,
                                                      PlanOptions(**options)))
     return cluster.mesh_of(given.mesh), given

@@ -42,7 +42,7 @@ from .passes.capture import InputSlot, capture, flatten_inputs
 from .passes.rewrite import rewrite
 from .placement import parse_layout
 from .plan import Plan
-from .planner import PlanOptions, plan_captured
+from .planner.solve import PlanOptions, plan_captured
 from .runtime import rng
 from .runtime.module import split_outputs
 

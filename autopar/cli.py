@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cost_model.calibrate import calibrate
+from .calibrate import calibrate
 from .errors import AutoparError, MeshError
 
 __all__ = ["main", "calibrate"]

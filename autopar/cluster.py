@@ -4,7 +4,7 @@
 
 A Cluster is data: `nodes` nodes of `devices_per_node` devices of one profile. Wherever a `Mesh`
 is accepted (`plan`, `autoparallelize`, `estimate`, the CLI's `--cluster 128x8`) a Cluster may be
-given instead: the planner then chooses the mesh too (`autopar/mesh_search.py`): its shape, the role
+given instead: the planner then chooses the mesh too (`autopar/planner/mesh_search.py`): its shape, the role
 of each axis (named "dp", "pp", "cp", "ep", "tp") and their order on the devices, and records it in
 `plan.mesh`. Ranks are numbered node by node (ranks 0..devices_per_node-1 on node 0, as torchrun
 numbers them), and a mesh's axes are laid row-major over them (`Mesh`): the last axes stay inside a

@@ -41,9 +41,9 @@ from .passes.capture import capture
 from .passes.shape_prop import annotate
 from .passes.stages import microbatch
 from .plan import Plan
-from .pipelining import stage_options
-from .pipeline_search import search_pipeline
-from .planner import PlanOptions, communication, plan_assignment, plan_captured, planning_problem
+from .planner.pipeline import stage_options
+from .planner.pipeline_search import search_pipeline
+from .planner.solve import PlanOptions, communication, plan_assignment, plan_captured, planning_problem
 from .solver.decisions.stages import node_chunks
 from .solver.evaluate import Staging, evaluate
 
@@ -136,7 +136,7 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, plan:
 
     example_inputs: the global batch of one step (meta tensors are fine).
     mesh: every axis, the pipeline axis (`pipeline.axis`) included; or a `Cluster`: the mesh a given Plan
-      records, or, with no plan, the mesh and plan the planner chooses (`autopar/mesh_search.py`).
+      records, or, with no plan, the mesh and plan the planner chooses (`autopar/planner/mesh_search.py`).
     plan: a `Plan` (priced as planned: give none of pipeline=, recompute=, residency=, offload=), a dict
       of pins, or None (autopar chooses the layouts; the other families are fixed as given).
     batch_axes: mesh axes over which inputs arrive split on dim 0 (data parallelism).
@@ -178,14 +178,14 @@ def estimate(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, plan:
 
 def _on_cluster(model, args, kwargs, cluster: Cluster, plan, optimizer: str, precision: str, time_limit, fixed):
     """(the mesh, the plan) to price on a `Cluster`: a Plan's recorded mesh, or the mesh search's plan
-    (`autopar/mesh_search.py`) where none is given."""
+    (`autopar/planner/mesh_search.py`) where none is given."""
     if isinstance(plan, Plan):
         return cluster.mesh_of(plan.mesh), plan
     if plan is not None or any(x is not None for x in fixed):
         raise PlanOptionError("pins, batch_axes, pipeline=, recompute=, residency= and offload= describe a plan on a "
                               "mesh: with a Cluster give a Plan (or none of them: the planner chooses the mesh and "
                               "the plan), or give a Mesh")
-    from .mesh_search import search_mesh
+    from .planner.mesh_search import search_mesh
     found = search_mesh(model, args, kwargs, cluster, PlanOptions(optimizer=optimizer, precision=precision,
                                                                   time_limit=time_limit, progress=False))
     return cluster.mesh_of(found.mesh), found

@@ -27,10 +27,10 @@ from .mesh import Mesh
 from .passes.capture import capture
 from .passes.shape_prop import annotate
 from .passes.stages import microbatch
-from .pipelining import STAGE_LABEL, stage_options
+from .planner.pipeline import STAGE_LABEL, stage_options
 from .placement import layout_str
 from .plan import Plan
-from .planner import PlanOptions, plan_assignment, planning_problem
+from .planner.solve import PlanOptions, plan_assignment, planning_problem
 from .solver.decisions.stages import node_chunks
 from .solver.evaluate import Staging, evaluate
 from .solver.problem import Problem

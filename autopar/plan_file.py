@@ -25,9 +25,9 @@ from torch.distributed.tensor import Partial, Shard
 from .errors import PlanFileError
 from .expr import ExprError, compile_expr
 from .placement import from_str, parse_pin
-from .plan import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
+from .plan_records import (OFFLOAD_CLASSES, PIPELINE_SCHEDULES, PLAN_FORMAT_VERSION, RECOMPUTE_MODES, RESIDENCY_MODES,
                    MESH_CANDIDATE_STATUS, PIPELINE_KEYS, TIERS, Collective, Estimate, MeshCandidate, NodePlan,
-                   PipelinePlan, Plan, Scaling, SolverInfo)
+                   PipelinePlan, Scaling, SolverInfo)
 
 __all__ = ["read_plan", "load_plan", "parse_plan_json", "EXECUTORS", "PARTIAL_OPS"]
 
@@ -42,26 +42,27 @@ _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes
                  "precision": "str", "pipeline": "pipeline", "moe_capacity_factor": "positive?"}
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(cls, path: str | Path):
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise PlanFileError(f"{path}: cannot read the plan file ({e})") from None
-    return parse_plan_json(text, str(path))
+    return parse_plan_json(cls, text, str(path))
 
 
-def parse_plan_json(text: str, source: str = "plan JSON") -> Plan:
+def parse_plan_json(cls, text: str, source: str = "plan JSON"):
     try:
         d = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
         raise PlanFileError(f"{source} is not a plan: not valid JSON ({e}); the file may be truncated: re-save "
                             f"or re-plan it") from None
-    return read_plan(d, source)
+    return read_plan(cls, d, source)
 
 
-def read_plan(d: Any, source: str = "plan dict") -> Plan:
-    """The `Plan` a dict (from JSON) describes; `source` names it in errors (a file path)."""
-    return _Reader(source).plan(d)
+def read_plan(cls, d: Any, source: str = "plan dict"):
+    """The plan a dict (from JSON) describes, built as `cls` (`autopar.plan.Plan`, whose `from_dict`,
+    `from_json` and `load` call these functions); `source` names it in errors (a file path)."""
+    return _Reader(source).plan(cls, d)
 
 
 class _Reader:
@@ -74,14 +75,14 @@ class _Reader:
         raise PlanFileError(f"{self.source}: {field}: {msg}; re-plan the model, or restore the file autopar saved")
 
     # -- the plan -----------------------------------------------------------------------
-    def plan(self, d: Any) -> Plan:
+    def plan(self, cls, d: Any):
         self.check_dict(d, "(top level)")
         version = d.get("version")
         if version != PLAN_FORMAT_VERSION:
             self.fail("version", f"plan format version {version!r} is not {PLAN_FORMAT_VERSION}")
-        self.fields(d, "(top level)", Plan, optional=("scaling",), skip=("timings", "pending_scaling"))
+        self.fields(d, "(top level)", cls, optional=("scaling",), skip=("timings", "pending_scaling"))
         mesh = self.mesh(d["mesh"])
-        return Plan(model=self.string(d["model"], "model"), fingerprint=self.string(d["fingerprint"], "fingerprint"),
+        return cls(model=self.string(d["model"], "model"), fingerprint=self.string(d["fingerprint"], "fingerprint"),
                     mesh=mesh, options=self.options(d["options"]), nodes=self.nodes(d["nodes"]),
                     placements={k: self.layout(v, f"placements.{k}")
                                 for k, v in self.mapping(d["placements"], "placements").items()},
@@ -108,7 +109,7 @@ class _Reader:
             self.fail("mesh", f"shape {shape} and axis_names {names} must be non-empty, of one length, names unique")
         self.naxes, self.axis_names = len(shape), names
         out = {"shape": shape, "axis_names": names, "device": self.string(m["device"], "mesh.device")}
-        if any(k in m for k in _CLUSTER_KEYS):      # a mesh chosen on a Cluster (autopar/mesh_search.py)
+        if any(k in m for k in _CLUSTER_KEYS):      # a mesh chosen on a Cluster (autopar/planner/mesh_search.py)
             self.keys(m, "mesh", required=("shape", "axis_names", "device") + _CLUSTER_KEYS)
             per = self.integer(m["devices_per_node"], "mesh.devices_per_node", least=1)
             nodes = self.integer(m["nodes"], "mesh.nodes", least=1)

@@ -196,7 +196,7 @@ def main(argv=None) -> list[dict]:
     profile = a.profile
     quiet = lambda: wait_for_quiet(a.max_busy, a.max_load, 0 if a.quick else a.wait)  # noqa: E731
     if profile is None:
-        from autopar.cost_model.calibrate import calibrate
+        from autopar.calibrate import calibrate
         q = quiet()
         t0 = time.perf_counter()
         profile = str(calibrate(os.path.join(tmp, "calibrated.json"), world_size=4, mesh=(2, 2), base="cpu",

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
-from autopar.report import tensor_parallel_family  # noqa: E402
+from autopar.views.report import tensor_parallel_family  # noqa: E402
 
 GIB = 2**30
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import autopar  # noqa: E402
-from autopar.report import expert_placement  # noqa: E402
+from autopar.views.report import expert_placement  # noqa: E402
 from zoo import build  # noqa: E402
 
 BATCH, SEQ = 64, 4096

@@ -49,8 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
-from autopar.pipeline_search import search_pipeline  # noqa: E402
-from autopar.planner import PlanOptions, make_plan  # noqa: E402
+from autopar.planner.pipeline_search import search_pipeline  # noqa: E402
+from autopar.planner.solve import PlanOptions, make_plan  # noqa: E402
 from autopar.solver.mip import solver_seconds  # noqa: E402
 from models import GPT  # noqa: E402
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.layers import module_path  # noqa: E402
-from autopar.report import tensor_parallel_family  # noqa: E402
+from autopar.views.report import tensor_parallel_family  # noqa: E402
 from bench_context_parallel import LLAMA3_8B  # noqa: E402
 
 BATCH = 2

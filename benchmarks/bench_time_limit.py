@@ -41,8 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import autopar  # noqa: E402
-from autopar.pipeline_search import search_pipeline  # noqa: E402
-from autopar.planner import PlanOptions, make_plan  # noqa: E402
+from autopar.planner.pipeline_search import search_pipeline  # noqa: E402
+from autopar.planner.solve import PlanOptions, make_plan  # noqa: E402
 from bench_plan_speed import LLAMA3_8B, Phases, _llama  # noqa: E402
 
 MESHES = ((4, 4, 4),)

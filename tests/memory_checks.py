@@ -191,7 +191,7 @@ def predicted_tier(model, inputs, mesh, plan) -> float:
     """Bytes the plan's decisions put in the host tier, as the planner prices them."""
     from autopar.passes.capture import capture
     from autopar.passes.shape_prop import annotate
-    from autopar.planner import PlanOptions, plan_assignment, planning_problem
+    from autopar.planner.solve import PlanOptions, plan_assignment, planning_problem
     from autopar.solver.evaluate import evaluate
     cap = capture(model, inputs)
     problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
@@ -275,7 +275,7 @@ def _optimizer_bytes(model, inputs, mesh, plan) -> float:
     """This rank's optimizer state bytes (moments, master weights) as the planner prices the plan."""
     from autopar.passes.capture import capture
     from autopar.passes.shape_prop import annotate
-    from autopar.planner import PlanOptions, plan_assignment, planning_problem
+    from autopar.planner.solve import PlanOptions, plan_assignment, planning_problem
     cap = capture(model, inputs)
     problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
     choice, _ = plan_assignment(problem, plan)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import autopar
-from autopar.cost_model.calibrate import _fit_links
+from autopar.calibrate import _fit_links
 from autopar.cost_model.profiles import load_profile, save_profile
 from autopar.estimate import estimate
 
@@ -105,7 +105,7 @@ def test_estimate_charges_each_measured_overhead():
 
 
 def _overlap_on_ranks(rank, world_size):
-    from autopar.cost_model.calibrate import _measure_overlap
+    from autopar.calibrate import _measure_overlap
     return _measure_overlap((world_size,), ("axis0",), "cpu", quick=True)
 
 

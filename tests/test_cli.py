@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import autopar  # noqa: E402
 from autopar import progress  # noqa: E402
 from autopar.cli import main  # noqa: E402
-from autopar.html_report import collapse_layers  # noqa: E402
+from autopar.views.html import collapse_layers  # noqa: E402
 
 
 def run_autopar(*args: str, cwd: Path) -> subprocess.CompletedProcess:

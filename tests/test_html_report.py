@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from autopar.html_report import collapse_layers  # noqa: E402
+from autopar.views.html import collapse_layers  # noqa: E402
 from models import GPT  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -1,5 +1,5 @@
 """A Cluster instead of a Mesh: the planner chooses the mesh shape, the axes' roles and their order on
-the devices (autopar/mesh_search.py), records the mesh in the plan, and autoparallelize runs it."""
+the devices (autopar/planner/mesh_search.py), records the mesh in the plan, and autoparallelize runs it."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.cluster import Cluster
 from autopar.errors import MeshError, PlanFileError, PlanOptionError
-from autopar.mesh_screen import ModelFacts, mesh_candidates
+from autopar.planner.mesh_screen import ModelFacts, mesh_candidates
 from dist_checks import grad_gap, param_gap, rel, step_both
 from models import GPT, gpt_inputs
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
-from autopar.report import batch_norm_decisions  # noqa: E402
+from autopar.views.report import batch_norm_decisions  # noqa: E402
 from dist_checks import train_and_compare  # noqa: E402
 from zoo import HF_MODELS, MODELS, ResNet  # noqa: E402
 

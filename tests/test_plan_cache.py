@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.passes.capture import capture
-from autopar.plan_cache import NOT_KEYED, PlanCache
-from autopar.planner import PlanOptions, fingerprint
+from autopar.planner.cache import NOT_KEYED, PlanCache
+from autopar.planner.solve import PlanOptions, fingerprint
 from autopar.solver.ilp import ALTERNATED, AT_TIME_LIMIT, OPTIMAL, OPTIMAL_ALTERNATION, status_words
 
 # one value per option that changes the plan, other than its default

@@ -17,8 +17,8 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
 from autopar.plan import Collective
-from autopar.planner import PlanOptions, plan_assignment, planning_problem
-from autopar.report import tensor_parallel_family as tp_family
+from autopar.planner.solve import PlanOptions, plan_assignment, planning_problem
+from autopar.views.report import tensor_parallel_family as tp_family
 from autopar.solver.evaluate import evaluate
 from dist_checks import shard_happy_profile
 from memory_checks import SP_PINS, TP_PINS, gpt, run_variants

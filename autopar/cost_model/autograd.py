@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .profiles import DeviceProfile
-from .symbolic import is_zero
+from ..symbolic import is_zero
 
 __all__ = ["GradWork", "NO_GRAD_WORK", "grad_work", "grad_work_time", "gradient_sums_time", "SUM_PASSES", "CAT_PASSES",
            "BROADCAST_REDUCE_PASSES", "EXTRA_GRAD_KERNEL_PASSES", "BIAS_GRAD_PASSES", "SLICE_ZEROS_PASSES",

@@ -82,7 +82,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .profiles import DDP_FIRST_BUCKET_BYTES, HierarchicalLink, Link
-from .symbolic import ceil_div, smin, to_float
+from ..symbolic import ceil_div, smin, to_float
 
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",

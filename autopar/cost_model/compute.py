@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .profiles import DeviceProfile
-from .symbolic import is_zero, smax
+from ..symbolic import is_zero, smax
 
 __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "HIDDEN_OUTPUT_PASSES", "TENSOR_CORE_FAMILIES",
            "RANDOM_OPS", "random_time",

@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .comm import AnyLink, all_gather_time, all_to_all_time, p2p_time, reduce_scatter_time
-from .symbolic import smax
+from ..symbolic import smax
 
 # the executor accumulates dq, dK/dV and the log-sum-exp in fp32, whatever the inputs' dtype
 FP32_BYTES = 4

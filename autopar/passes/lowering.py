@@ -6,7 +6,7 @@
   name it). Sharding then follows from the ordinary rules: a batch-split input gives each
   device the mean of its samples, a partial average, which the planner all-reduces before
   use; that is SyncBatchNorm, and it is the solver's choice against gathering the input
-  whole or splitting channels (`report.py` says which it took per layer). Two passes (mean,
+  whole or splitting channels (`views/report.py` says which it took per layer). Two passes (mean,
   then the mean of squared deviations) keep the variance as accurate as one device's.
   Eval-mode BatchNorm becomes the per-channel affine map it is.
 * A Hugging Face MoE experts module (`@use_experts_implementation`: Mixtral, Qwen-MoE, ...)

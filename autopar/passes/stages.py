@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from ..compat import pytree
 from ..errors import PlanOptionError
-from ..plan import PipelinePlan
+from ..plan_records import PipelinePlan
 from .layers import layer_key, module_path
 
 

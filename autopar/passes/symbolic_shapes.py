@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..compat import pytree, sym_expr, sym_hint
-from ..cost_model.symbolic import BATCH, SEQ, SymbolicUnavailable
+from ..symbolic import BATCH, SEQ, SymbolicUnavailable
 from ..errors import CaptureError
 from .layers import layer_of, module_path
 from .capture import Captured, capture

@@ -42,7 +42,7 @@ from ..compat import local_tensor
 from ..cost_model.memory import PRECISIONS, is_mixed
 from ..errors import AutoparError
 from ..passes.layers import layer_key
-from ..plan import TIERS
+from ..plan_records import TIERS
 from .offload import host_scope
 
 MASTER_DTYPE = torch.float32     # the master weight of a mixed-precision parameter

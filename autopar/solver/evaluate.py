@@ -3,7 +3,7 @@
 The ILP (`ilp.py`) is built from the same tables and terms, so for an integral solution its
 objective and memory rows equal what `evaluate` returns; the planner's `Plan.estimate`, the
 report and `autopar.estimate` all come from here. Works on numbers and on sympy expressions
-alike for the layout family's parts (a problem priced at symbolic sizes, `autopar.scaling`).
+alike for the layout family's parts (a problem priced at symbolic sizes, `autopar.planner.scaling`).
 
 A pipelined assignment (`Staging`: the problem is one microbatch on the mesh without the
 pipeline axis, each node in one model chunk, chunk c on pipeline rank c % stages) is priced from
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from ..cost_model.comm import bucket_launch_time, collective_time, final_bucket_time, p2p_time, transfer_time
 from ..cost_model.compute import optimizer_seconds
 from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
-from ..cost_model.symbolic import Poly2, smax, ssum
+from ..symbolic import Poly2, smax, ssum
 from ..passes.layers import layer_key
-from ..plan import OFFLOAD_CLASSES
+from ..plan_records import OFFLOAD_CLASSES
 from ..passes.rewrite import output_modules, reshards_edge
 from .families import Families
 from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
@@ -144,7 +144,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if on.get(h.gate[0]) == h.gate[1]:
             tiers[h.tier] = tiers.get(h.tier, 0.0) + h.count * h.expr.value(problem, choice)
     state_dev = state - ssum(b for f, b in freed if f.until >= problem.live.step_end)   # off the device after the backward
-    if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.scaling`): no one peak
+    if isinstance(state_dev, Poly2):      # memory as polynomials in B and S (`autopar.planner.scaling`): no one peak
         peak, at = None, -1
     else:
         peak = smax(state_dev, *points)

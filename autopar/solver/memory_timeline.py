@@ -5,7 +5,7 @@ before: only the tensors that appear or go, and the freed items whose window ope
 change it (summing each point afresh was quadratic: Llama-3-8B has 2,249 points holding a
 million tensors between them and 6,100 freed items). Bytes are whole numbers, so the carried sums
 equal the fresh ones exactly. The values may be numbers or `cost_model.symbolic.Poly2` (the plan
-priced in B and S, `autopar.scaling`).
+priced in B and S, `autopar.planner.scaling`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 
 from ..cost_model.memory import buckets_in_flight_bytes
-from ..cost_model.symbolic import ssum
+from ..symbolic import ssum
 from .problem import Problem, picked_edges
 
 

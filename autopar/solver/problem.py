@@ -342,7 +342,7 @@ def op_exchanges(problem: Problem, node: fx.Node, s: Strategy, metas: Mapping | 
     """(phase, "<collective>@<axis>", seconds, bytes one device sends, axis) of the collectives an op
     runs inside itself under s, as `op_cost` prices them (the plan lists them on the op): an
     expert-parallel MoE layer's all-to-alls, a vocab-split op's all-reduces. metas: node name ->
-    TensorMeta to price with instead of the graph's (the symbolic sizes of `scaling.py`)."""
+    TensorMeta to price with instead of the graph's (the symbolic sizes of `planner/scaling.py`)."""
     mesh, out = problem.mesh, []
 
     def meta(n: fx.Node):
@@ -443,7 +443,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     `moe_capacity_factor` caps MoE layers' load (`cost_model.comm.moe_routed_load`).
 
     `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
-    how a chosen plan is re-priced at symbolic sizes (`autopar.scaling`), where `infos` hold
+    how a chosen plan is re-priced at symbolic sizes (`autopar.planner.scaling`), where `infos` hold
     sympy shapes and FLOPs. Pins, merging and layer tying are then moot and skipped."""
     shape = mesh.shape
     if only is not None:

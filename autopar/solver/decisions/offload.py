@@ -29,7 +29,7 @@ a tier with none is not offered.
 """
 from __future__ import annotations
 
-from ...plan import TIERS
+from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
 from .common import allowed_options, edges_by, layer_groups, saved_only_in

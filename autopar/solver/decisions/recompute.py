@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...cost_model.recompute import saved_under_selective
-from ...plan import RECOMPUTE_MODES
+from ...plan_records import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
 from .common import Masked, allowed_options, before_backward, edges_by, layer_groups, saved_only_in

@@ -30,7 +30,7 @@ a layer's backward gather one layer ahead, but on the ranks measured so far that
 """
 from __future__ import annotations
 
-from ...plan import ACTIVATIONS, RESIDENCY_MODES
+from ...plan_records import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
 from .common import Masked, allowed_options, layer_groups

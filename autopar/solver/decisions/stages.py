@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from ...cost_model.pipeline import check_schedule
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
-from ...plan import PIPELINE_KEYS, PipelinePlan
+from ...plan_records import PIPELINE_KEYS, PipelinePlan
 from ..evaluate import Evaluation, Staging, evaluate
 from ..problem import Problem
 

@@ -32,14 +32,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .cost_model.comm import collective_time, p2p_time
-from .cost_model.memory import state_bytes_per_element
-from .mesh import Mesh
-from .passes.layers import layer_key, module_path
-from .passes.shape_prop import tensor_meta
-from .passes.stages import layer_sequence
-from .solver.decisions.stages import candidates as pipeline_candidates
-from .strategies import op_name
+from ..cost_model.comm import collective_time, p2p_time
+from ..cost_model.memory import state_bytes_per_element
+from ..mesh import Mesh
+from ..passes.layers import layer_key, module_path
+from ..passes.shape_prop import tensor_meta
+from ..passes.stages import layer_sequence
+from ..solver.decisions.stages import candidates as pipeline_candidates
+from ..strategies import op_name
 
 ROLES = ("dp", "pp", "cp", "ep", "tp")      # outermost first
 # Context parallelism is offered from this sequence length on: below it, attention's activations

@@ -16,9 +16,9 @@ from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import PlanFileError
-from .mesh import Mesh
-from .plan import Plan
+from ..errors import PlanFileError
+from ..mesh import Mesh
+from ..plan import Plan
 
 ENV = "AUTOPAR_CACHE_DIR"
 

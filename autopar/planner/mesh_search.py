@@ -33,14 +33,14 @@ from dataclasses import replace
 
 import torch
 
-from .cluster import DEVICE_ORDER, Cluster
-from .errors import InfeasibleError, PlanOptionError
+from ..cluster import DEVICE_ORDER, Cluster
+from ..errors import InfeasibleError, PlanOptionError
 from .mesh_screen import ModelFacts, Screened, mesh_candidates, screen
-from .passes.capture import capture
-from .passes.shape_prop import annotate
+from ..passes.capture import capture
+from ..passes.shape_prop import annotate
 from .pipeline_search import search_pipeline
-from .plan import MeshCandidate, Plan, Timings
-from .planner import PlanOptions, frozen_gc, plan_captured
+from ..plan import MeshCandidate, Plan, Timings
+from .solve import PlanOptions, frozen_gc, plan_captured
 
 log = logging.getLogger("autopar")
 

@@ -18,27 +18,27 @@ from dataclasses import replace
 
 import torch
 
-from .compat import pytree
-from .cost_model.comm import p2p_time
-from .cost_model.compute import POINTWISE_EFFICIENCY, TENSOR_CORE_FAMILIES, backward_factor
-from .cost_model.pipeline import step_floor
-from .errors import InfeasibleError, PlanOptionError
-from .mesh import Mesh
-from .passes.capture import capture
-from .passes.layers import layer_key
-from .passes.stages import microbatch
-from .passes.shape_prop import annotate
-from .placement import layout_str
-from .plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
-from .plan_cache import PlanCache
-from .pipelining import fixed_pipeline, lifted, stage_options
-from .planner import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, planning_problem, remaining,
+from ..compat import pytree
+from ..cost_model.comm import p2p_time
+from ..cost_model.compute import POINTWISE_EFFICIENCY, TENSOR_CORE_FAMILIES, backward_factor
+from ..cost_model.pipeline import step_floor
+from ..errors import InfeasibleError, PlanOptionError
+from ..mesh import Mesh
+from ..passes.capture import capture
+from ..passes.layers import layer_key
+from ..passes.stages import microbatch
+from ..passes.shape_prop import annotate
+from ..placement import layout_str
+from ..plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
+from .cache import PlanCache
+from .pipeline import fixed_pipeline, lifted, stage_options
+from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, planning_problem, remaining,
                       solve_captured)
-from .solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
+from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
-from .solver.evaluate import Staging
-from .solver.ilp import AT_TIME_LIMIT, most_sharded, solve
-from .strategies import op_name, rule_for
+from ..solver.evaluate import Staging
+from ..solver.ilp import AT_TIME_LIMIT, most_sharded, solve
+from ..strategies import op_name, rule_for
 
 log = logging.getLogger("autopar")
 

@@ -22,12 +22,12 @@ import re
 from collections import defaultdict
 from html import escape
 
-from .cost_model.memory import OPTIMIZER_STATE_COPIES
-from .errors import PlanMismatchError
-from .passes.layers import layer_key, layer_of
-from .plan import NodePlan, Plan
+from ..cost_model.memory import OPTIMIZER_STATE_COPIES
+from ..errors import PlanMismatchError
+from ..passes.layers import layer_key, layer_of
+from ..plan_records import NodePlan
 from .report import index_ranges
-from .svg_plots import layout_grid, line_chart, stacked_bars
+from .svg import layout_grid, line_chart, stacked_bars
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer state", "activations")
 
@@ -52,7 +52,7 @@ def _lay(layout) -> str:
     return "(" + ", ".join(layout) + ")" if layout else "-"
 
 
-def render_html(plan: Plan) -> str:
+def render_html(plan) -> str:
     m = plan.mesh
     axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
     title = f"autopar plan: {plan.model} on ({axes}) x {m['device']}"
@@ -63,7 +63,7 @@ def render_html(plan: Plan) -> str:
     return "\n".join(parts)
 
 
-def _summary(plan: Plan) -> str:
+def _summary(plan) -> str:
     est, sol = plan.estimate, plan.solver
     gap = f", gap {sol.gap:.2%}" if sol.gap else ""
     rows = [("step time", f"{_ms(est.step_time_s)} = compute {_ms(est.compute_s)} + communication "
@@ -78,17 +78,17 @@ def _summary(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def _budget(plan: Plan) -> float | None:
+def _budget(plan) -> float | None:
     return plan.scaling.memory_budget or plan.options.get("memory_budget") or None
 
 
-def _memory_segments(plan: Plan, est) -> list[tuple[str, float]]:
+def _memory_segments(plan, est) -> list[tuple[str, float]]:
     copies = OPTIMIZER_STATE_COPIES.get(plan.options.get("optimizer", "adamw"), 4)
     one = est.param_state_bytes / copies
     return list(zip(MEMORY_KINDS, (one, one, est.param_state_bytes - 2 * one, est.activation_bytes)))
 
 
-def _scaling_rows(plan: Plan):
+def _scaling_rows(plan):
     """(batch, Estimate) over batch sizes around the planned one; [] when the plan has no symbolic costs."""
     from .scaling import scaling_rows
     if plan.scaling.unavailable:
@@ -99,7 +99,7 @@ def _scaling_rows(plan: Plan):
         return []
 
 
-def _memory(plan: Plan) -> str:
+def _memory(plan) -> str:
     planned = plan.scaling.batch
     rows = [(f"batch {b}", _memory_segments(plan, e)) for b, e in _scaling_rows(plan) if b != planned]
     rows.append((f"batch {planned} (planned)" if planned else "as planned", _memory_segments(plan, plan.estimate)))
@@ -112,7 +112,7 @@ def _memory(plan: Plan) -> str:
             "these layouts re-priced from the plan's symbolic costs.</p>")
 
 
-def _communication(plan: Plan) -> str:
+def _communication(plan) -> str:
     per_axis: dict[str, dict[str, float]] = {ax: defaultdict(float) for ax in plan.mesh["axis_names"]}
     for n in plan.nodes:
         for c in n.collectives:
@@ -128,7 +128,7 @@ def _communication(plan: Plan) -> str:
             '<p class="note">Forward and backward, per device per step; bytes sent per device in the labels.</p>')
 
 
-def _scaling(plan: Plan) -> str:
+def _scaling(plan) -> str:
     sc = plan.scaling
     if sc.unavailable:
         return f"<h2>Scaling with the batch</h2><p class=\"note\">Not available: {escape(sc.unavailable)}</p>"
@@ -170,14 +170,14 @@ def collapse_layers(placements: dict[str, tuple[str, ...]]) -> list[tuple[str, t
     return rows
 
 
-def _in_graph_order(plan: Plan) -> dict[str, tuple[str, ...]]:
+def _in_graph_order(plan) -> dict[str, tuple[str, ...]]:
     """plan.placements in the order the model uses its parameters (a loaded plan's dict is sorted)."""
     order = [n.op.removeprefix("param ") for n in plan.nodes if n.executor == "param"]
     names = [f for f in order if f in plan.placements] + sorted(set(plan.placements) - set(order))
     return {f: plan.placements[f] for f in names}
 
 
-def _parameters(plan: Plan) -> str:
+def _parameters(plan) -> str:
     rows = collapse_layers(_in_graph_order(plan))
     if not rows:
         return ""
@@ -190,7 +190,7 @@ def _parameters(plan: Plan) -> str:
             f"equal layouts share a row.{note}</p>" + grid)
 
 
-def _layer_groups(plan: Plan) -> dict[str, list[NodePlan]]:
+def _layer_groups(plan) -> dict[str, list[NodePlan]]:
     groups: dict[str, list[NodePlan]] = {}
     for n in plan.nodes:
         if n.executor in ("param", "input"):
@@ -200,7 +200,7 @@ def _layer_groups(plan: Plan) -> dict[str, list[NodePlan]]:
     return groups
 
 
-def _decisions(plan: Plan, layer: str) -> list[str]:
+def _decisions(plan, layer: str) -> list[str]:
     params = [f for f in plan.placements if layer_key(f) == layer or f.startswith(layer + ".")]
     regather = sum(plan.residency.get(f) == "regather" for f in params)
     act = plan.offload.get(f"activations:{layer}", "device")
@@ -210,7 +210,7 @@ def _decisions(plan: Plan, layer: str) -> list[str]:
             f"activations {act}; optimizer {'/'.join(sorted(opt))}"]
 
 
-def _layers(plan: Plan) -> str:
+def _layers(plan) -> str:
     memory = any(v not in ("none", "keep", "device")
                  for d in (plan.recompute, plan.residency, plan.offload) for v in d.values())
     head = ["layer", "ops", "compute", "communication", "output layout", "strategy of its heaviest op"]
@@ -230,7 +230,7 @@ def _layers(plan: Plan) -> str:
     return "\n".join(out) + "</table>" + note
 
 
-def _ops(plan: Plan) -> str:
+def _ops(plan) -> str:
     out = ["<h2>Ops</h2><details><summary>every op: layouts, strategy, collectives (red: no sharding rule; "
            "amber: whole on every device)</summary><table><tr><th>node</th><th>op</th><th>module</th><th>inputs</th>"
            "<th>output</th><th>strategy</th><th>compute</th><th>collectives on the way in</th></tr>"]

@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .comm import collective_bytes_on_wire, collective_time, latency_steps
+from .cost_model.comm import collective_bytes_on_wire, collective_time, latency_steps
 
 __all__ = ["calibrate"]
 
@@ -171,7 +171,7 @@ def _measure_compute(device: str, quick: bool) -> dict:
     n_el = (nbytes if device == "cuda" else min(nbytes, 16 * 2 ** 20)) // 4
     # at p = 0.1, the usual training rate: a CPU's sampling is branchy, so its cost depends on p
     # the runtime's dropout (a counter-based hash of each element's place, runtime/rng.py), as it runs
-    from ..runtime.rng import draw
+    from .runtime.rng import draw
     x = src[:n_el]
     t = _timeit_together(lambda: draw(x, 0.1, 1, (0,), (n_el,), 0), reps, sync)
     out["rng_element_time"] = max(t - 9 * n_el / out["memory_bandwidth"], 0.0) / n_el
@@ -214,7 +214,7 @@ def _attention_efficiency(comp: list[dict], profile) -> float:
     and backward, `compute.op_times` at efficiency 1) equal to its median time over ranks."""
     import torch
 
-    from .compute import op_times
+    from .cost_model.compute import op_times
     a = comp[0]["attention"]
     at_full = dataclasses.replace(profile, attention_efficiency=1.0)
     fwd, bwd = op_times(a["flops"], a["bytes"], getattr(torch, a["dtype"]), at_full, family="attention",
@@ -329,8 +329,8 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     import torch
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from ..mesh import Mesh
-    from ..runtime.reshard import to_layout
+    from .mesh import Mesh
+    from .runtime.reshard import to_layout
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dmesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100").device_mesh()
     m_, k_, n_ = BURST_SHAPE
@@ -421,10 +421,10 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
     import torch
     from torch import nn
 
-    from ..api import autoparallelize
-    from ..api import plan as make_plan
-    from ..estimate import estimate
-    from ..mesh import Mesh
+    from .api import autoparallelize
+    from .api import plan as make_plan
+    from .estimate import estimate
+    from .mesh import Mesh
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -509,10 +509,10 @@ def _measure_overlap(mesh_shape, names, device: str, quick: bool) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from ..api import autoparallelize
-    from ..api import plan as make_plan
-    from ..mesh import Mesh
-    from .profiles import load_profile
+    from .api import autoparallelize
+    from .api import plan as make_plan
+    from .mesh import Mesh
+    from .cost_model.profiles import load_profile
     width, depth, rows = (256, 4, 256) if quick else (OVERLAP_WIDTH, OVERLAP_DEPTH, OVERLAP_ROWS)
     world = math.prod(mesh_shape)
     if world == 1:
@@ -583,7 +583,7 @@ def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tupl
     the same for every kind and axis as `Mesh.reshard_cost` charges it; an all_reduce over every
     axis at once gives one more estimate. Splitting the intercepts into latency and per-collective
     cost by fitting both instead gave 0-3.2 ms per ring step from one calibration to the next."""
-    from .profiles import Link
+    from .cost_model.profiles import Link
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     steps = comp[0]["step_collectives"]
     if not steps["points"]:
@@ -660,7 +660,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
 
     import torch
 
-    from .profiles import Link, load_profile, save_profile
+    from .cost_model.profiles import Link, load_profile, save_profile
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     mesh = tuple(mesh) if mesh else (world_size,)
     if math.prod(mesh) != world_size:

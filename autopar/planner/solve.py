@@ -12,22 +12,22 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import InfeasibleError, PlanMismatchError, PlanOptionError, ShardingError
-from .mesh import Mesh
-from .passes.capture import Captured, capture
-from .passes.shape_prop import annotate, tensor_meta
-from .placement import layout_str, parse_pin
-from .passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
-from .plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
-from .plan_cache import PlanCache
+from ..errors import InfeasibleError, PlanMismatchError, PlanOptionError, ShardingError
+from ..mesh import Mesh
+from ..passes.capture import Captured, capture
+from ..passes.shape_prop import annotate, tensor_meta
+from ..placement import layout_str, parse_pin
+from ..passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
+from ..plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
+from .cache import PlanCache
 from .scaling import build_scaling
-from .solver.decisions import add_families
-from .solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
-from .solver.ilp import min_memory, solve
-from .solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
-from .strategies import op_name, rule_for
-from .strategies.attention import context_axis
-from .strategies.moe import check_capacity_factor
+from ..solver.decisions import add_families
+from ..solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
+from ..solver.ilp import min_memory, solve
+from ..solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
+from ..strategies import op_name, rule_for
+from ..strategies.attention import context_axis
+from ..strategies.moe import check_capacity_factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +39,14 @@ class PlanOptions:
     optimizer: str = "adamw"
     time_limit: float | None = 60.0
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())   # a line every 5 s of solving
-    cache_dir: str | None = None                # reuse plans solved before (see plan_cache.py)
-    symbolic: bool = True                       # price the plan in B and S too (Plan.estimate_at; scaling.py)
+    cache_dir: str | None = None                # reuse plans solved before (see planner/cache.py)
+    symbolic: bool = True                       # price the plan in B and S too (Plan.estimate_at; planner/scaling.py)
     recompute: str = "auto"                     # "auto" | "none" | "selective" | "full"
     residency: str = "auto"                     # "auto" | "keep" | "regather"
     offload: str = "auto"                       # "auto" | "none" | "host" | "disk"
     precision: str = "auto"                     # optimizer state: "auto" | "same" | "mixed" (cost_model.memory)
     pipeline: Mapping | bool | None = None      # plan(): None chooses, False forbids, a dict fixes keys;
-                                                # make_plan() plans without one (pipeline_search.py)
+                                                # make_plan() plans without one (planner/pipeline_search.py)
     moe_capacity_factor: float | None = None    # None: dropless MoE routing; a number: each expert's capacity
                                                 # (runtime/experts.py)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)

@@ -5,8 +5,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .plan import Plan
-from .strategies.attention import CONTEXT_LABELS
+from ..strategies.attention import CONTEXT_LABELS
 
 
 def _gib(b: float) -> str:
@@ -50,7 +49,7 @@ def index_ranges(idx: list[int]) -> str:
     return ",".join(parts)
 
 
-def _groups(plan: Plan):
+def _groups(plan):
     """Op nodes grouped by module path, in order of first appearance (graph outputs last)."""
     groups: dict[str, list] = {}
     for n in plan.nodes:
@@ -61,7 +60,7 @@ def _groups(plan: Plan):
     return groups.items()
 
 
-def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) -> str:
+def render_report(plan, *, detail: bool = False, symbolic: bool = True) -> str:
     """The plan for a person. detail: one row per op; symbolic=False: without the table of step time
     and memory over batch sizes (priced from `plan.scaling`)."""
     m, est, sol = plan.mesh, plan.estimate, plan.solver
@@ -148,7 +147,7 @@ def render_report(plan: Plan, *, detail: bool = False, symbolic: bool = True) ->
 MESH_ROWS = 12      # meshes the report lists (the chosen one, the planned ones first)
 
 
-def _mesh_search_lines(plan: Plan) -> list[str]:
+def _mesh_search_lines(plan) -> list[str]:
     """The meshes a Cluster's search weighed (`plan.mesh_search`): the chosen one and why, the runners-up
     with the evaluator's step and peak memory, and those not planned with the reason."""
     rows = plan.mesh_search
@@ -173,7 +172,7 @@ def _mesh_search_lines(plan: Plan) -> list[str]:
 TIMELINE_COLUMNS = 96      # characters of the widest timeline row
 
 
-def _pipeline_lines(plan: Plan) -> list[str]:
+def _pipeline_lines(plan) -> list[str]:
     """The stages (where each starts, its layers, memory and times per rank) and a timeline of one step."""
     pp, est = plan.pipeline, plan.estimate
     if pp.stages <= 1:
@@ -245,7 +244,7 @@ def timeline(fwd: list[float], bwd: list[float], m: int, schedule: str) -> tuple
 BATCH_STATS_OP = "autopar.batch_stat_mean"   # BatchNorm's statistics (passes/lowering.py)
 
 
-def batch_norm_decisions(plan: Plan) -> dict[str, tuple[str, ...]]:
+def batch_norm_decisions(plan) -> dict[str, tuple[str, ...]]:
     """Per BatchNorm layer (module path), per mesh axis, how the planner computes its batch statistics:
     "synchronized" (batch split, local means all-reduced: SyncBatchNorm), "channels split" (each device
     normalizes its channels) or "whole" (the axis holds the whole batch: statistics as on one device)."""
@@ -262,7 +261,7 @@ def batch_norm_decisions(plan: Plan) -> dict[str, tuple[str, ...]]:
 MOE_OP = "autopar.moe_experts"     # a MoE layer's experts (passes/lowering.py, strategies/moe.py)
 
 
-def expert_placement(plan: Plan) -> dict[str, dict[str, object]]:
+def expert_placement(plan) -> dict[str, dict[str, object]]:
     """Per MoE layer (the experts' module path): its strategy per mesh axis, the axes that split its
     experts, those it dispatches tokens over by all-to-all, and how its expert weights are stored."""
     out: dict[str, dict[str, object]] = {}
@@ -279,7 +278,7 @@ def expert_placement(plan: Plan) -> dict[str, dict[str, object]]:
     return out
 
 
-def _expert_lines(plan: Plan) -> list[str]:
+def _expert_lines(plan) -> list[str]:
     layers = expert_placement(plan)
     if not layers:
         return []
@@ -304,7 +303,7 @@ def _expert_lines(plan: Plan) -> list[str]:
 OUTPUT_SHARE = 0.05     # outputs gathered whole for this share of the step or more are pointed out
 
 
-def _output_lines(plan: Plan) -> list[str]:
+def _output_lines(plan) -> list[str]:
     """Where returning the outputs whole is a real share of the step (a causal LM's logits beside its
     loss: 0.32 of Llama-3-8B's 0.99 s on (8, 8) at 64 x 4096), what it costs and the option that
     avoids it."""
@@ -319,7 +318,7 @@ def _output_lines(plan: Plan) -> list[str]:
             f"them in their planned layout.", ""]
 
 
-def _memory_lines(plan: Plan) -> list[str]:
+def _memory_lines(plan) -> list[str]:
     """The memory decisions that differ from the defaults, grouped by option."""
     lines = []
     for family, chosen, default in (("Recomputation", plan.recompute, "none"),
@@ -335,7 +334,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines + [""] if lines else []
 
 
-def _batch_norm_lines(plan: Plan) -> list[str]:
+def _batch_norm_lines(plan) -> list[str]:
     decisions = batch_norm_decisions(plan)
     if not decisions:
         return []
@@ -348,9 +347,9 @@ def _batch_norm_lines(plan: Plan) -> list[str]:
     return lines + [""]
 
 
-def _scaling_lines(plan: Plan) -> list[str]:
+def _scaling_lines(plan) -> list[str]:
     """How step time and memory scale with the batch (this plan's layouts, its symbolic costs)."""
-    from .errors import PlanMismatchError
+    from ..errors import PlanMismatchError
     from .scaling import scaling_rows
     sc = plan.scaling
     if sc.unavailable:
@@ -424,7 +423,7 @@ class TensorParallelism:
         return "; ".join(parts) or "no tensor, sequence or context parallelism"
 
 
-def tensor_parallel_family(plan: Plan) -> TensorParallelism:
+def tensor_parallel_family(plan) -> TensorParallelism:
     """The `TensorParallelism` of `plan`, from its nodes' strategy labels and layouts per mesh axis: the
     family most of its tensor-parallel weight products form, over the axes at least half of those
     split (an odd one out, such as a vocabulary-parallel head over another axis, does not name the plan)."""

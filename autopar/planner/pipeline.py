@@ -1,6 +1,6 @@
 """What planning a pipelined model needs for one pipeline (axis, stages, virtual stages, microbatches,
 schedule): the checked settings (`fixed_pipeline`), the options of the stage mesh (`stage_options`) and
-the stage plan lifted to the whole mesh (`lifted`). The search (`pipeline_search.py`) uses them per
+the stage plan lifted to the whole mesh (`lifted`). The search (`planner/pipeline_search.py`) uses them per
 candidate.
 
 The layouts are solved on the stage mesh, the mesh without the pipeline axis (each of its other
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .cost_model.pipeline import check_schedule
-from .errors import PlanOptionError
-from .mesh import Mesh
-from .plan import PIPELINE_KEYS, PIPELINE_SCHEDULES, PipelinePlan, Plan, Scaling
-from .planner import PlanOptions
+from ..cost_model.pipeline import check_schedule
+from ..errors import PlanOptionError
+from ..mesh import Mesh
+from ..plan import PIPELINE_KEYS, PIPELINE_SCHEDULES, PipelinePlan, Plan, Scaling
+from .solve import PlanOptions
 
 STAGE_LABEL = "stage"     # a node's label on the pipeline axis: stages own disjoint nodes
 
