@@ -63,6 +63,26 @@ def _groups(plan):
 def render_report(plan, *, detail: bool = False, symbolic: bool = True) -> str:
     """The plan for a person. detail: one row per op; symbolic=False: without the table of step time
     and memory over batch sizes (priced from `plan.scaling`)."""
+    lines = _summary_lines(plan)
+    lines += _mesh_search_lines(plan)
+    lines += _pipeline_lines(plan)
+    lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]
+    lines += _parameter_lines(plan)
+    lines += _layer_lines(plan)
+    lines += _op_lines(plan) if detail else []
+    lines.append("")
+    lines += _collective_lines(plan)
+    lines += _memory_lines(plan)
+    lines += _output_lines(plan)
+    lines += _batch_norm_lines(plan)
+    lines += _expert_lines(plan)
+    lines += _scaling_lines(plan) if symbolic else []
+    lines += _replicated_lines(plan)
+    return "\n".join(lines)
+
+
+def _summary_lines(plan) -> list[str]:
+    """Step time, peak memory, traffic per axis, the solver and the capture, then a blank line."""
     m, est, sol = plan.mesh, plan.estimate, plan.solver
     axes = ", ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"]))
     lines = [f"autopar plan for {plan.model} on mesh ({axes}) of {m['device']}",
@@ -81,19 +101,21 @@ def render_report(plan, *, detail: bool = False, symbolic: bool = True) -> str:
              f"{sol.n_shared} of them sharing a repeated layer's variables); "
              f"planning took {plan.timings.total_s:.2f} s"]
     lines += [f"  capture: {sol.capture}"] if sol.capture else []
-    lines += [""]
-    lines += _mesh_search_lines(plan)
-    lines += _pipeline_lines(plan)
-    lines += [f"Parallelism: {tensor_parallel_family(plan).describe()}", ""]
-    # parameters, grouped by module
-    lines.append("Parameters (placement per mesh axis " + _lay(m["axis_names"]) + "; repeated layers alike "
-                 "in one row):")
+    return lines + [""]
+
+
+def _parameter_lines(plan) -> list[str]:
+    lines = ["Parameters (placement per mesh axis " + _lay(plan.mesh["axis_names"]) + "; repeated layers alike "
+             "in one row):"]
     lines += [f"  {fqn:<48} {lay}" for fqn, lay in collapse([(f, _lay(v)) for f, v in plan.placements.items()])]
-    lines.append("")
-    lines.append("Layers (ops grouped by the module they come from; layout of the group's output; strategy "
-                 "per mesh axis of its heaviest op; collectives on the way in, forward + backward; repeated layers "
-                 "alike in one row, figures per layer):")
-    lines.append(f"  {'module':<26} {'ops':>4} {'compute':>10}  {'output':<16} {'strategy':<22} collectives")
+    return lines + [""]
+
+
+def _layer_lines(plan) -> list[str]:
+    lines = ["Layers (ops grouped by the module they come from; layout of the group's output; strategy "
+             "per mesh axis of its heaviest op; collectives on the way in, forward + backward; repeated layers "
+             "alike in one row, figures per layer):",
+             f"  {'module':<26} {'ops':>4} {'compute':>10}  {'output':<16} {'strategy':<22} collectives"]
     rows = []
     for module, group in _groups(plan):
         heavy = max(group, key=lambda n: n.compute_s)
@@ -105,33 +127,36 @@ def render_report(plan, *, detail: bool = False, symbolic: bool = True) -> str:
         tag = " [replicated: no rule]" if any(n.fallback for n in group) else ""
         rows.append((module, f"{len(group):>4} {_ms(sum(n.compute_s for n in group)):>10}  "
                              f"{_lay(group[-1].output):<16} {'/'.join(heavy.labels)[:22]:<22} {colls}{tag}"))
-    lines += [f"  {module[:26]:<26} {rest}" for module, rest in collapse(rows)]
-    if detail:
-        lines.append("")
-        lines.append("Ops (layout of output; strategy per axis; collectives on the way in):")
-        lines.append(f"  {'node':<28} {'op':<26} {'output':<16} {'strategy':<24} collectives")
-        for n in plan.nodes:
-            if n.executor in ("param", "input"):
-                continue
-            coll = "; ".join(f"{c.phase[:3]} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
-            tag = " [replicated: no rule]" if n.fallback else ""
-            lines.append(f"  {n.name:<28} {n.op:<26} {_lay(n.output):<16} {'/'.join(n.labels):<24} {coll}{tag}")
-    lines.append("")
+    return lines + [f"  {module[:26]:<26} {rest}" for module, rest in collapse(rows)]
+
+
+def _op_lines(plan) -> list[str]:
+    lines = ["", "Ops (layout of output; strategy per axis; collectives on the way in):",
+             f"  {'node':<28} {'op':<26} {'output':<16} {'strategy':<24} collectives"]
+    for n in plan.nodes:
+        if n.executor in ("param", "input"):
+            continue
+        coll = "; ".join(f"{c.phase[:3]} {c.kind} {_ms(c.seconds)} ({c.tensor})" for c in n.collectives)
+        tag = " [replicated: no rule]" if n.fallback else ""
+        lines.append(f"  {n.name:<28} {n.op:<26} {_lay(n.output):<16} {'/'.join(n.labels):<24} {coll}{tag}")
+    return lines
+
+
+def _collective_lines(plan) -> list[str]:
     totals: dict[str, float] = defaultdict(float)
     for n in plan.nodes:
         for c in n.collectives:
             totals[f"{c.phase} {c.kind.split('@')[0]} over {c.kind.split('@')[-1]}"] += c.seconds
-    if totals:
-        lines.append("Communication by collective:")
-        for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {k:<44} {_ms(v)}")
-        lines.append("")
-    lines += _memory_lines(plan)
-    lines += _output_lines(plan)
-    lines += _batch_norm_lines(plan)
-    lines += _expert_lines(plan)
-    if symbolic:
-        lines += _scaling_lines(plan)
+    if not totals:
+        return []
+    lines = ["Communication by collective:"]
+    lines += [f"  {k:<44} {_ms(v)}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])]
+    return lines + [""]
+
+
+def _replicated_lines(plan) -> list[str]:
+    """Parameters no dim of which divides, and ops no rule knows: both run replicated."""
+    lines = []
     if plan.indivisible:
         lines.append(f"Parameters replicated over an axis because no dim of theirs divides by its size "
                      f"({len(plan.indivisible)}; choose sizes divisible by the axis to split them): "
@@ -141,7 +166,7 @@ def render_report(plan, *, detail: bool = False, symbolic: bool = True) -> str:
         lines.append(f"Ops with no sharding rule, run replicated ({len(plan.fallbacks)}): " + ", ".join(plan.fallbacks))
     else:
         lines.append("Ops with no sharding rule: none")
-    return "\n".join(lines)
+    return lines
 
 
 MESH_ROWS = 12      # meshes the report lists (the chosen one, the planned ones first)
