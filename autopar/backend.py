@@ -117,66 +117,80 @@ def compile_backend(mesh: Mesh, *, compiler: str = "inductor", **options):
         raise PlanOptionError("compile_backend: pipeline= is not supported under torch.compile (a compiled graph "
                               "is one step's forward); use autopar.autoparallelize for a pipelined plan")
     plans: list[Plan] = []
-    axis_names = tuple(mesh.axis_names)
-    n_batch = math.prod(n for n, a in zip(mesh.shape, axis_names) if a in (opts.batch_axes or ()))
+    n_batch = math.prod(n for n, a in zip(mesh.shape, mesh.axis_names) if a in (opts.batch_axes or ()))
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        split, sizes = _batch_inputs(placeholders, example_inputs, n_batch)
-        tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
-        # the plan sees the global batch: each rank's slice stands for n_batch of them, and the sizes
-        # Dynamo left symbolic take their global values
-        global_inputs = tuple(example_inputs[i].repeat(n_batch, *([1] * (example_inputs[i].ndim - 1)))
-                              if i in split else example_inputs[i] for i in tensors)
-        cap = capture(_Sized(gm, tensors, sizes), global_inputs)
-        # placeholder -> Dynamo's argument; lifted constants and buffers of `gm` are not arguments
-        arg_of = {name: tensors[slot.target] for name, slot in cap.inputs.items() if slot.kind == "input"}
-        for name, i in arg_of.items():
-            if isinstance(example_inputs[i], torch.nn.Parameter):
-                cap.inputs[name] = InputSlot("param", name)
-                cap.param_names[name] = name
-        params = [name for name, slot in cap.inputs.items() if slot.kind == "param"]
-        opts_here = dataclasses.replace(opts, pins=_replicated_pins(opts, params, len(mesh.shape)))
-        plan = planned_on_rank0(lambda: plan_captured(cap, mesh, opts_here))
-        device_mesh = mesh.device_mesh()
-        program = rewrite(cap, plan, device_mesh)
-        state = rng.RngState.agreed()
-        rng.attach(program, state)
-        arrives = {name: _batch_layout(axis_names, opts.batch_axes) for name, i in arg_of.items() if i in split}
-        fn = per_rank_program(cap, plan, program, device_mesh, arrives)
-
-        def feeds(args) -> list:
-            values = []
-            for name, slot in cap.inputs.items():
-                if name in arg_of:
-                    values.append(args[arg_of[name]])
-                elif slot.kind == "constant":
-                    values.append(cap.constants[slot.target] if slot.target in cap.constants
-                                  else getattr(cap.gm, slot.target))
-                else:           # a buffer `gm` holds
-                    values.append(gm.get_buffer(slot.target))
-            return values
-
-        compiled = compile_program(fn, feeds(example_inputs), len(cap.outputs), compiler, device_mesh,
-                                   untraceable(cap))
-
-        # Dynamo may reuse this graph at other sizes (dynamic=True): the program is compiled at these
-        shapes = {i: tuple(example_inputs[i].shape) for i in tensors}
-
-        def run(*args):
-            for i, shape in shapes.items():
-                if tuple(args[i].shape) != shape:
-                    raise ShapeError(f"compile_backend: this graph was planned and compiled for input {i} of shape "
-                                     f"{list(shape)} on each rank, called with {list(args[i].shape)}: keep the "
-                                     f"sizes of every call (drop_last=True), or use a new torch.compile for others")
-            state.next_call()
-            return tuple(pytree.tree_leaves(split_outputs(cap, compiled(*feeds(args)), buffers=gm)))
-
-        plans.append(plan)
-        return run
+        return _compiled_graph(gm, example_inputs, mesh, opts, n_batch, compiler, plans)
 
     backend.plans = plans      # one per compiled graph, for inspection (`backend.plans[0].report()`)
     return backend
+
+
+def _compiled_graph(gm: torch.fx.GraphModule, example_inputs, mesh: Mesh, opts: PlanOptions, n_batch: int,
+                    compiler: str, plans: list[Plan]):
+    """One graph Dynamo hands the backend: planned (on rank 0, sent to all), rewritten, compiled;
+    the callable Dynamo runs in its place. `plans` gets its plan."""
+    cap, arg_of, split, tensors = _graph_capture(gm, example_inputs, n_batch)
+    params = [name for name, slot in cap.inputs.items() if slot.kind == "param"]
+    opts_here = dataclasses.replace(opts, pins=_replicated_pins(opts, params, len(mesh.shape)))
+    plan = planned_on_rank0(lambda: plan_captured(cap, mesh, opts_here))
+    device_mesh = mesh.device_mesh()
+    program = rewrite(cap, plan, device_mesh)
+    state = rng.RngState.agreed()
+    rng.attach(program, state)
+    arrives = {name: _batch_layout(tuple(mesh.axis_names), opts.batch_axes) for name, i in arg_of.items()
+               if i in split}
+    fn = per_rank_program(cap, plan, program, device_mesh, arrives)
+
+    def feeds(args) -> list:
+        values = []
+        for name, slot in cap.inputs.items():
+            if name in arg_of:
+                values.append(args[arg_of[name]])
+            elif slot.kind == "constant":
+                values.append(cap.constants[slot.target] if slot.target in cap.constants
+                              else getattr(cap.gm, slot.target))
+            else:           # a buffer `gm` holds
+                values.append(gm.get_buffer(slot.target))
+        return values
+
+    compiled = compile_program(fn, feeds(example_inputs), len(cap.outputs), compiler, device_mesh, untraceable(cap))
+
+    # Dynamo may reuse this graph at other sizes (dynamic=True): the program is compiled at these
+    shapes = {i: tuple(example_inputs[i].shape) for i in tensors}
+
+    def run(*args):
+        for i, shape in shapes.items():
+            if tuple(args[i].shape) != shape:
+                raise ShapeError(f"compile_backend: this graph was planned and compiled for input {i} of shape "
+                                 f"{list(shape)} on each rank, called with {list(args[i].shape)}: keep the "
+                                 f"sizes of every call (drop_last=True), or use a new torch.compile for others")
+        state.next_call()
+        return tuple(pytree.tree_leaves(split_outputs(cap, compiled(*feeds(args)), buffers=gm)))
+
+    plans.append(plan)
+    return run
+
+
+def _graph_capture(gm: torch.fx.GraphModule, example_inputs, n_batch: int):
+    """(capture of `gm` at the global batch, placeholder name -> Dynamo's argument index, the batch-split
+    arguments, the tensor arguments' indices). Dynamo's parameters arrive as arguments: they become
+    the capture's parameters."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    split, sizes = _batch_inputs(placeholders, example_inputs, n_batch)
+    tensors = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+    # the plan sees the global batch: each rank's slice stands for n_batch of them, and the sizes
+    # Dynamo left symbolic take their global values
+    global_inputs = tuple(example_inputs[i].repeat(n_batch, *([1] * (example_inputs[i].ndim - 1)))
+                          if i in split else example_inputs[i] for i in tensors)
+    cap = capture(_Sized(gm, tensors, sizes), global_inputs)
+    # placeholder -> Dynamo's argument; lifted constants and buffers of `gm` are not arguments
+    arg_of = {name: tensors[slot.target] for name, slot in cap.inputs.items() if slot.kind == "input"}
+    for name, i in arg_of.items():
+        if isinstance(example_inputs[i], torch.nn.Parameter):
+            cap.inputs[name] = InputSlot("param", name)
+            cap.param_names[name] = name
+    return cap, arg_of, split, tensors
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, example_inputs, *, example_kwargs: dict | None = None,  # noqa: A001
