@@ -22,8 +22,9 @@ prices every plan the search returns or reports):
   (Narayanan et al. 2021; Korthikanti et al. 2022) from the model's FLOPs, parameters and the size of
   one layer's output, with the mesh's links: compute at the profile's matmul efficiency, bubble,
   the slowest stage's whole layers, tensor-parallel all-reduces, context-parallel K/V exchanges, expert all-to-alls, pipeline sends,
-  gradient sync, and full recomputation where the activations do not fit. Its constants are named
-  below; it only decides which meshes the planner tries first.
+  gradient sync, and full recomputation where the activations do not fit. Both are computed in
+  `cost_model/screen.py`, their constants named there; the account only decides which meshes the
+  planner tries first.
 """
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..cost_model.comm import collective_time, p2p_time
-from ..cost_model.memory import state_bytes_per_element
+from ..cost_model.screen import ROLES, mesh_bound, screen_step
 from ..mesh import Mesh
 from ..passes.layers import layer_key, module_path
 from ..passes.shape_prop import tensor_meta
@@ -41,21 +41,10 @@ from ..passes.stages import layer_sequence
 from ..solver.decisions.stages import candidates as pipeline_candidates
 from ..strategies import op_name
 
-ROLES = ("dp", "pp", "cp", "ep", "tp")      # outermost first
 # Context parallelism is offered from this sequence length on: below it, attention's activations
 # at one sequence per device fit with sequence parallelism, and Megatron-LM's and torchtitan's
 # guidance turns context parallelism on for long-context training (32k and up); 16k leaves a margin.
 CONTEXT_MIN_SEQ = 16384
-ACTIVATION_FACTOR = 17.0     # bytes a transformer layer saves for its backward over its output's bytes: 34sbh of
-                             # Korthikanti et al. 2022 (fused attention: no s^2 term) over the 2sbh output
-TP_COLLECTIVES = 4           # all-reduces of a layer's output per layer under 1D tensor parallelism (2 forward,
-                             # 2 backward: attention and MLP, Megatron-LM)
-CP_EXCHANGES = 2             # K/V all-gathered in the forward, their gradients reduce-scattered in the backward
-EP_ALL_TO_ALLS = 4           # dispatch and combine, forward and backward
-RECOMPUTE_FACTOR = 4.0 / 3.0  # full recomputation runs the forward twice: (1 + 1 + 2) / (1 + 2)
-BACKWARD_FLOPS = 2.0          # a matmul's backward is two products (dX, dW) of the forward's FLOPs
-
-
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What the screen knows of a model, from one capture of the whole batch."""
@@ -145,54 +134,10 @@ def screen(cluster, facts: ModelFacts, degrees: Mapping[str, int], budget: float
                                                                           {"axis": "pp"})] if pp > 1 else [(1, 1)]
     # the microbatches the data axis can split (the screen's account splits a microbatch over "dp")
     opts = [(m, v) for m, v in opts if (facts.batch // m) % degrees["dp"] == 0] or opts
-    prof = mesh.profile
-    floor = facts.flops * (1 + BACKWARD_FLOPS) / (mesh.size * max(prof.peak_flops.values()) * prof.matmul_efficiency)
-    (est, fits), m = min(((_estimate(mesh, facts, degrees, m, v, budget, optimizer, precision), m) for m, v in opts),
+    (est, fits), m = min(((screen_step(mesh, facts, degrees, m, v, budget, optimizer, precision), m) for m, v in opts),
                          key=lambda t: (t[0][0], t[1]), default=((math.inf, False), 1))
     v_most = max((v for mm, v in opts if mm == m), default=1)
-    return Screened(dict(degrees), mesh, m, floor * (1 + (pp - 1) / (m * v_most)), est, fits)
-
-
-def _link(mesh: Mesh, role: str):
-    return mesh.axes[mesh.axis_names.index(role)].link if role in mesh.axis_names else None
-
-
-def _estimate(mesh: Mesh, facts: ModelFacts, d: Mapping[str, int], m: int, v: int, budget: float, optimizer: str,
-              precision: str) -> tuple[float, bool]:
-    """(seconds of one step by the screen's account, whether its memory fits `budget`)."""
-    prof = mesh.profile
-    dtype_peak = max(prof.peak_flops.values()) if facts.param_itemsize == 2 else prof.peak_flops["float32"]
-    compute = facts.flops * (1 + BACKWARD_FLOPS) / (mesh.size * dtype_peak * prof.matmul_efficiency)
-    tokens_split = d["dp"] * d["cp"] * d["ep"] * m
-    out = facts.layer_out_bytes / tokens_split           # one layer's output for one microbatch on one device
-    per_rank_layers = facts.layers / d["pp"]
-    compute *= math.ceil(facts.layers / (d["pp"] * v)) * v / max(per_rank_layers, 1e-9) if d["pp"] > 1 else 1.0
-    elems = facts.dense_elements / (d["tp"] * d["pp"]) + facts.expert_elements / (d["tp"] * d["pp"] * d["ep"])
-    state = elems * state_bytes_per_element(facts.param_itemsize, optimizer, precision) / (d["dp"] * d["cp"])
-    in_flight = min(m, d["pp"]) if d["pp"] > 1 else 1
-    saved = per_rank_layers * in_flight * out / (d["tp"] * d["cp"])
-    fits = state + saved * ACTIVATION_FACTOR <= budget
-    if not fits:                      # full recomputation: a layer's input kept, one layer's activations live
-        compute *= RECOMPUTE_FACTOR
-        fits = state + saved + ACTIVATION_FACTOR * out / d["tp"] <= budget
-    comm = 0.0
-    layer_runs = per_rank_layers * m
-    if d["tp"] > 1:
-        comm += layer_runs * TP_COLLECTIVES * collective_time("all_reduce", out, d["tp"], _link(mesh, "tp"))
-    if d["cp"] > 1:
-        comm += layer_runs * CP_EXCHANGES * collective_time("all_gather", out * d["cp"], d["cp"], _link(mesh, "cp"))
-    if d["ep"] > 1:
-        comm += layer_runs * EP_ALL_TO_ALLS * collective_time("all_to_all", out * max(facts.top_k, 1), d["ep"],
-                                                              _link(mesh, "ep"))
-    if d["pp"] > 1:
-        comm += 2 * m * v * p2p_time(out / d["tp"], _link(mesh, "pp"))
-    data = d["dp"] * d["cp"]
-    if data > 1:
-        outer = next(r for r in ROLES if d[r] > 1 and r in ("dp", "cp"))
-        grads = elems * facts.param_itemsize
-        comm += (1 - prof.grad_sync_overlap) * collective_time("all_reduce", grads, d[outer], _link(mesh, outer))
-    bubble = compute * (d["pp"] - 1) / (m * v)
-    return compute + bubble + comm, fits
+    return Screened(dict(degrees), mesh, m, mesh_bound(mesh, facts.flops, pp, m, v_most), est, fits)
 
 
 __all__ = ["ROLES", "ModelFacts", "Screened", "mesh_candidates", "build_mesh", "screen"]

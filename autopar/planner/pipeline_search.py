@@ -19,9 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..compat import pytree
-from ..cost_model.comm import p2p_time
-from ..cost_model.compute import POINTWISE_EFFICIENCY, TENSOR_CORE_FAMILIES, backward_factor
-from ..cost_model.pipeline import step_floor
+from ..cost_model.screen import pipeline_floor
 from ..errors import InfeasibleError, PlanOptionError
 from ..mesh import Mesh
 from ..passes.capture import capture
@@ -38,7 +36,6 @@ from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candi
                                       per_step_view)
 from ..solver.evaluate import Staging
 from ..solver.ilp import AT_TIME_LIMIT, most_sharded, solve
-from ..strategies import op_name, rule_for
 
 log = logging.getLogger("autopar")
 
@@ -92,7 +89,7 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
                               f"the batch of one pipeline)")
     flat, why, unpiped = None, None, cands[0].axis is None     # "no pipeline" among the choices
     cands = cands[1:] if unpiped else cands
-    floor = _floor(captured[1][0], captured[1][1], mesh)
+    floor = pipeline_floor(captured[1][0].gm.graph, captured[1][1], mesh)
     cands = _ordered(cands, floor)
     hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
     stage_opts = replace(opts, symbolic=False)
@@ -224,39 +221,6 @@ def _ordered(cands: list[Candidate], floor) -> list[Candidate]:
         bound[key] = min(bound.get(key, math.inf), floor(c))
     rank = {k: (k[0] not in PIPELINE_AXIS_HINTS, b) for k, b in bound.items()}
     return sorted(cands, key=lambda c: rank[c.axis, c.microbatches])
-
-
-def _floor(cap, infos, mesh: Mesh):
-    """Candidate -> a lower bound on its step (`cost_model.pipeline.step_floor`) from the whole batch's
-    graph: its FLOPs over every device at the profile's best rate (a tensor-core op's backward at its
-    FLOP ratio where its output needs a gradient); per microbatch, one kernel's fixed cost per op
-    that does work and a send's latency into every chunk but the first."""
-    prof = mesh.profile
-    rate = max(prof.peak_flops.values()) * max(prof.matmul_efficiency, POINTWISE_EFFICIENCY)
-    grad: dict[str, bool] = {}
-    flops, kernels = 0.0, 0
-    for n in cap.gm.graph.nodes:
-        v = n.meta.get("val")
-        grad[n.name] = (n.op == "placeholder" and bool(getattr(v, "requires_grad", False))) or any(
-            grad.get(a.name, False) for a in n.all_input_nodes)
-        if n.op != "call_function" or n.name not in infos:
-            continue
-        rule = rule_for(n.target)
-        info = infos[n.name]
-        if rule is not None and rule.is_view or (info.flops <= 0 and info.bytes_moved <= 0):
-            continue
-        kernels += 1
-        back = backward_factor(op_name(n.target), rule.family) if (
-            rule is not None and rule.family in TENSOR_CORE_FAMILIES and grad[n.name]) else 0.0
-        flops += info.flops * (1.0 + back)
-    work, fixed = flops / (mesh.size * rate), kernels * prof.kernel_overhead
-
-    def floor(c: Candidate) -> float:
-        sends = 0.0     # every chunk but the first receives its input (priced in its forward and backward)
-        if c.stages > 1:
-            sends = 2 * (c.stages * c.virtual_stages - 1) * p2p_time(1.0, mesh.axes[mesh.axis_index(c.axis)].link)
-        return step_floor(work, fixed + sends, c.stages, c.microbatches, c.schedule, c.virtual_stages)
-    return floor
 
 
 def _carried(problem, plans: dict[tuple, tuple], axis, m: int):
