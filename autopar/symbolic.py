@@ -1,6 +1,6 @@
 """Costs as sympy expressions in the batch size `B` and sequence length `S`.
 
-The cost functions (`compute.py`, `comm.py`, `memory.py`, the planner's tables) are written once
+The cost functions (`cost_model/compute.py`, `comm.py`, `memory.py`, the planner's tables) are written once
 and take either numbers or sympy expressions: a tensor whose shape is `(B, S, 4096)` costs
 `max(2*4096*4096*B*S / rate + ramp, bytes / bandwidth)` seconds, as an expression, through the
 same code that prices the captured sizes. These helpers are the few places where numbers and

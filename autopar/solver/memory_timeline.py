@@ -4,7 +4,7 @@ Neighbouring points share most of what they hold, so every sum here is carried f
 before: only the tensors that appear or go, and the freed items whose window opens or closes,
 change it (summing each point afresh was quadratic: Llama-3-8B has 2,249 points holding a
 million tensors between them and 6,100 freed items). Bytes are whole numbers, so the carried sums
-equal the fresh ones exactly. The values may be numbers or `cost_model.symbolic.Poly2` (the plan
+equal the fresh ones exactly. The values may be numbers or `autopar.symbolic.Poly2` (the plan
 priced in B and S, `autopar.planner.scaling`).
 """
 from __future__ import annotations
