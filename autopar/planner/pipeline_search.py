@@ -74,7 +74,32 @@ def _captured(model, args, kwargs, m: int, captured: dict[int, tuple]) -> tuple:
 
 def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
             fixed: Mapping, captured: dict[int, tuple], t0: float, deadline: float | None) -> Plan:
-    budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
+    cands = _pipelines(model, args, kwargs, mesh, opts, fixed)
+    unpiped = cands[0].axis is None       # "no pipeline" among the choices
+    cands = cands[1:] if unpiped else cands
+    floor = pipeline_floor(captured[1][0].gm.graph, captured[1][1], mesh)
+    cands = _ordered(cands, floor)
+    hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
+    run = _Groups(model, args, kwargs, mesh, opts, captured, deadline)
+    # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
+    # its floor, or the time is out), then the other axes
+    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor)
+    if unpiped:
+        found = run.flat_after(found, floor, t0, len(cands) > len(hinted))
+    flat = run.flat
+    rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], run.solve_at, run.budget, run.out_of_time,
+                           floor, min(flat.estimate.step_time_s if flat is not None else math.inf,
+                                      found.best.evaluation.step_s if found.best is not None else math.inf))
+    found = _merged(found, rest)
+    if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
+        if flat is not None:
+            return _flat_status(flat, found)
+        raise _nothing_fits(found, run.why, len(cands), run.budget)
+    return _pipelined_plan(found, run, mesh, opts, captured, t0, deadline)
+
+
+def _pipelines(model, args, kwargs, mesh: Mesh, opts: PlanOptions, fixed: Mapping) -> list[Candidate]:
+    """The pipelines (axis, stages, microbatches, schedule) to weigh, "no pipeline" first where it is one."""
     n_layers = len({k for name, _ in model.named_parameters() if (k := layer_key(name))})
     batch = _batch(args, kwargs)
     cands = candidates(mesh, batch, opts.batch_axes, n_layers, fixed)
@@ -87,79 +112,92 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
                               f"batch {batch} and {n_layers} layers has these settings (pipeline.stages x "
                               f"pipeline.virtual_stages chunks need a layer each; pipeline.microbatches must divide "
                               f"the batch of one pipeline)")
-    flat, why, unpiped = None, None, cands[0].axis is None     # "no pipeline" among the choices
-    cands = cands[1:] if unpiped else cands
-    floor = pipeline_floor(captured[1][0].gm.graph, captured[1][1], mesh)
-    cands = _ordered(cands, floor)
-    hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
-    stage_opts = replace(opts, symbolic=False)
-    problems: dict[tuple, object] = {}      # (axis, microbatches) -> its problem (re-solved at tighter budgets)
-    statuses: dict[tuple, str] = {}         # (axis, microbatches) -> its last solve's status
-    plans: dict[tuple, tuple] = {}          # (axis, microbatches) -> (problem, choice, options) solved
-    took = [0.0]        # seconds of the costliest group so far (the first is tried whatever the time left)
+    return cands
 
-    def solve_at(axis, m, scale):
+
+class _Groups:
+    """The (axis, microbatch count) groups of one search: each solved once on its stage mesh, its
+    problem kept for re-solves at tighter budgets, warm-started from the nearest count solved; and
+    the plan without a pipeline (`flat`, or `why` none fits)."""
+
+    def __init__(self, model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, deadline: float | None):
+        self.model, self.args, self.kwargs, self.mesh, self.opts = model, args, kwargs, mesh, opts
+        self.captured, self.deadline = captured, deadline
+        self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
+        self.stage_opts = replace(opts, symbolic=False)
+        self.problems: dict[tuple, object] = {}   # (axis, microbatches) -> its problem
+        self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
+        self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
+        self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
+        self.flat: Plan | None = None
+        self.why: InfeasibleError | None = None
+
+    def solve_at(self, axis, m: int, scale: float):
         t = time.perf_counter()
-        cap, infos = _captured(model, args, kwargs, m, captured)
-        if (axis, m) not in problems:
-            problems[axis, m] = planning_problem(cap, infos, mesh.stage_mesh(axis), _stage_opts(stage_opts, mesh, axis))
+        cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured)
+        mesh = self.mesh
+        if (axis, m) not in self.problems:
+            self.problems[axis, m] = planning_problem(cap, infos, mesh.stage_mesh(axis),
+                                                      _stage_opts(self.stage_opts, mesh, axis))
             gc.freeze()
-        problem = problems[axis, m]
+        problem = self.problems[axis, m]
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
-        start = _carried(problem, plans, axis, m) if (axis, m) not in plans else None
-        first = not plans and flat is None      # no plan to return yet: its first plans whatever the time
+        start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
+        first = not self.plans and self.flat is None      # no plan to return yet: its first plans whatever the time
         try:
-            result = solve(per_step_view(problem, m), budget * stages * scale, remaining(deadline), start=start,
-                           floor=first)
+            result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
+                           start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
         finally:
-            took[0] = max(took[0], time.perf_counter() - t)
-        statuses[axis, m] = result.status
-        plans[axis, m] = (problem, result.choice, result.options)
+            self.took = max(self.took, time.perf_counter() - t)
+        self.statuses[axis, m] = result.status
+        self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
 
-    def out_of_time() -> bool:          # the next group, as long as the costliest so far, would end past it
-        return deadline is not None and time.perf_counter() + took[0] >= deadline
+    def out_of_time(self) -> bool:     # the next group, as long as the costliest so far, would end past it
+        return self.deadline is not None and time.perf_counter() + self.took >= self.deadline
 
-    # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
-    # its floor, or the time is out), then the other axes
-    found = choose_pipeline(mesh, hinted, solve_at, budget, out_of_time, floor)
-    if unpiped:
+    def flat_after(self, found: Searched, floor, t0: float, more: bool) -> Searched:
+        """After the hinted axes: the plan without a pipeline, unless a pipeline found beats its floor
+        (counted pruned) or the time is out (counted unsearched)."""
         beat = found.best.evaluation.step_s if found.best is not None else math.inf
         if floor(Candidate(None, 1, 1, "1f1b", 1)) >= beat:
-            found = replace(found, pruned=found.pruned + 1)
-        elif found.best is not None and out_of_time():
-            found = replace(found, unsearched=found.unsearched + 1)
-        else:
-            flat, why = _flat(model, args, kwargs, mesh, opts, captured, t0, deadline, len(cands) > len(hinted))
-            took[0] = max(took[0], flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0)
-    rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], solve_at, budget, out_of_time, floor,
-                           min(flat.estimate.step_time_s if flat is not None else math.inf,
-                               found.best.evaluation.step_s if found.best is not None else math.inf))
-    found = _merged(found, rest)
-    if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
-        if flat is not None:
-            return _flat_status(flat, found)
-        least = found.least
-        if why is not None and (why.min_memory_bytes or math.inf) <= least:     # the plan without one needs least
-            raise InfeasibleError(f"{why} No pipeline fits either ({len(cands)} candidates).", why.min_memory_bytes)
-        raise InfeasibleError(f"no pipeline of {len(cands)} candidates fits the budget of {budget / 2**30:.2f} GiB "
-                              f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
+            return replace(found, pruned=found.pruned + 1)
+        if found.best is not None and self.out_of_time():
+            return replace(found, unsearched=found.unsearched + 1)
+        self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
+                                    self.deadline, more)
+        flat = self.flat
+        self.took = max(self.took, flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0)
+        return found
+
+
+def _nothing_fits(found: Searched, why: InfeasibleError | None, n: int, budget: float) -> InfeasibleError:
+    least = found.least
+    if why is not None and (why.min_memory_bytes or math.inf) <= least:     # the plan without one needs least
+        return InfeasibleError(f"{why} No pipeline fits either ({n} candidates).", why.min_memory_bytes)
+    return InfeasibleError(f"no pipeline of {n} candidates fits the budget of {budget / 2**30:.2f} GiB "
+                           f"per device; the least memory one needs is {least / 2**30:.2f} GiB", least)
+
+
+def _pipelined_plan(found: Searched, run: _Groups, mesh: Mesh, opts: PlanOptions, captured: dict, t0: float,
+                    deadline: float | None) -> Plan:
+    """The best pipeline's plan: its stage plan assembled, priced with its staging, lifted to the mesh."""
     best = found.best
     c = best.candidate
     cap = captured[c.microbatches][0]
     sub = mesh.stage_mesh(c.axis)
     staging = Staging(best.pipeline, node_chunks(best.problem, cap.gm.graph, best.pipeline),
                       mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
-    plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(stage_opts, mesh, c.axis), best.options,
+    plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(run.stage_opts, mesh, c.axis), best.options,
                     staging if c.stages > 1 else None)
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
     timed_out = found.unsearched > 0 or (deadline is not None and time.perf_counter() >= deadline)
-    plan.solver = SolverInfo("search", _status(statuses, c, found, timed_out), 0, 0, plan.estimate.step_time_s,
+    plan.solver = SolverInfo("search", _status(run.statuses, c, found, timed_out), 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
