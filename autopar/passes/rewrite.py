@@ -26,7 +26,7 @@ from ..runtime.attention import context_executor
 from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
 from ..runtime.reshard import Reshard, carries_grad, over_one_device
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
-from .capture import Captured
+from .captured import Captured
 from .parameter_side import parameter_side
 from .shape_prop import tensor_meta
 

@@ -40,15 +40,12 @@ import re
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
+from .captured import Captured
 from .layers import layer_of, module_path
-
-if TYPE_CHECKING:       # capture.py imports this module
-    from .capture import Captured
 
 TRACED = 3      # periods traced: the first (its input differs), and two to check that periods repeat
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import local_tensor, pytree
-from ..passes.capture import Captured
+from ..passes.captured import Captured
 from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, parse_layout
 from ..plan import Plan
