@@ -23,7 +23,7 @@ from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
-from ..passes.rewrite import rewrite
+from .rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
 from .early import early_reshards

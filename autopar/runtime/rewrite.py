@@ -15,32 +15,22 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
 
 from ..compat import pytree
 from ..cost_model.comm import async_output_axis
-from ..placement import parse_layout
+from ..passes.captured import Captured
+from ..passes.parameter_side import parameter_side
+from ..passes.reshard_edges import output_modules, reshards_edge
+from ..passes.shape_prop import tensor_meta
+from ..placement import over_one_device, parse_layout
 from ..plan import Plan
-from ..runtime.async_output import AsyncOutput
-from ..runtime.attention import context_executor
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from ..runtime.reshard import Reshard, carries_grad, over_one_device
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
-from .captured import Captured
-from .parameter_side import parameter_side
-from .shape_prop import tensor_meta
+from .async_output import AsyncOutput
+from .attention import context_executor
+from .ops import LocalOp, ReplicateOp, ToLocal, mesh_device
+from .reshard import Reshard, carries_grad
 
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
-
-
-def reshards_edge(src_executor: str | None, src_layout, want, mesh_shape) -> bool:
-    """Does the rewrite put a Reshard between a producer and a consumer's input? Always after a
-    parameter (its stored shard becomes a DTensor there) and after anything the plan does not know;
-    otherwise where the layouts differ over an axis of more than one device (over axes of one device
-    every layout holds the same local tensor: the consumer takes the producer's as it is).
-    (`autopar.estimate` counts runtime modules with this.)"""
-    return src_executor in (None, "param") or not over_one_device(mesh_shape, parse_layout(src_layout),
-                                                                   parse_layout(want))
 
 
 def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side: dict[str, tuple] | None = None,
@@ -87,14 +77,6 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
                             or (grad_flows and not over_one_device(mesh_shape, grads[k], arrives)) for k in slots):
             return False
     return True
-
-
-def output_modules(sharded_outputs: bool, src_layout, mesh_shape) -> int:
-    """Runtime modules the rewrite adds per tensor output in `src_layout`: a Reshard to whole and a
-    ToLocal, or none when outputs stay sharded or the output is whole already (up to axes of one
-    device: then its op hands it on as a plain tensor, `passes_local`)."""
-    whole = tuple(Replicate() for _ in mesh_shape)
-    return 0 if sharded_outputs or over_one_device(mesh_shape, parse_layout(src_layout), whole) else 2
 
 
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
