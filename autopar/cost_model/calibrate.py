@@ -454,7 +454,7 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
                      memory_budget=float("inf"))
     dmodel = autoparallelize(model, mesh, (x,), plan=plan)
     # the nodes the evaluator charges runtime_op_overhead for (the rewrite's modules: LocalOp,
-    # Reshard, ToLocal; runtime/fastpath.py then trims many of them, which is what the figure measures)
+    # Reshard, ToLocal; runtime/trim_wrappers.py then trims many of them, which is what the figure measures)
     nodes = estimate(model, (x,), mesh, plan).graph_nodes
     reps = 15 if quick else 61
 

@@ -37,7 +37,7 @@ from ..compat import HigherOrderOperator, OpOverload, fake_tensor_cache, is_muta
 from ..errors import CaptureError
 from .captured import Captured, InputSlot
 from .lowering import DECOMPOSITIONS, drop_assertions, drop_identity_dropouts, exact_mean_losses, experts_as_one_op
-from .short_stack import TRACED, deep_stack, expand, traced_blocks
+from .repeated_blocks import TRACED, deep_stack, expand, traced_blocks
 
 _log = logging.getLogger("autopar")
 
@@ -51,7 +51,7 @@ def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_shapes=None) -> Captured:
     """`dynamic_shapes` (torch.export's argument) leaves marked sizes symbolic: see symbolic_shapes.py.
-    A deep stack of alike blocks is traced three blocks deep and copied (short_stack.py)."""
+    A deep stack of alike blocks is traced three blocks deep and copied (repeated_blocks.py)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)

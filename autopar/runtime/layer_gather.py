@@ -10,7 +10,7 @@ other axes as stored, one dtype) become one `LayerGather`:
   `all_gather_into_tensor` over that axis; the result ([rank][member] chunks) is copied out member
   by member into one buffer holding each member's gathered tensor, contiguous (FSDP2's copy-in /
   copy-out, `torch.split_with_sizes_copy`); the graph's ops get views of it (plain local tensors
-  where the consumer is a `LocalOp`, as fastpath.py's parameter edges; DTensors else). The buffer is
+  where the consumer is a `LocalOp`, as trim_wrappers.py's parameter edges; DTensors else). The buffer is
   registered in the `GatheredCopies` registry as one copy, so the saved-tensor hooks (memory.py)
   drop every saved view of it and keep a `RegatheredCopy` of the layer's `LayerCopy` instead; the
   buffer is freed when the forward's last view of it goes;
@@ -50,7 +50,7 @@ from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
 from .faults import watched
-from .fastpath import tensor_args
+from .trim_wrappers import tensor_args
 from .ops import LocalOp
 from .regather import GatherCopy, GatheredCopies
 from .reshard import reduce_grad, reduce_local_grad
@@ -150,7 +150,7 @@ class LayerGather(torch.nn.Module):
     members' gathered tensors (in their `layouts`), from one flat all-gather over mesh axis `axis`
     (see module docstring); `syncs`: each member's link to the gradient buckets, or None. A member
     whose one consumer is a `LocalOp` is handed on as its local tensor (no DTensor made, forward or
-    backward, and the consumer can be a direct call: fastpath.py)."""
+    backward, and the consumer can be a direct call: trim_wrappers.py)."""
 
     def __init__(self, key: str, axis: int, layouts: Sequence[tuple], members: Sequence[str],
                  syncs: Sequence, local: Sequence[tuple | None], copies: GatheredCopies, chain: list):
@@ -158,7 +158,7 @@ class LayerGather(torch.nn.Module):
         self.key, self.axis, self.layouts, self.members = key, axis, tuple(layouts), tuple(members)
         self.syncs = tuple(syncs)
         # per member: its one consumer's gradient layout where it is handed on as a plain local tensor
-        # (a `LocalOp`'s input, as fastpath.ParamEdge), else None (a DTensor)
+        # (a `LocalOp`'s input, as trim_wrappers.ParamEdge), else None (a DTensor)
         self.local = tuple(local)
         self.meta: list | None = None    # per member: (mesh, global shape, stride), from the first call
         self._copies = [copies]

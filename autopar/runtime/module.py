@@ -26,8 +26,8 @@ from ..plan import Plan
 from .rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
-from .early import early_reshards
-from .fastpath import LeafParams, direct_calls, fuse_param_edges, local_inputs
+from .early_reshard import early_reshards
+from .trim_wrappers import LeafParams, direct_calls, fuse_param_edges, local_inputs
 from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
@@ -144,7 +144,7 @@ class DistributedModule(torch.nn.Module):
 
     def _build(self, cap: Captured) -> torch.nn.Module:
         """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
-        its gradient reductions bucketed (grad_sync.py), its no-op wrappers trimmed (fastpath.py), its
+        its gradient reductions bucketed (grad_sync.py), its no-op wrappers trimmed (trim_wrappers.py), its
         memory decisions applied."""
         a = self._autopar
         graph = rewrite(cap, a["plan"], a["mesh"])
@@ -157,7 +157,7 @@ class DistributedModule(torch.nn.Module):
         inputs = local_inputs(graph, cap, arriving)
         direct_calls(graph, frozenset(leaves) | inputs)
         early_reshards(graph, frozenset(n for n, slot in cap.inputs.items() if slot.kind == "input"))
-        graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
+        graph.local_params = leaves       # placeholders fed their parameter's local shard (trim_wrappers.py)
         graph.feeds = self._feeds(cap, leaves, {n: arriving[n] for n in inputs})
         return graph
 
@@ -285,7 +285,7 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
 
 
 def local_input(mesh, x, layout: tuple):
-    """A user input the program takes as its local tensor (`fastpath.local_inputs`): the tensor this
+    """A user input the program takes as its local tensor (`trim_wrappers.local_inputs`): the tensor this
     rank was given, on the mesh's device (a DTensor given instead: its local shard in `layout`)."""
     if isinstance(x, DTensor):
         return x.redistribute(mesh, layout).to_local()
