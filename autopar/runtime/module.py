@@ -17,7 +17,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..compat import pytree
+from ..compat import child_table, parameter_table, pytree
 from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
@@ -48,9 +48,9 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
-        if part not in mod._modules:
+        if part not in child_table(mod):
             mod.add_module(part, torch.nn.Module())
-        mod = mod._modules[part]
+        mod = child_table(mod)[part]
     if kind == "param":
         mod.register_parameter(leaf, value)
     else:
@@ -185,7 +185,7 @@ class DistributedModule(torch.nn.Module):
         for k, (name, slot) in enumerate(cap.inputs.items()):
             if slot.kind == "param":
                 path, _, attr = str(slot.target).rpartition(".")
-                params.append((k, self.get_submodule(path)._parameters, attr, leaves_of.get(name)))
+                params.append((k, parameter_table(self.get_submodule(path)), attr, leaves_of.get(name)))
             elif name in local_in:
                 others.append((k, lambda leaves, i=slot.target, layout=local_in[name]:
                                local_input(self._autopar["mesh"], leaves[i], layout)))
