@@ -221,6 +221,19 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     Parameters outside the layers group by their run between layers. `stored_of(fqn)`: the stored
     layout; `skip_layers`: layers left as they are (recomputed or offloaded: regions). Returns how
     many `LayerGather`s were made."""
+    groups = _groups(gm, param_of, stored_of, mesh_shape, skip_layers)
+    made = _layer_gathers(gm, groups, copies)
+    _wire(gm, made)
+    if made:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return len(made)
+
+
+def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
+            skip_layers: frozenset[str]) -> dict[tuple, list[fx.Node]]:
+    """The "regather" `GatherCopy` nodes of parameter placeholders by (layer, or run between layers;
+    mesh axis; dtype), in graph order; those gathered one by one are logged."""
     groups: dict[tuple, list[fx.Node]] = {}
     alone: list[str] = []
     segment, last = 0, None          # runs of layers passed: parameters outside the layers group by it
@@ -246,6 +259,13 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
         groups.setdefault((where, axis, val.dtype), []).append(node)
     if alone:
         log.info("re-gathered one by one, not in their layer's flat gather: %s", "; ".join(alone))
+    return groups
+
+
+def _layer_gathers(gm: fx.GraphModule, groups: dict[tuple, list[fx.Node]],
+                   copies: GatheredCopies) -> list[tuple[list[fx.Node], str]]:
+    """One `LayerGather` and its `LaunchGather` added to `gm` per group; -> (the group's nodes, the
+    modules' name) in the order of their first node."""
     chain: list = []
     made: list[tuple[list[fx.Node], str]] = []
     for (where, axis, _), nodes in groups.items():
@@ -258,6 +278,12 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
         made.append((nodes, name))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     made.sort(key=lambda m: order[m[0][0]])
+    return made
+
+
+def _wire(gm: fx.GraphModule, made: list[tuple[list[fx.Node], str]]) -> None:
+    """Each group's `GatherCopy` nodes replaced by its gather's items, the gather launched as the
+    group before is waited (the first: where it is used)."""
     prev = None
     for i, (nodes, name) in enumerate(made):
         shards = tuple(n.args[0] for n in nodes)
@@ -276,10 +302,6 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
             n.replace_all_uses_with(item)
         for n in nodes:
             gm.graph.erase_node(n)
-    if made:
-        gm.delete_all_unused_submodules()
-        gm.recompile()
-    return len(made)
 
 
 def local_consumer(gm: fx.GraphModule, node: fx.Node) -> tuple | None:
