@@ -17,7 +17,7 @@ from .progress import PhaseProgress
 from .planner.pipeline_search import search_pipeline
 from .passes.stages import microbatch
 from .planner.solve import PlanOptions, fingerprint, make_plan, plan_captured
-from .runtime.fit import layout_misfits
+from .runtime.layout_fit import layout_misfits
 from .runtime.weights import Weights
 
 

@@ -39,7 +39,7 @@ from .compiled import check_compiler, compile_program, per_rank_program, untrace
 from .errors import PlanOptionError
 from .mesh import Mesh
 from .passes.capture import InputSlot, capture, flatten_inputs
-from .passes.rewrite import rewrite
+from .runtime.rewrite import rewrite
 from .placement import parse_layout
 from .plan import Plan
 from .planner.solve import PlanOptions, plan_captured

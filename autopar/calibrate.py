@@ -43,6 +43,7 @@ Figures not measured (memory capacity, host link on GPU, devices per node) come 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -327,7 +328,7 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     128x512x512 matmul took 0.75 ms inside such a loop against 1.5 ms shared; after 4 of them the
     collective's span was 4.9 ms, the cycle less the shared bursts 3.2 ms)."""
     import torch
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     from .mesh import Mesh
     from .runtime.reshard import to_layout
@@ -344,28 +345,8 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     whole = tuple(Replicate() for _ in names)
     cycle = [i for i, n in enumerate(mesh_shape) if n > 1]
 
-    class InBackward(torch.autograd.Function):
-        """Identity whose backward runs `fn` first: work issued by autograd's engine, as a step's
-        backward issues its collectives."""
-        @staticmethod
-        def forward(ctx, h, fn):  # type: ignore[override]
-            ctx.fn = fn
-            return h.view_as(h)
-
-        @staticmethod
-        def backward(ctx, g):  # type: ignore[override]
-            ctx.fn()
-            return g, None
-
     def move(src, local):
         to_layout(DTensor.from_local(local, dmesh, src, run_check=False), whole)
-
-    def in_backward(fns) -> None:
-        """`fns` run in order by one backward pass."""
-        h = torch.zeros(1, requires_grad=True)
-        for fn in reversed(fns):
-            h = InBackward.apply(h, fn)
-        h.sum().backward()
 
     def timed(moves) -> float:
         """Mean seconds one collective adds to a burst: `moves`, a list of (placements, local tensor),
@@ -381,9 +362,18 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
             for f in steps:
                 f()
         fwd = _timeit_together(forward_cycle, reps, sync) - len(moves) * _timeit_together(burst, reps, sync)
-        bwd = (_timeit_together(lambda: in_backward(steps), reps, sync)
-               - _timeit_together(lambda: in_backward([burst] * len(moves)), reps, sync))
+        bwd = (_timeit_together(lambda: _in_backward(steps), reps, sync)
+               - _timeit_together(lambda: _in_backward([burst] * len(moves)), reps, sync))
         return (fwd + bwd) / (2 * len(moves))
+
+    return _step_collective_points(timed, mesh_shape, names, cycle, sizes, device)
+
+
+def _step_collective_points(timed, mesh_shape, names, cycle: list[int], sizes: tuple[int, ...], device: str) -> dict:
+    """`_measure_step_collectives`' figures: `timed(moves)` of every axis's all_reduce at once, and of
+    all_reduce and all_gather cycling over the axes `cycle` at each of `sizes` bytes."""
+    import torch
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     out = {"burst_repeats": BURST_REPEATS, "cycle": [names[i] for i in cycle], "points": {}}
     if not cycle:                                     # a world of one: nothing to measure
@@ -405,6 +395,34 @@ def _measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> di
     return out
 
 
+def _in_backward(fns) -> None:
+    """`fns` run in order by one backward pass: work issued by autograd's engine, as a step's backward
+    issues its collectives."""
+    import torch
+    h = torch.zeros(1, requires_grad=True)
+    for fn in reversed(fns):
+        h = _runs_in_backward().apply(h, fn)
+    h.sum().backward()
+
+
+@functools.cache
+def _runs_in_backward():
+    """Identity whose backward runs `fn` first (made once: torch is imported where it is measured)."""
+    import torch
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, fn):  # type: ignore[override]
+            ctx.fn = fn
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            ctx.fn()
+            return g, None
+    return InBackward
+
+
 def _line(points) -> tuple[float, float]:
     """Least-squares (intercept, slope) of seconds against bytes."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -419,12 +437,50 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
     node of the rank's graph (LocalOp: unwrap and rewrap DTensors in autograd functions; Reshard),
     forward + backward; and AdamW's step per parameter through `dmodel.optimizer`."""
     import torch
-    from torch import nn
 
     from .api import autoparallelize
     from .api import plan as make_plan
     from .estimate import estimate
     from .mesh import Mesh
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = _tiny_model().to(device)
+    x = torch.randn(2, 8, TINY_WIDTH, device=device)
+    mesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100")
+    whole = tuple("R" for _ in mesh_shape)        # no split: no collective, only the runtime's own cost
+    plan = make_plan(model, (x,), mesh, pins={n: whole for n, _ in model.named_parameters()}, batch_axes=None,
+                     memory_budget=float("inf"))
+    dmodel = autoparallelize(model, mesh, (x,), plan=plan)
+    # the nodes the evaluator charges runtime_op_overhead for (the rewrite's modules: LocalOp,
+    # Reshard, ToLocal; runtime/trim_wrappers.py then trims many of them, which is what the figure measures)
+    nodes = estimate(model, (x,), mesh, plan).graph_nodes
+    reps = 15 if quick else 61
+
+    def run(mod):
+        out = mod(x)
+        out = out.full_tensor() if hasattr(out, "full_tensor") else out
+        out.backward()
+    # every rank times the same thing at the same time (planning took each rank its own time):
+    # with more ranks than cores, each rank's figure is then what it gets while the others run too
+    t_rt = _timeit_together(lambda: run(dmodel), reps, sync)
+    t_eager = _timeit_together(lambda: run(model), reps, sync)
+    opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-6)      # as a training step runs it
+    run(dmodel)                                   # gradients stay: step() alone is timed
+    n_params = sum(1 for _ in dmodel.parameters())
+    t_opt = _timeit_together(opt.step, reps, sync)
+    elems = 2 ** 18 if quick else 2 ** 20
+    t_big = _time_big_adamw(mesh, elems, device, max(reps // 4, 5), sync)
+    per_tensor = t_opt / n_params
+    return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
+            "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
+            "optimizer_param_overhead": per_tensor, "optimizer_big_elements": elems, "optimizer_big_s": t_big,
+            "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
+
+
+def _tiny_model():
+    """The graph that measures autopar's runtime overhead (TINY_WIDTH, TINY_DEPTH)."""
+    import torch
+    from torch import nn
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -443,46 +499,19 @@ def _measure_runtime(mesh_shape, names, device: str, quick: bool) -> dict:
                 x = x + blk["proj"](y.transpose(1, 2).reshape(b, t, w))
                 x = x + blk["fc2"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
             return x.square().mean()
+    return Tiny()
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    torch.manual_seed(0)
-    model = Tiny().to(device)
-    x = torch.randn(2, 8, TINY_WIDTH, device=device)
-    mesh = Mesh(tuple(mesh_shape), tuple(names), device="cpu" if device == "cpu" else "h100")
-    whole = tuple("R" for _ in mesh_shape)        # no split: no collective, only the runtime's own cost
-    plan = make_plan(model, (x,), mesh, pins={n: whole for n, _ in model.named_parameters()}, batch_axes=None,
-                     memory_budget=float("inf"))
-    dmodel = autoparallelize(model, mesh, (x,), plan=plan)
-    # the nodes the evaluator charges runtime_op_overhead for (the rewrite's modules: LocalOp,
-    # Reshard, ToLocal; runtime/fastpath.py then trims many of them, which is what the figure measures)
-    nodes = estimate(model, (x,), mesh, plan).graph_nodes
-    reps = 15 if quick else 61
 
-    def run(mod):
-        out = mod(x)
-        out = out.full_tensor() if hasattr(out, "full_tensor") else out
-        out.backward()
-    # every rank times the same thing at the same time (planning took each rank its own time):
-    # with more ranks than cores, each rank's figure is then what it gets while the others run too
-    t_rt = _timeit_together(lambda: run(dmodel), reps, sync)
-    t_eager = _timeit_together(lambda: run(model), reps, sync)
-    opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-6)      # as a training step runs it
-    run(dmodel)                                   # gradients stay: step() alone is timed
-    n_params = sum(1 for _ in dmodel.parameters())
-    t_opt = _timeit_together(opt.step, reps, sync)
-    # the same optimizer on one large DTensor parameter: its time per element beyond the per-tensor cost
+def _time_big_adamw(mesh, elems: int, device: str, reps: int, sync) -> float:
+    """Seconds of AdamW's step on one replicated DTensor parameter of `elems` elements: its time per
+    element beyond the per-tensor cost."""
+    import torch
     from torch.distributed.tensor import Replicate, distribute_tensor
-    elems = 2 ** 18 if quick else 2 ** 20
-    big = torch.nn.Parameter(distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(),
-                                               [Replicate()] * len(mesh_shape)))
-    big.grad = distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), [Replicate()] * len(mesh_shape))
+    whole = [Replicate()] * len(mesh.shape)
+    big = torch.nn.Parameter(distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), whole))
+    big.grad = distribute_tensor(torch.randn(elems, device=device), mesh.device_mesh(), whole)
     opt_big = torch.optim.AdamW([big], lr=1e-6)
-    t_big = _timeit_together(opt_big.step, max(reps // 4, 5), sync)
-    per_tensor = t_opt / n_params
-    return {"graph_nodes": nodes, "params": n_params, "step_autopar_s": t_rt, "step_eager_s": t_eager,
-            "optimizer_step_s": t_opt, "runtime_op_overhead": max(t_rt - t_eager, 0.0) / nodes,
-            "optimizer_param_overhead": per_tensor, "optimizer_big_elements": elems, "optimizer_big_s": t_big,
-            "optimizer_element_time": max(t_big - per_tensor, 0.0) / elems}
+    return _timeit_together(opt_big.step, reps, sync)
 
 
 # The model that measures how much of the gradient buckets' transfer the backward hides: OVERLAP_DEPTH
@@ -506,8 +535,6 @@ def _measure_overlap(mesh_shape, names, device: str, quick: bool) -> dict:
     import dataclasses as dc
 
     import torch
-    import torch.distributed as dist
-    from torch import nn
 
     from .api import autoparallelize
     from .api import plan as make_plan
@@ -518,19 +545,8 @@ def _measure_overlap(mesh_shape, names, device: str, quick: bool) -> dict:
     if world == 1:
         return {}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.relu(layer(x))
-            return x.square().mean()
-
     torch.manual_seed(0)
-    model = Stack().to(device)
+    model = _linear_stack(width, depth).to(device)
     layer_bytes = 4 * (width * width + width)
     base = load_profile("cpu" if device == "cpu" else "h100")
     mesh = Mesh(tuple(mesh_shape), tuple(names), device=dc.replace(base, grad_bucket_bytes=layer_bytes))
@@ -552,22 +568,46 @@ def _measure_overlap(mesh_shape, names, device: str, quick: bool) -> dict:
     run(dp, x_local)
     buckets = dp._grad_sync.buckets_launched          # one backward's
     flat = [torch.randn(layer_bytes // 4, device=device) for _ in range(buckets)]
-
-    def reduce_all():
-        works = [dist.all_reduce(t, async_op=True) for t in flat]
-        for w in works:
-            w.wait()
-    # the four timed in turn, OVERLAP_ROUNDS times, each figure's median: a change of load hits all alike
-    rounds = [(_timeit_together(lambda: run(dp, x_local), reps, sync),
-               _timeit_together(lambda: run(alone, x_local), reps, sync),
-               _timeit_together(reduce_all, reps, sync), _timeit_together(lambda: dist.all_reduce(flat[0]), reps, sync))
-              for _ in range(OVERLAP_ROUNDS)]
-    t_dp, t_alone, t_comm, t_last = (statistics.median(r[i] for r in rounds) for i in range(4))
+    t_dp, t_alone, t_comm, t_last = _overlap_times(lambda: run(dp, x_local), lambda: run(alone, x_local), flat,
+                                                   reps, sync)
     exposed = t_dp - t_alone
     early = max(t_comm - t_last, 1e-9)
     return {"width": width, "depth": depth, "rows": rows, "buckets": buckets, "step_s": t_dp, "no_sync_s": t_alone,
             "buckets_alone_s": t_comm, "last_bucket_s": t_last,
             "overlap": min(max(1.0 - (exposed - t_last) / early, 0.0), 1.0)}
+
+
+def _linear_stack(width: int, depth: int):
+    """The model `_measure_overlap` steps: `depth` linear layers of `width`, ReLU between."""
+    import torch
+    from torch import nn
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.square().mean()
+    return Stack()
+
+
+def _overlap_times(step, no_sync_step, flat: list, reps: int, sync) -> tuple[float, ...]:
+    """Seconds of (the data-parallel step, the step with nothing to reduce, the buckets' all-reduces
+    `flat` alone, the last bucket's alone): the four timed in turn, OVERLAP_ROUNDS times, each
+    figure's median (a change of load hits all alike)."""
+    import torch.distributed as dist
+
+    def reduce_all():
+        works = [dist.all_reduce(t, async_op=True) for t in flat]
+        for w in works:
+            w.wait()
+    rounds = [(_timeit_together(step, reps, sync), _timeit_together(no_sync_step, reps, sync),
+               _timeit_together(reduce_all, reps, sync), _timeit_together(lambda: dist.all_reduce(flat[0]), reps, sync))
+              for _ in range(OVERLAP_ROUNDS)]
+    return tuple(statistics.median(r[i] for r in rounds) for i in range(4))
 
 
 def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tuple[dict, dict, list, float]:
@@ -656,21 +696,40 @@ def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device:
 def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | None = None,
               base: str = "cpu", name: str | None = None, quick: bool = False, device: str | None = None) -> Path:
     """Measure this machine with `world_size` ranks and write a profile JSON to `out`."""
-    import multiprocessing as mp
-
     import torch
 
-    from .cost_model.profiles import Link, load_profile, save_profile
+    from .cost_model.profiles import load_profile, save_profile
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     mesh = tuple(mesh) if mesh else (world_size,)
     if math.prod(mesh) != world_size:
         raise SystemExit(f"autopar calibrate: mesh {mesh} has {math.prod(mesh)} devices, not --world-size {world_size}")
     names = tuple(f"axis{i}" for i in range(len(mesh)))
+    load_before = os.getloadavg()
+    results = _run_ranks(world_size, mesh, names, device, quick)
+    # the figures hold for this launch: with more ranks than cores, each rank gets a share of a core
+    launch = {"ranks": world_size, "mesh": list(mesh), "cores": os.cpu_count(), "ranks_per_core":
+              world_size / (os.cpu_count() or 1), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    comp = [r[1] for r in results]
+    base_p = load_profile(base)
+    profile, axes_fit, collectives = _fitted_profile(results, base_p, device, world_size, mesh, name)
+    path = save_profile(profile, out)
+    d = json.loads(path.read_text())
+    d["_notes"] = _notes(comp, base_p.name)
+    d["_measured"] = {"launch": launch, "axes": axes_fit, "collectives": collectives, "per_rank": comp}
+    path.write_text(json.dumps(d, indent=2) + "\n")
+    return path
+
+
+def _run_ranks(world_size: int, mesh: tuple[int, ...], names: tuple[str, ...], device: str, quick: bool) -> list:
+    """Each rank's (rank, measurements, axes' isolated collectives), in rank order, measured by
+    `world_size` processes at once (SystemExit if one fails or the 600 s pass)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
     # forked ranks on CPU (fast); spawned on GPU: CUDA cannot be used in a child forked from a process
     # that has touched it (torch.cuda.is_available() above may have)
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     queue = ctx.Queue()
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="autopar_calibrate_") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_file, mesh, names, device, quick, queue))
@@ -679,7 +738,6 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
             p.start()
         results = []
         try:
-            import queue as queue_mod
             deadline = time.monotonic() + 600
             while len(results) < len(procs) and time.monotonic() < deadline:
                 try:
@@ -695,24 +753,21 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         if any(p.exitcode not in (0, None) for p in procs) or len(results) < len(procs):
             raise SystemExit("autopar calibrate: a measuring rank failed (see its traceback above)")
     results.sort(key=lambda r: r[0])
-    # the figures hold for this launch: with more ranks than cores, each rank gets a share of a core
-    launch = {"ranks": world_size, "mesh": list(mesh), "cores": os.cpu_count(), "ranks_per_core":
-              world_size / (os.cpu_count() or 1), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    return results
+
+
+def _fitted_profile(results: list, base_p, device: str, world_size: int, mesh: tuple[int, ...], name: str | None):
+    """(the profile the ranks' measurements give, over `base_p` for what is not measured; the axes'
+    ring fits; the collectives measured as a step issues them)."""
+    import torch
+
+    from .cost_model.profiles import Link
     comp = [r[1] for r in results]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     flops = {k: med([c["matmul_flops"][k] for c in comp]) for k in comp[0]["matmul_flops"]}
     bw = med([c["memory_bandwidth"] for c in comp])
-    base_p = load_profile(base)
     kernel_overhead = med([c["kernel_overhead"] for c in comp])
-    # isolated collectives (back to back, raw torch.distributed): the transport's own latency per
-    # ring step, and a bound on the bandwidth
-    isolated = {}
-    for ax_name, info in results[0][2].items():
-        n = info["size"]
-        fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
-        isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
-                             "points_s": info["points"]}
-    axes_fit, collectives, links, collective_overhead = _fit_links(comp, isolated, kernel_overhead)
+    axes_fit, collectives, links, collective_overhead = _fit_links(comp, _isolated(results), kernel_overhead)
     rt = [c["runtime"] for c in comp]
     intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
     inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
@@ -735,9 +790,24 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
         source=f"autopar calibrate on {os.uname().nodename}, {world_size} ranks measuring at once, mesh {mesh}, "
                f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     profile = dataclasses.replace(profile, attention_efficiency=_attention_efficiency(comp, profile))
-    path = save_profile(profile, out)
-    d = json.loads(path.read_text())
-    d["_notes"] = {
+    return profile, axes_fit, collectives
+
+
+def _isolated(results: list) -> dict:
+    """Per axis, isolated collectives (back to back, raw torch.distributed): the transport's own
+    latency per ring step, and a bound on the bandwidth (rank 0's measurements)."""
+    isolated = {}
+    for ax_name, info in results[0][2].items():
+        n = info["size"]
+        fits = {kind: _fit_ring(kind, n, *pts) for kind, pts in info["points"].items()}
+        isolated[ax_name] = {"size": n, "fits": {k: {"bandwidth": b, "latency": l} for k, (b, l) in fits.items()},
+                             "points_s": info["points"]}
+    return isolated
+
+
+def _notes(comp: list, base_name: str) -> dict[str, str]:
+    """How each figure of the profile was measured (the profile file's `_notes`)."""
+    return {
         "peak_flops": f"torch.mm of square matrices (n={comp[0]['matmul_n']}, smaller for dtypes without a fast "
                       f"kernel), median over {RATE_ROUNDS} rounds spread over the calibration, then over ranks: "
                       "achieved rates, hence matmul_efficiency = 1",
@@ -747,7 +817,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                  "all_gather issued as a training step issues them (a compute burst, then DTensor redistribute, "
                  "cycling over the axes; minus the bursts alone), mean over ranks, bounded by the isolated "
                  "bandwidth (see _measured.collectives); intra_node is the slowest axis; figures not measured "
-                 "come from the base profile " + base_p.name,
+                 "come from the base profile " + base_name,
         "kernel_overhead": "a 16-element add, median over ranks (eager PyTorch's per-op dispatch)",
         "attention_efficiency": "causal scaled_dot_product_attention, forward + backward, at (batch, heads, sequence, "
                                 f"head dim) {comp[0]['attention']['shape']} ({comp[0]['attention']['dtype']}): the "
@@ -781,6 +851,3 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
                                   "per operation of the update (about 19 passes of 4 bytes, not the fused 28 bytes "
                                   "cost_model.compute assumes); median over ranks",
     }
-    d["_measured"] = {"launch": launch, "axes": axes_fit, "collectives": collectives, "per_rank": comp}
-    path.write_text(json.dumps(d, indent=2) + "\n")
-    return path

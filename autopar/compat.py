@@ -1,4 +1,4 @@
-"""Every private torch API autopar uses, in one place (torch 2.11 - 2.13).
+"""Every private torch (and Hugging Face) API autopar uses, in one place (torch 2.11 - 2.13).
 
 Anything reached through a leading underscore, or through an object's internals, is imported or
 wrapped here and nowhere else, so a torch upgrade that moves one breaks this file only.
@@ -43,6 +43,14 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 * `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
   (torch._dynamo.config.fake_tensor_cache_enabled): with symbolic sizes, building and reading its
   entries costs more than the ops it saves (`passes/capture.py`).
+* `wrapper_tensor(cls, like)`: a storage-less tensor subclass shaped like `like`
+  (Tensor._make_wrapper_subclass), for a value an asynchronous collective is still writing.
+* `op_packet_name(packet)`: "aten::linear" for an op packet (its `_qualified_op_name`).
+* `has_module_hooks(m)`: whether a module has hooks of its own (its private hook dicts).
+* `parameter_table(m)`, `buffer_table(m)`, `child_table(m)`: nn.Module's own dicts of its direct
+  parameters, buffers and children (`_parameters`, `_buffers`, `_modules`), read and written in place.
+* `hf_default_gate(experts)`, `hf_init_weights(model)`: Hugging Face's private `_apply_gate` (is it
+  transformers' default?) and `_init_weights` (a model's per-module initialiser).
 * `SafeDcpReader(path)`: torch.distributed.checkpoint's `FileSystemReader` whose `.metadata` file is
   unpickled with only the metadata's own classes allowed (torch's reader unpickles it with plain
   `pickle.load`, which would run any code a file names); the allowed names include DCP's private
@@ -63,7 +71,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["pytree", "funcol", "OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_mutable", "sym_expr",
            "sym_hint", "TorchDispatchMode", "tensor_version", "default_store", "set_group_timeout",
            "at_backward_end", "fake_tensor_cache", "GROUPED_MM", "attention_block", "attention_block_backward",
-           "SafeDcpReader", "tracing", "compile_graph", "dynamo_user_input"]
+           "SafeDcpReader", "tracing", "compile_graph", "dynamo_user_input", "wrapper_tensor", "op_packet_name",
+           "has_module_hooks", "parameter_table", "buffer_table", "child_table", "hf_default_gate", "hf_init_weights"]
 
 GROUPED_MM = torch.ops.aten._grouped_mm
 
@@ -170,6 +179,58 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
 def local_tensor(dt) -> torch.Tensor:
     """The local tensor object held by DTensor `dt` (no view made)."""
     return dt._local_tensor
+
+
+def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of subclass `cls` holding no data, with `like`'s size, strides, dtype and device: every
+    op on it reaches `cls.__torch_dispatch__` (a value still being written waits there first). No
+    public constructor makes a storage-less tensor subclass (`as_subclass` shares `like`'s storage, so
+    an op could read it before it is written); DTensor and FakeTensor are made this way."""
+    return torch.Tensor._make_wrapper_subclass(cls, like.size(), strides=like.stride(), dtype=like.dtype,
+                                               device=like.device, requires_grad=False)
+
+
+def op_packet_name(packet: OpOverloadPacket) -> str:
+    """"aten::linear" for `torch.ops.aten.linear`: an op packet's namespace and name (an OpOverload has
+    `.namespace` and `.overloadpacket`; a packet has no public attribute naming its namespace)."""
+    return packet._qualified_op_name
+
+
+def has_module_hooks(m: torch.nn.Module) -> bool:
+    """Has `m` forward, forward-pre, backward or backward-pre hooks of its own registered? nn.Module
+    has no public query of its hooks: they are kept in its private dicts."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+# nn.Module's own tables of its direct parameters, buffers and children, read and written in place. The
+# public ways in go through nn.Module.__getattr__/__setattr__ and register_*: a Python call searching
+# all three tables per access (the per-step feed reads each parameter's current object), and, on
+# writing, the global registration hooks (`register_module_parameter_registration_hook`), which a
+# temporary swap and its exact undo (materialise.py) must not fire.
+def parameter_table(m: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    return m._parameters
+
+
+def buffer_table(m: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return m._buffers
+
+
+def child_table(m: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    return m._modules
+
+
+def hf_default_gate(experts: torch.nn.Module) -> bool:
+    """Does a Hugging Face experts module's class combine its gate and up projections with
+    transformers' default `_apply_gate` (gate rows first, `act(gate) * up`)? transformers exposes no
+    public flag for it: the private method, overridden by models with another gating, is what says."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    return hasattr(experts, "_apply_gate") and getattr(gate, "__name__", None) == "_default_apply_gate"
+
+
+def hf_init_weights(model: torch.nn.Module):
+    """A Hugging Face model's per-module initialiser (`PreTrainedModel._init_weights(module)`), or None.
+    Its public `init_weights()` initialises the whole model: here one module's buffers are computed."""
+    return getattr(model, "_init_weights", None)
 
 
 # the efficient (cutlass) CUDA kernel reads an additive mask with its rows aligned to this many elements,

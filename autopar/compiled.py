@@ -1,6 +1,6 @@
 """A plan's per-rank program as one graph of plain tensors and functional collectives, compiled.
 
-`per_rank_program` is the rewritten program (`passes/rewrite.py`) behind a function of this rank's
+`per_rank_program` is the rewritten program (`runtime/rewrite.py`) behind a function of this rank's
 local tensors: each enters as a DTensor in the layout it arrives in (a parameter's stored shard,
 a user input's batch slice, a whole constant), is moved to its planned layout if that differs,
 and every output leaves as a local tensor. `compile_program` hands that function to

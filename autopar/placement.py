@@ -96,3 +96,9 @@ def block_index(layout: Sequence[Placement], dim: int, coord: Sequence[int], axi
 def gathers(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Does moving from src to dst make a sharded axis whole (an all-gather over some axis)?"""
     return any(isinstance(s, Shard) and isinstance(d, Replicate) for s, d in zip(src, dst))
+
+
+def over_one_device(mesh_shape: Sequence[int], cur: Sequence, layout: Sequence) -> bool:
+    """Does the move change the layout over axes of one device alone (or not at all)? There every
+    layout holds the same local tensor (a whole shard, a one-term sum): a relabelling, no collective."""
+    return all(n == 1 for n, c, t in zip(mesh_shape, cur, layout) if c != t)

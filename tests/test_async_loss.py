@@ -1,5 +1,5 @@
 """A data-parallel mean loss does not stop the ranks at the end of the forward: its count of kept
-targets is gathered at the program's start, asynchronously (runtime/early.py), and the loss leaves
+targets is gathered at the program's start, asynchronously (runtime/early_reshard.py), and the loss leaves
 the program a partial sum whose all-reduce is waited at the caller's first use (the plan divides each
 rank's partial sum: strategies/pointwise.py; runtime/async_output.py). Trained as one process."""
 from __future__ import annotations

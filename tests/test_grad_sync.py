@@ -95,7 +95,7 @@ def _dp_fast_path(rank, world_size):
 
 def test_data_parallel_runs_on_local_shards_as_one_process(rank_pool):
     """A data-parallel plan's parameters enter its program as local-shard leaves (no module per
-    parameter edge; runtime/fastpath.py), and three AdamW steps through `dmodel.optimizer` (stepping
+    parameter edge; runtime/trim_wrappers.py), and three AdamW steps through `dmodel.optimizer` (stepping
     local shards) give one process's parameters."""
     model, _, _ = build("gpt")
     fed_local, reads, worst = rank_pool(2).run(_dp_fast_path)[0]

@@ -28,7 +28,6 @@ import operator
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,33 +35,14 @@ import torch.fx as fx
 
 from ..compat import HigherOrderOperator, OpOverload, fake_tensor_cache, is_mutable, pytree, sym_hint
 from ..errors import CaptureError
+from .captured import Captured, InputSlot
 from .lowering import DECOMPOSITIONS, drop_assertions, drop_identity_dropouts, exact_mean_losses, experts_as_one_op
-from .short_stack import TRACED, deep_stack, expand, traced_blocks
+from .repeated_blocks import TRACED, deep_stack, expand, traced_blocks
 
 _log = logging.getLogger("autopar")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclass(frozen=True, slots=True)
-class InputSlot:
-    """What feeds one placeholder: a parameter/buffer/constant by qualified name, or user input i."""
-    kind: str            # "param" | "buffer" | "constant" | "input"
-    target: str | int    # qualified name, or index into the flattened (args, kwargs)
-
-
-@dataclass(slots=True)
-class Captured:
-    gm: fx.GraphModule
-    inputs: dict[str, InputSlot]                 # placeholder name -> what feeds it
-    outputs: list[tuple[str, str | None]]        # per graph output: ("user", None) or ("buffer", fqn)
-    in_spec: Any
-    out_spec: Any
-    param_names: dict[str, str] = field(default_factory=dict)   # every param FQN (aliases too) -> canonical FQN
-    model_name: str = ""
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # lifted constant tensors by name
-    trace: str = ""     # a deep stack's capture: "short: ..." (copied, proven alike) or "whole: <why>"
 
 
 def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
@@ -71,7 +51,7 @@ def flatten_inputs(args: tuple, kwargs: dict | None) -> list[Any]:
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_shapes=None) -> Captured:
     """`dynamic_shapes` (torch.export's argument) leaves marked sizes symbolic: see symbolic_shapes.py.
-    A deep stack of alike blocks is traced three blocks deep and copied (short_stack.py)."""
+    A deep stack of alike blocks is traced three blocks deep and copied (repeated_blocks.py)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar needs a torch.nn.Module, got {type(model).__name__}")
     args = args if isinstance(args, tuple) else (args,)

@@ -9,12 +9,9 @@ ops into one region to execute those decisions; all of them ask this module.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
 import torch.fx as fx
 
-if TYPE_CHECKING:       # capture.py imports this module (short_stack.py): the name only, for types
-    from .capture import Captured
+from .captured import Captured
 
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

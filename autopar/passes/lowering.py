@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from ..compat import GROUPED_MM
+from ..compat import GROUPED_MM, hf_default_gate
 
 aten = torch.ops.aten
 _log = logging.getLogger("autopar")
@@ -261,11 +261,10 @@ def _moe_act(module) -> str | None:
 def _is_plain_hf_experts(module: torch.nn.Module) -> bool:
     """Experts in transformers' standard layout: gate_up_proj [E, 2I, H] (gate rows first),
     down_proj [E, H, I], no bias, no post-norm, a known activation."""
-    return (type(module).__name__.endswith("Experts") and hasattr(module, "_apply_gate")
+    return (type(module).__name__.endswith("Experts") and hf_default_gate(module)
             and getattr(module, "has_gate", False) and not getattr(module, "has_bias", True)
             and not getattr(module, "is_transposed", True) and getattr(module, "is_concatenated", False)
             and not getattr(module, "has_post_expert_norm", True)
-            and type(module)._apply_gate.__name__ == "_default_apply_gate"
             and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
             and isinstance(getattr(module, "down_proj", None), torch.Tensor)
             and module.gate_up_proj.ndim == 3 and module.down_proj.ndim == 3 and _moe_act(module) is not None)

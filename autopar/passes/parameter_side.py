@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch.fx as fx
 
-from .capture import InputSlot
+from .captured import InputSlot
 from .shape_prop import tensor_meta
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..compat import pytree
+from ..compat import pytree, wrapper_tensor
 from ..cost_model.comm import async_output_axis
 from .faults import watch_of
 from .reshard import one_collective, reshard
@@ -32,8 +32,7 @@ class Pending(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, work):
-        r = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(), dtype=elem.dtype,
-                                                device=elem.device, requires_grad=False)
+        r = wrapper_tensor(cls, elem)
         r.elem, r.work = elem, work
         return r
 

@@ -51,8 +51,9 @@ import torch.fx as fx
 
 from ..compat import at_backward_end, dtensor_like, set_group_timeout
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
+from ..placement import over_one_device
 from .faults import watch_of, watched
-from .reshard import Reshard, over_one_device
+from .reshard import Reshard
 
 REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
 

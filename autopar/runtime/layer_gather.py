@@ -10,7 +10,7 @@ other axes as stored, one dtype) become one `LayerGather`:
   `all_gather_into_tensor` over that axis; the result ([rank][member] chunks) is copied out member
   by member into one buffer holding each member's gathered tensor, contiguous (FSDP2's copy-in /
   copy-out, `torch.split_with_sizes_copy`); the graph's ops get views of it (plain local tensors
-  where the consumer is a `LocalOp`, as fastpath.py's parameter edges; DTensors else). The buffer is
+  where the consumer is a `LocalOp`, as trim_wrappers.py's parameter edges; DTensors else). The buffer is
   registered in the `GatheredCopies` registry as one copy, so the saved-tensor hooks (memory.py)
   drop every saved view of it and keep a `RegatheredCopy` of the layer's `LayerCopy` instead; the
   buffer is freed when the forward's last view of it goes;
@@ -50,7 +50,7 @@ from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
 from .faults import watched
-from .fastpath import tensor_args
+from .trim_wrappers import tensor_args
 from .ops import LocalOp
 from .regather import GatherCopy, GatheredCopies
 from .reshard import reduce_grad, reduce_local_grad
@@ -150,7 +150,7 @@ class LayerGather(torch.nn.Module):
     members' gathered tensors (in their `layouts`), from one flat all-gather over mesh axis `axis`
     (see module docstring); `syncs`: each member's link to the gradient buckets, or None. A member
     whose one consumer is a `LocalOp` is handed on as its local tensor (no DTensor made, forward or
-    backward, and the consumer can be a direct call: fastpath.py)."""
+    backward, and the consumer can be a direct call: trim_wrappers.py)."""
 
     def __init__(self, key: str, axis: int, layouts: Sequence[tuple], members: Sequence[str],
                  syncs: Sequence, local: Sequence[tuple | None], copies: GatheredCopies, chain: list):
@@ -158,7 +158,7 @@ class LayerGather(torch.nn.Module):
         self.key, self.axis, self.layouts, self.members = key, axis, tuple(layouts), tuple(members)
         self.syncs = tuple(syncs)
         # per member: its one consumer's gradient layout where it is handed on as a plain local tensor
-        # (a `LocalOp`'s input, as fastpath.ParamEdge), else None (a DTensor)
+        # (a `LocalOp`'s input, as trim_wrappers.ParamEdge), else None (a DTensor)
         self.local = tuple(local)
         self.meta: list | None = None    # per member: (mesh, global shape, stride), from the first call
         self._copies = [copies]
@@ -221,6 +221,19 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     Parameters outside the layers group by their run between layers. `stored_of(fqn)`: the stored
     layout; `skip_layers`: layers left as they are (recomputed or offloaded: regions). Returns how
     many `LayerGather`s were made."""
+    groups = _groups(gm, param_of, stored_of, mesh_shape, skip_layers)
+    made = _layer_gathers(gm, groups, copies)
+    _wire(gm, made)
+    if made:
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return len(made)
+
+
+def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
+            skip_layers: frozenset[str]) -> dict[tuple, list[fx.Node]]:
+    """The "regather" `GatherCopy` nodes of parameter placeholders by (layer, or run between layers;
+    mesh axis; dtype), in graph order; those gathered one by one are logged."""
     groups: dict[tuple, list[fx.Node]] = {}
     alone: list[str] = []
     segment, last = 0, None          # runs of layers passed: parameters outside the layers group by it
@@ -246,6 +259,13 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
         groups.setdefault((where, axis, val.dtype), []).append(node)
     if alone:
         log.info("re-gathered one by one, not in their layer's flat gather: %s", "; ".join(alone))
+    return groups
+
+
+def _layer_gathers(gm: fx.GraphModule, groups: dict[tuple, list[fx.Node]],
+                   copies: GatheredCopies) -> list[tuple[list[fx.Node], str]]:
+    """One `LayerGather` and its `LaunchGather` added to `gm` per group; -> (the group's nodes, the
+    modules' name) in the order of their first node."""
     chain: list = []
     made: list[tuple[list[fx.Node], str]] = []
     for (where, axis, _), nodes in groups.items():
@@ -258,6 +278,12 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
         made.append((nodes, name))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     made.sort(key=lambda m: order[m[0][0]])
+    return made
+
+
+def _wire(gm: fx.GraphModule, made: list[tuple[list[fx.Node], str]]) -> None:
+    """Each group's `GatherCopy` nodes replaced by its gather's items, the gather launched as the
+    group before is waited (the first: where it is used)."""
     prev = None
     for i, (nodes, name) in enumerate(made):
         shards = tuple(n.args[0] for n in nodes)
@@ -276,10 +302,6 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
             n.replace_all_uses_with(item)
         for n in nodes:
             gm.graph.erase_node(n)
-    if made:
-        gm.delete_all_unused_submodules()
-        gm.recompile()
-    return len(made)
 
 
 def local_consumer(gm: fx.GraphModule, node: fx.Node) -> tuple | None:

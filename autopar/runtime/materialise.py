@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..compat import TorchDispatchMode, pytree
+from ..compat import TorchDispatchMode, buffer_table, hf_init_weights, parameter_table, pytree
 from ..errors import CheckpointError
 from ..placement import Partial, Shard, block_index, local_shape, parse_layout
 
@@ -137,7 +137,7 @@ class Initialiser:
                 self.fn(module)
         except BaseException:
             for owner, kind, name, meta, _ in made:     # nothing kept: a retry starts from the values before
-                (owner._parameters if kind == "param" else owner._buffers)[name] = meta
+                (parameter_table(owner) if kind == "param" else buffer_table(owner))[name] = meta
             raise
         self._keep(made)
 
@@ -147,7 +147,7 @@ class Initialiser:
         made = []
         owners = module.modules() if recurse else (module,)
         for owner in owners:
-            for kind, table in (("param", owner._parameters), ("buffer", owner._buffers)):
+            for kind, table in (("param", parameter_table(owner)), ("buffer", buffer_table(owner))):
                 for name, t in list(table.items()):
                     if t is None or not t.is_meta:
                         continue
@@ -169,7 +169,7 @@ class Initialiser:
     def _keep(self, made: list) -> None:
         """Each made tensor -> this rank's slice (parameters) or whole (buffers); the meta original back."""
         for owner, kind, name, meta, value in made:
-            table = owner._parameters if kind == "param" else owner._buffers
+            table = parameter_table(owner) if kind == "param" else buffer_table(owner)
             table[name] = meta
             if kind == "buffer":
                 self.buffers[self.buffer_names[id(meta)]] = value.to(self.device)
@@ -185,7 +185,7 @@ def recompute_buffers(model: torch.nn.Module, fn: Init | None, missing: set[str]
     model's `_init_weights` (Hugging Face), run on the modules holding them with their parameters on
     meta (writes there are no-ops) and the RNG state restored after. A buffer neither computes ->
     CheckpointError naming it."""
-    fn = fn or getattr(model, "_init_weights", None)
+    fn = fn or hf_init_weights(model)
     out: dict[str, torch.Tensor] = {}
     if not missing:
         return out
@@ -194,18 +194,18 @@ def recompute_buffers(model: torch.nn.Module, fn: Init | None, missing: set[str]
                               f"and the model has no _init_weights to compute it: pass init=FN that computes it, "
                               f"or build the model with its buffers off the meta device")
     for prefix, module in model.named_modules():
-        mine = {n: b for n, b in module._buffers.items()
+        mine = {n: b for n, b in buffer_table(module).items()
                 if b is not None and b.is_meta and _join(prefix, n) in missing}
         if not mine:
             continue
         for n, b in mine.items():
-            module._buffers[n] = torch.empty(b.shape, dtype=b.dtype)
+            buffer_table(module)[n] = torch.empty(b.shape, dtype=b.dtype)
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 fn(module)
-            out.update({_join(prefix, n): module._buffers[n].to(device) for n in mine})
+            out.update({_join(prefix, n): buffer_table(module)[n].to(device) for n in mine})
         finally:
-            module._buffers.update(mine)
+            buffer_table(module).update(mine)
     unset = sorted(missing - set(out))
     if unset:
         raise CheckpointError(f"{where} holds no value for buffer {unset[0]!r} and nothing recomputes it")

@@ -17,17 +17,17 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..compat import pytree
+from ..compat import child_table, parameter_table, pytree
 from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..placement import parse_layout
 from ..plan import Plan
-from ..passes.rewrite import rewrite
+from .rewrite import rewrite
 from . import rng
 from .grad_offload import GradOffload
-from .early import early_reshards
-from .fastpath import LeafParams, direct_calls, fuse_param_edges, local_inputs
+from .early_reshard import early_reshards
+from .trim_wrappers import LeafParams, direct_calls, fuse_param_edges, local_inputs
 from .param_offload import offloaded_parameters
 from .grad_sync import GradSync, attach
 from .memory import MemoryRuntime, apply_memory_plan
@@ -48,9 +48,9 @@ def _set_path(root: torch.nn.Module, fqn: str, value, kind: str) -> None:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
-        if part not in mod._modules:
+        if part not in child_table(mod):
             mod.add_module(part, torch.nn.Module())
-        mod = mod._modules[part]
+        mod = child_table(mod)[part]
     if kind == "param":
         mod.register_parameter(leaf, value)
     else:
@@ -144,7 +144,7 @@ class DistributedModule(torch.nn.Module):
 
     def _build(self, cap: Captured) -> torch.nn.Module:
         """The per-rank program of the plan over `cap`: rewritten, its dropouts given the module's RNG,
-        its gradient reductions bucketed (grad_sync.py), its no-op wrappers trimmed (fastpath.py), its
+        its gradient reductions bucketed (grad_sync.py), its no-op wrappers trimmed (trim_wrappers.py), its
         memory decisions applied."""
         a = self._autopar
         graph = rewrite(cap, a["plan"], a["mesh"])
@@ -157,7 +157,7 @@ class DistributedModule(torch.nn.Module):
         inputs = local_inputs(graph, cap, arriving)
         direct_calls(graph, frozenset(leaves) | inputs)
         early_reshards(graph, frozenset(n for n, slot in cap.inputs.items() if slot.kind == "input"))
-        graph.local_params = leaves       # placeholders fed their parameter's local shard (fastpath.py)
+        graph.local_params = leaves       # placeholders fed their parameter's local shard (trim_wrappers.py)
         graph.feeds = self._feeds(cap, leaves, {n: arriving[n] for n in inputs})
         return graph
 
@@ -185,7 +185,7 @@ class DistributedModule(torch.nn.Module):
         for k, (name, slot) in enumerate(cap.inputs.items()):
             if slot.kind == "param":
                 path, _, attr = str(slot.target).rpartition(".")
-                params.append((k, self.get_submodule(path)._parameters, attr, leaves_of.get(name)))
+                params.append((k, parameter_table(self.get_submodule(path)), attr, leaves_of.get(name)))
             elif name in local_in:
                 others.append((k, lambda leaves, i=slot.target, layout=local_in[name]:
                                local_input(self._autopar["mesh"], leaves[i], layout)))
@@ -285,7 +285,7 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
 
 
 def local_input(mesh, x, layout: tuple):
-    """A user input the program takes as its local tensor (`fastpath.local_inputs`): the tensor this
+    """A user input the program takes as its local tensor (`trim_wrappers.local_inputs`): the tensor this
     rank was given, on the mesh's device (a DTensor given instead: its local shard in `layout`)."""
     if isinstance(x, DTensor):
         return x.redistribute(mesh, layout).to_local()

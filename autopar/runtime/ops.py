@@ -115,7 +115,7 @@ class LocalOp(torch.nn.Module):
                                 if global_shape is not None and self.shape_arg is not None else None)
         self.rng: rng.RngState | None = None      # a dropout's (rng.attach), with its node's name
         self.node = ""
-        self.local_out = False      # hand the result on as a plain local tensor (passes/rewrite.passes_local)
+        self.local_out = False      # hand the result on as a plain local tensor (runtime/rewrite.passes_local)
         self.capacity_factor: float | None = None    # the plan's moe_capacity_factor (an experts op's, experts.py)
 
     def _localize(self, args, kwargs):

@@ -1,6 +1,6 @@
 """`PipelinedModule`: a pipelined plan (`plan.pipeline.stages > 1`) run by torch's pipelining.
 
-The rank graph is the plan's (`passes/rewrite.py`) over the whole mesh: every layout is "R" on
+The rank graph is the plan's (`runtime/rewrite.py`) over the whole mesh: every layout is "R" on
 the pipeline axis, and DTensor never communicates over an axis whose placement stays Replicate,
 so each stage's ops and reshards run on the groups of the other axes, i.e. on the stage's
 sub-mesh. `passes/stages.py` cuts that graph into the plan's chunks; this rank runs chunks
@@ -47,7 +47,7 @@ from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
 from ..passes.layers import layer_key
-from ..passes.rewrite import rewrite
+from .rewrite import rewrite
 from ..passes.stages import Chunk, chunk_of, cut, microbatch
 from ..passes.shape_prop import tensor_meta
 from ..placement import local_shape, parse_layout

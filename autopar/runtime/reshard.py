@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import tracing
-from ..placement import layout_str
+from ..placement import layout_str, over_one_device
 from .faults import watched
 
 
@@ -104,12 +104,6 @@ def _first_keeps(local: torch.Tensor, mesh, axes: list[int]) -> torch.Tensor:
                            "the program this rank's mesh coordinate: the graph would differ between ranks")
     keep = (coordinate[list(axes)] == 0).all()
     return torch.where(keep, local, local.new_zeros(()))
-
-
-def over_one_device(mesh_shape, cur: tuple, layout: tuple) -> bool:
-    """Does the move change the layout over axes of one device alone (or not at all)? There every
-    layout holds the same local tensor (a whole shard, a one-term sum): a relabelling, no collective."""
-    return all(n == 1 for n, c, t in zip(mesh_shape, cur, layout) if c != t)
 
 
 def carries_grad(dtype: torch.dtype) -> bool:

@@ -20,7 +20,7 @@ from ..compat import pytree
 from ..errors import PlanMismatchError
 from ..passes.capture import Captured, capture
 from ..plan import Plan
-from .fit import layout_misfits, split_parts
+from .layout_fit import layout_misfits, split_parts
 
 __all__ = ["input_shapes", "input_shapes_of", "respecialize"]
 

@@ -135,8 +135,9 @@ def draw(x: torch.Tensor, p: float, key: int, offsets, full, first: int):
 
 
 def attach(graph: torch.nn.Module, state: RngState) -> None:
-    """Give every dropout of a per-rank graph the module's RNG state and its node's name."""
-    from .ops import LocalOp
+    """Give every dropout of a per-rank graph the module's RNG state and its node's name: its op
+    modules (`ops.LocalOp`, which imports this module) are known by the op they run and the `rng`
+    slot they keep for it."""
     for name, mod in graph.named_children():
-        if isinstance(mod, LocalOp) and mod.target in DROPOUT_OPS:
+        if hasattr(mod, "rng") and getattr(mod, "target", None) in DROPOUT_OPS:
             mod.rng, mod.node = state, name

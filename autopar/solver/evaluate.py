@@ -36,7 +36,7 @@ from ..cost_model.pipeline import in_flight_microbatches, pipeline_time
 from ..symbolic import Poly2, smax, ssum
 from ..passes.layers import layer_key
 from ..plan_records import OFFLOAD_CLASSES
-from ..passes.rewrite import output_modules, reshards_edge
+from ..passes.reshard_edges import output_modules, reshards_edge
 from .families import Families
 from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
                               window_sums)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import OpOverload, OpOverloadPacket
+from ..compat import OpOverload, OpOverloadPacket, op_packet_name
 
 from ..passes.shape_prop import TensorMeta
 
@@ -74,5 +74,5 @@ def op_name(target) -> str:
     if isinstance(target, OpOverload):
         return f"{target.namespace}.{target.overloadpacket.__name__}"
     if isinstance(target, OpOverloadPacket):
-        return target._qualified_op_name.replace("::", ".")
+        return op_packet_name(target).replace("::", ".")
     return getattr(target, "__name__", str(target))

@@ -40,15 +40,13 @@ import re
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
+from ..compat import has_module_hooks
+from .captured import Captured
 from .layers import layer_of, module_path
-
-if TYPE_CHECKING:       # capture.py imports this module
-    from .capture import Captured
 
 TRACED = 3      # periods traced: the first (its input differs), and two to check that periods repeat
 
@@ -95,7 +93,7 @@ def _description(block: torch.nn.Module) -> tuple[tuple, dict] | None:
         return None
     structure, attrs = [], {}
     for name, m in block.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if has_module_hooks(m):
             return None
         for k, v in vars(m).items():
             if not k.startswith("_"):

@@ -39,14 +39,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import local_tensor, pytree
-from ..passes.capture import Captured
+from ..passes.captured import Captured
 from ..passes.shape_prop import tensor_meta
-from ..placement import layout_str, parse_layout
+from ..placement import layout_str, over_one_device, parse_layout
 from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
-from .reshard import Reshard, carries_grad, over_one_device, reduce_local_grad, to_layout
+from .reshard import Reshard, carries_grad, reduce_local_grad, to_layout
 from .vocab import splits_vocab
 
 

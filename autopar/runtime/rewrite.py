@@ -15,32 +15,22 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
 
 from ..compat import pytree
 from ..cost_model.comm import async_output_axis
-from ..placement import parse_layout
+from ..passes.captured import Captured
+from ..passes.parameter_side import parameter_side
+from ..passes.reshard_edges import output_modules, reshards_edge
+from ..passes.shape_prop import tensor_meta
+from ..placement import over_one_device, parse_layout
 from ..plan import Plan
-from ..runtime.async_output import AsyncOutput
-from ..runtime.attention import context_executor
-from ..runtime.ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from ..runtime.reshard import Reshard, carries_grad, over_one_device
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
-from .capture import Captured
-from .parameter_side import parameter_side
-from .shape_prop import tensor_meta
+from .async_output import AsyncOutput
+from .attention import context_executor
+from .ops import LocalOp, ReplicateOp, ToLocal, mesh_device
+from .reshard import Reshard, carries_grad
 
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
-
-
-def reshards_edge(src_executor: str | None, src_layout, want, mesh_shape) -> bool:
-    """Does the rewrite put a Reshard between a producer and a consumer's input? Always after a
-    parameter (its stored shard becomes a DTensor there) and after anything the plan does not know;
-    otherwise where the layouts differ over an axis of more than one device (over axes of one device
-    every layout holds the same local tensor: the consumer takes the producer's as it is).
-    (`autopar.estimate` counts runtime modules with this.)"""
-    return src_executor in (None, "param") or not over_one_device(mesh_shape, parse_layout(src_layout),
-                                                                   parse_layout(want))
 
 
 def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side: dict[str, tuple] | None = None,
@@ -89,14 +79,6 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
     return True
 
 
-def output_modules(sharded_outputs: bool, src_layout, mesh_shape) -> int:
-    """Runtime modules the rewrite adds per tensor output in `src_layout`: a Reshard to whole and a
-    ToLocal, or none when outputs stay sharded or the output is whole already (up to axes of one
-    device: then its op hands it on as a plain tensor, `passes_local`)."""
-    whole = tuple(Replicate() for _ in mesh_shape)
-    return 0 if sharded_outputs or over_one_device(mesh_shape, parse_layout(src_layout), whole) else 2
-
-
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
     """The parameter-side nodes (passes/parameter_side.py) that run as `LocalOp`s, each with the mesh
     axes on which their gradients stay partial sums where replicated, as the planner priced them
@@ -107,73 +89,101 @@ def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tu
     return {n: axes for n in parameter_side(cap.gm, cap.inputs) if n in planned and planned[n].executor == "local"}
 
 
+class _Program:
+    """The per-rank program while `rewrite` builds it: its graph, its modules, and the captured
+    node -> its node map."""
+
+    def __init__(self, plan: Plan, planned: dict, side: dict, device_mesh):
+        self.root, self.g = torch.nn.Module(), fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.planned, self.side, self.mesh = planned, side, device_mesh
+        self.sharded = plan.options.get("sharded_outputs", False)
+        self.device = mesh_device(device_mesh)      # where the program runs: not the capture's device (cpu, meta)
+
+    def add_module(self, name: str, mod: torch.nn.Module, *args, **kwargs) -> fx.Node:
+        self.root.add_module(name, mod)
+        return self.g.call_module(name, args, kwargs)
+
+
+def _is_tensor(a) -> bool:
+    return isinstance(a, fx.Node) and bool(tensor_meta(a.meta.get("val")))
+
+
 def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> fx.GraphModule:
     """The per-rank program of `plan` over `cap`. pass_local=False: every op hands on DTensors (a
     pipeline cuts the program into chunks whose outputs must carry their layout)."""
     planned = {n.name: n for n in plan.nodes}
-    side = parameter_side_ops(cap, plan, planned)
-    root = torch.nn.Module()
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    whole = tuple("R" for _ in device_mesh.shape)
-    sharded = plan.options.get("sharded_outputs", False)
-    device = mesh_device(device_mesh)      # where the program runs: not the capture's device (cpu, meta)
-
-    def add_module(name: str, mod: torch.nn.Module, *args, **kwargs) -> fx.Node:
-        root.add_module(name, mod)
-        return g.call_module(name, args, kwargs)
-
-    def is_tensor(a) -> bool:
-        return isinstance(a, fx.Node) and bool(tensor_meta(a.meta.get("val")))
-
+    prog = _Program(plan, planned, parameter_side_ops(cap, plan, planned), device_mesh)
+    env, g = prog.env, prog.g
     for node in cap.gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = g.placeholder(node.name)
             env[node].meta["val"] = node.meta.get("val")       # global shape and dtype (runtime/layer_gather.py)
             continue
         if node.op == "output":
-            leaves, spec = pytree.tree_flatten(node.args[0])
-            outs = []
-            for k, a in enumerate(leaves):
-                v = env[a] if isinstance(a, fx.Node) else a
-                src = planned.get(a.name) if isinstance(a, fx.Node) else None
-                handed_whole = (src is not None and v.op == "call_module"      # its op's local result is whole
-                                and getattr(root.get_submodule(v.target), "local_out", False))
-                if is_tensor(a) and not sharded and not handed_whole:
-                    axis = None if src is None else async_output_axis(parse_layout(src.output), parse_layout(whole))
-                    v = add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)) if axis is None
-                                   else AsyncOutput(axis), v)
-                    v = add_module(f"to_local_output_{k}", ToLocal(), v)
-                outs.append(v)
-            g.output(pytree.tree_unflatten(outs, spec))
+            g.output(_outputs(prog, node))
             continue
         np = planned.get(node.name)
-        leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-        new_leaves, slot = [], 0
-        for a in leaves:
-            if not isinstance(a, fx.Node):
-                new_leaves.append(device if isinstance(a, torch.device) else a)   # arange(..., device=x.device)
-                continue
-            v = env[a]
-            if is_tensor(a) and np is not None and node.target is not operator.getitem:
-                want = np.inputs[slot]
-                src = planned.get(a.name)
-                if reshards_edge(src.executor if src else None, src.output if src else None, want, device_mesh.shape):
-                    grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
-                    v = add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
-                slot += 1
-            new_leaves.append(v)
-        args, kwargs = pytree.tree_unflatten(new_leaves, spec)
+        args, kwargs = _inputs(prog, node, np)
         if np is None or node.target is operator.getitem or np.executor not in _EXECUTORS:
             env[node] = g.call_function(node.target, args, kwargs)
         else:
-            metas = tensor_meta(node.meta.get("val"))
-            extra = ({"labels": tuple(np.labels)} if np.executor == "context" else
-                     {"side_axes": side.get(node.name, ())} if np.executor == "local" else {})
-            mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
-                                          device_mesh, metas[0].shape if metas else None, **extra)
-            mod.local_out = pass_local and passes_local(node, planned, tuple(device_mesh.shape), side, not sharded)
-            mod.capacity_factor = plan.options.get("moe_capacity_factor")
-            env[node] = add_module(f"op_{node.name}", mod, *args, **kwargs)
+            mod = _executor(prog, node, np, plan, pass_local)
+            env[node] = prog.add_module(f"op_{node.name}", mod, *args, **kwargs)
         env[node].meta = dict(node.meta, autopar_node=node.name)   # the captured node it runs (stages.py)
-    return fx.GraphModule(root, g, class_name="AutoparRankGraph")
+    return fx.GraphModule(prog.root, g, class_name="AutoparRankGraph")
+
+
+def _outputs(prog: _Program, node: fx.Node):
+    """The program's outputs: each tensor made whole and local (unless outputs stay sharded or its op
+    hands it on whole already), an all-reduce left pending for the caller where one suffices."""
+    whole = tuple("R" for _ in prog.mesh.shape)
+    leaves, spec = pytree.tree_flatten(node.args[0])
+    outs = []
+    for k, a in enumerate(leaves):
+        v = prog.env[a] if isinstance(a, fx.Node) else a
+        src = prog.planned.get(a.name) if isinstance(a, fx.Node) else None
+        handed_whole = (src is not None and v.op == "call_module"      # its op's local result is whole
+                        and getattr(prog.root.get_submodule(v.target), "local_out", False))
+        if _is_tensor(a) and not prog.sharded and not handed_whole:
+            axis = None if src is None else async_output_axis(parse_layout(src.output), parse_layout(whole))
+            v = prog.add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)) if axis is None
+                                else AsyncOutput(axis), v)
+            v = prog.add_module(f"to_local_output_{k}", ToLocal(), v)
+        outs.append(v)
+    return pytree.tree_unflatten(outs, spec)
+
+
+def _inputs(prog: _Program, node: fx.Node, np) -> tuple:
+    """(args, kwargs) of `node` in the program: each tensor input through a `Reshard` to the layout
+    `np` (its plan) takes it in, where the edge needs one (`reshards_edge`)."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    new_leaves, slot = [], 0
+    for a in leaves:
+        if not isinstance(a, fx.Node):
+            new_leaves.append(prog.device if isinstance(a, torch.device) else a)   # arange(..., device=x.device)
+            continue
+        v = prog.env[a]
+        if _is_tensor(a) and np is not None and node.target is not operator.getitem:
+            want = np.inputs[slot]
+            src = prog.planned.get(a.name)
+            if reshards_edge(src.executor if src else None, src.output if src else None, want, prog.mesh.shape):
+                side = prog.side
+                grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
+                v = prog.add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
+            slot += 1
+        new_leaves.append(v)
+    return pytree.tree_unflatten(new_leaves, spec)
+
+
+def _executor(prog: _Program, node: fx.Node, np, plan: Plan, pass_local: bool) -> torch.nn.Module:
+    """The module running `node` as its plan `np` says (`_EXECUTORS`)."""
+    metas = tensor_meta(node.meta.get("val"))
+    extra = ({"labels": tuple(np.labels)} if np.executor == "context" else
+             {"side_axes": prog.side.get(node.name, ())} if np.executor == "local" else {})
+    mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
+                                  prog.mesh, metas[0].shape if metas else None, **extra)
+    mod.local_out = pass_local and passes_local(node, prog.planned, tuple(prog.mesh.shape), prog.side,
+                                                not prog.sharded)
+    mod.capacity_factor = plan.options.get("moe_capacity_factor")
+    return mod

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
-from ..passes.capture import Captured
+from ..passes.captured import Captured
 from ..passes.shape_prop import tensor_inputs, tensor_meta
 from ..placement import Shard, parse_layout
 from ..plan import Plan
