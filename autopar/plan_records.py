@@ -96,7 +96,7 @@ class SolverInfo:
     n_nodes: int
     n_shared: int = 0             # decisions that share a repeated layer's variables
     gap: float = 0.0              # relative optimality gap at the stop (0: proven optimal)
-    capture: str = ""             # how a deep stack of blocks was traced (passes/short_stack.py); "" if none
+    capture: str = ""             # how a deep stack of blocks was traced (passes/repeated_blocks.py); "" if none
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,7 +215,7 @@ def optimizer_total(p: Problem, choice: Mapping[str, int], offloaded=frozenset()
 
 
 def graph_nodes(p: Problem, choice: Mapping[str, int]) -> int:
-    """Modules of the rank's graph the runtime runs per step (passes/rewrite.py): one per op but
+    """Modules of the rank's graph the runtime runs per step (runtime/rewrite.py): one per op but
     getitem, a Reshard per edge that needs one, two per graph output."""
     return sum(k for _, k in node_modules(p, choice))
 
