@@ -37,7 +37,8 @@ from .planner import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc
 from .solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
 from .solver.evaluate import Staging
-from .solver.ilp import AT_TIME_LIMIT, most_sharded, solve
+from .solver.ilp import most_sharded
+from .solver.solve import AT_TIME_LIMIT, solve
 from .strategies import op_name, rule_for
 
 log = logging.getLogger("autopar")

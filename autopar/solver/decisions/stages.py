@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from ...cost_model.pipeline import check_schedule
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan import PIPELINE_KEYS, PipelinePlan
-from ..evaluate import Evaluation, Staging, evaluate
+from ..evaluate import Evaluation, Staging, evaluate, seconds_by_part
 from ..problem import Problem
 
 # schedules the planner chooses among (each has an executor in runtime/pipeline.py). "zb" runs there too
@@ -64,8 +64,8 @@ def node_chunks(problem: Problem, graph, pipe: PipelinePlan) -> dict[str, int]:
 
 def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[float, list[float], float]:
     """(seconds before the first layer, per layer, after the last): compute of the nodes and the
-    resharding into them, one microbatch (what the boundary program balances). Nodes between two
-    layers go with the next, as in `node_chunks`."""
+    resharding into them, one microbatch, as the evaluator sums them (`evaluate.seconds_by_part`; what
+    the boundary program balances). Nodes between two layers go with the next, as in `node_chunks`."""
     order = layer_sequence(graph)
     n = len(order)
     seg = node_chunks(problem, graph, PipelinePlan("_", max(n, 1), 1, 1, "1f1b", ("",) + tuple(order[1:])))
@@ -74,13 +74,7 @@ def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[f
     for i, q in enumerate(problem.order):     # -1: before the layers, n: after them
         if q not in problem.layer and (i < first or i > last):
             seg[q] = -1 if i < first else n
-    per = [0.0] * (n + 2)
-    for d in problem.decisions.values():
-        per[seg[d.name] + 1] += d.compute_s[choice[d.leader]]
-    for e in problem.edges:
-        a = e.a_of[choice[problem.decisions[e.src].leader]]
-        b = 0 if e.dst == "output" else e.b_of[choice[problem.decisions[e.dst].leader]]
-        per[(n if e.dst == "output" else seg[e.dst]) + 1] += e.cost[a][b]
+    per = seconds_by_part(problem, choice, {q: c + 1 for q, c in seg.items()}, n + 2, n + 1)
     return per[0], per[1:-1], per[-1]
 
 
