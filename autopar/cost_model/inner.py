@@ -123,7 +123,11 @@ _PRICES: dict[type, _Price] = {
 
 
 def _price(f) -> _Price:
-    return _PRICES[type(f)]
+    price = _PRICES.get(type(f))
+    if price is None:       # a rule's hook handed a kind of fact nothing prices: a bug in autopar, not input
+        raise TypeError(f"no price for the fact {f!r} of an op's `inner` hook: give its kind a `_Price` in "
+                        f"autopar/cost_model/inner.py")
+    return price
 
 
 def inner_times(facts: Sequence, fwd, bwd, links, load: float, profile: DeviceProfile) -> tuple:

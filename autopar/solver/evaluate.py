@@ -190,6 +190,13 @@ def seconds_by_part(p: Problem, choice: Mapping[str, int], part_of: Mapping[str,
     return per
 
 
+def per_microbatch_seconds(cost, fwd, microbatches: int) -> list[list[float]]:
+    """[a][b] seconds of a parameter edge per microbatch of `microbatches`: its forward gather every
+    microbatch, its gradient's leg (synchronised once per step) a 1/microbatches share."""
+    k = 1.0 / microbatches
+    return [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(cost, fwd)]
+
+
 def grad_sync_total(p: Problem, choice: Mapping[str, int]):
     """Seconds of the gradient legs of parameter edges in the edge tables: a gradient reduced in a
     bucket its transfer (less what the backward hides), any other its own collectives."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from ...cost_model.pipeline import check_schedule
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan import PIPELINE_KEYS, PipelinePlan
-from ..evaluate import Evaluation, Staging, evaluate, seconds_by_part
+from ..evaluate import Evaluation, Staging, evaluate, per_microbatch_seconds, seconds_by_part
 from ..problem import Problem
 
 # schedules the planner chooses among (each has an executor in runtime/pipeline.py). "zb" runs there too
@@ -189,12 +189,12 @@ def per_step_view(problem: Problem, microbatches: int) -> Problem:
     edges and priced as they are by the evaluator); the same choice indices."""
     if microbatches == 1:
         return problem
-    k, tables = 1.0 / microbatches, {}
+    tables: dict = {}
 
     def weighed(e):
         key = (id(e.cost), id(e.fwd))       # identical edges keep sharing one table
         if key not in tables:
-            tables[key] = [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(e.cost, e.fwd)]
+            tables[key] = per_microbatch_seconds(e.cost, e.fwd, microbatches)
         return replace(e, cost=tables[key])
     edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
              for e in problem.edges]
