@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .cost_model.compute import step_flops
 from .cost_model.pipeline import Pipeline
 from .cost_model.profiles import DDP_BUCKET_BYTES
 from .cost_model.recompute import saved_under_selective
@@ -260,7 +261,7 @@ def _estimate_plan(cap, infos, mesh: Mesh, smesh: Mesh, plan: Plan):
     ev = evaluate(problem, choice, options, staging)
     _, per_axis = communication(problem, choice, cap)
     ng = problem.needs_grad
-    model_flops = sum(infos[n].flops * (3.0 if ng.get(n) else 1.0) for n, d in problem.decisions.items()
+    model_flops = sum(step_flops(infos[n].flops, bool(ng.get(n))) for n, d in problem.decisions.items()
                       if d.kind == "op")
     modes = {**dict.fromkeys(problem.layer.values(), "none"), **plan.recompute}
     again = sum(infos[n].flops for n, d in problem.decisions.items() if d.kind == "op" and (

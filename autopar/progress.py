@@ -6,7 +6,7 @@ before found:
     on_phase("capture")                            tracing the model
     on_phase("strategies")                         sharding options and their costs
     on_phase("solve", "1768 decisions")            the ILP
-    on_phase("done", "HiGHS: optimal")             the solver's status (`solver.ilp.status_words`)
+    on_phase("done", "HiGHS: optimal")             the solver's status (`solver.solve.status_words`)
 
 `PhaseProgress` is such a callback. It stays silent for the first `DELAY_S` seconds (a quick
 plan prints nothing); after that it says which phase is running, and as each phase ends how long

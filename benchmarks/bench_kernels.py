@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
-from autopar.solver.problem import build_problem, op_cost, op_cost_args  # noqa: E402
+from autopar.solver.problem import build_problem  # noqa: E402
 
 
 class OneOp(nn.Module):
@@ -75,9 +75,8 @@ def predict(fn, shapes, dtype, profile) -> tuple[float, float]:
     for name, dec in problem.decisions.items():
         if dec.kind != "op":
             continue
-        f, b = op_cost(op_cost_args(infos[name], dec.strategies[0], mesh.shape, dec.facts), mesh.profile)
-        fwd += f
-        bwd += b if problem.needs_grad.get(name) else 0.0
+        fwd += dec.fwd_s[0]                       # op_cost's, as the planner priced it (cost_model/ops.py)
+        bwd += dec.compute_s[0] - dec.fwd_s[0]    # its backward where the op needs a gradient
     return fwd, bwd
 
 

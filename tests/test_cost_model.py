@@ -331,3 +331,49 @@ def test_liveness_timeline_sweeps_intervals_as_a_filter_would():
             assert tl.sweep(lo, hi, times, skip_empty=skip) == [t for t, _ in kept]
             want += [p for _, p in kept]
         assert tl.changes == changes(want) and tl.sizes == [len(p) for p in want]
+
+
+# -- what an op does inside itself (strategies/inner.py, cost_model/inner.py) --------------------
+def test_a_rules_inner_facts_are_priced_with_the_op_and_listed_on_it(monkeypatch):
+    """An op's rule states what it does inside itself through its `inner` hook alone: the problem
+    builder prices those facts with the op (its forward and backward under each strategy) and the
+    plan lists its collectives, with no change to the solver. Here linear's rule is given a hook that
+    all-reduces 4 bytes per row forward and 8 backward on every axis its strategy splits the batch."""
+    import torch.nn as nn
+    from torch.distributed.tensor import Shard as Sh
+
+    import autopar
+    from autopar.cost_model.comm import row_reduce_bytes_on_wire, row_reduce_times
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    from autopar.solver.problem import build_problem, op_exchanges
+    from autopar.strategies.inner import RowReductions
+    from autopar.strategies.registry import RULES
+
+    per_row = ((4,), (8,))
+
+    def hook(node, s, ins, outs, mesh_shape):
+        return tuple(RowReductions(a, mesh_shape[a], 16 / mesh_shape[a], per_row)
+                     for a, p in enumerate(s.inputs[0]) if p == Sh(0))
+
+    def problem():
+        cap = capture(nn.Sequential(nn.Linear(32, 32)), (torch.randn(16, 32),))
+        return cap, build_problem(cap, annotate(cap.gm), autopar.Mesh((2,), ("x",), device="h100"))
+    _, plain = problem()
+    linear = torch.ops.aten.linear
+    monkeypatch.setitem(RULES, linear, dataclasses.replace(RULES[linear], inner=hook))
+    cap, hooked = problem()
+    name = next(n for n, d in hooked.decisions.items() if d.kind == "op" and d.facts.op == "aten.linear")
+    mesh = hooked.mesh
+    launch = mesh.profile.kernel_overhead + mesh.profile.collective_overhead
+    fwd, bwd = row_reduce_times(per_row, 8, 2, mesh.links[0], launch)
+    for i, s in enumerate(hooked.decisions[name].strategies):
+        split = s.inputs[0][0] == Sh(0)
+        assert hooked.decisions[name].fwd_s[i] == pytest.approx(plain.decisions[name].fwd_s[i] + (fwd if split else 0))
+        assert hooked.decisions[name].compute_s[i] == pytest.approx(
+            plain.decisions[name].compute_s[i] + (fwd + bwd if split else 0))
+        node = next(n for n in cap.gm.graph.nodes if n.name == name)
+        listed = op_exchanges(hooked, node, s)
+        sent = row_reduce_bytes_on_wire(per_row, 8, 2)
+        assert listed == ([("forward", "all_reduce@x", pytest.approx(fwd), sent[0], "x"),
+                           ("backward", "all_reduce@x", pytest.approx(bwd), sent[1], "x")] if split else [])

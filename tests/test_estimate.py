@@ -128,13 +128,13 @@ def test_hand_written_pipeline_is_priced_as_the_plan_it_describes():
 
 def test_estimate_has_no_pricing_of_its_own():
     """estimate.py only turns a configuration into a Plan and calls the evaluator: it imports no cost
-    function (only the Pipeline vocabulary, the default bucket size and which ops selective
-    recomputation keeps, for the FLOP count)."""
+    function (only the Pipeline vocabulary, the default bucket size, and for the FLOP count which ops
+    selective recomputation keeps and the cost model's FLOPs of an op in a training step)."""
     tree = ast.parse(open(os.path.join(os.path.dirname(autopar.__file__), "estimate.py")).read())
     imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert {(m, a) for m, a in imported if m and m.startswith("cost_model")} == {
         ("cost_model.pipeline", "Pipeline"), ("cost_model.profiles", "DDP_BUCKET_BYTES"),
-        ("cost_model.recompute", "saved_under_selective")}
+        ("cost_model.recompute", "saved_under_selective"), ("cost_model.compute", "step_flops")}
     assert {(m, a) for m, a in imported if m and m.startswith("solver")} == {
         ("solver.decisions.stages", "node_chunks"), ("solver.evaluate", "Staging"), ("solver.evaluate", "evaluate")}
     model, batch = meta_gpt(layers=1)

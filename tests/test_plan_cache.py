@@ -13,7 +13,7 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.planner.cache import NOT_KEYED, PlanCache
 from autopar.planner.solve import PlanOptions, fingerprint
-from autopar.solver.ilp import ALTERNATED, AT_TIME_LIMIT, OPTIMAL, OPTIMAL_ALTERNATION, status_words
+from autopar.solver.solve import ALTERNATED, AT_TIME_LIMIT, OPTIMAL, OPTIMAL_ALTERNATION, status_words
 
 # one value per option that changes the plan, other than its default
 CHANGED = dict(memory_budget=2**30, pins={"w": ("R",)}, batch_axes=("dp",), sharded_outputs=True, optimizer="sgd",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar  # noqa: E402
-from autopar.solver import ilp, mip  # noqa: E402
+from autopar.solver import ilp, mip, solve  # noqa: E402
 
 
 def _plan(time_limit, budget=None, shape=(2, 2, 2), **kw):
@@ -72,7 +72,7 @@ def test_pulp_fallback_finds_the_same_optimum(monkeypatch):
     best = _plan(None, 1.6 * 2**30, shape=(4,))
     monkeypatch.setattr(mip, "highs_available", lambda: False)
     plan = _plan(None, 1.6 * 2**30, shape=(4,))
-    assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status == ilp.OPTIMAL
+    assert best.solver.solver == "HiGHS" and plan.solver.solver == "CBC" and plan.solver.status == solve.OPTIMAL
     assert plan.solver.objective_s == pytest.approx(best.solver.objective_s, rel=1e-6)
 
 
@@ -82,10 +82,10 @@ def test_alternated_plan_on_a_large_model_is_close_to_the_joint_optimum(monkeypa
     the joint model is small enough to build (13k columns), so the two can be compared."""
     tight = 0.75 * unbounded_2x4.estimate.peak_memory_bytes
     joint = _plan(None, tight, shape=(2, 4))
-    assert joint.solver.status.startswith(ilp.OPTIMAL) and joint.solver.status != ilp.OPTIMAL_ALTERNATION
-    monkeypatch.setattr(ilp, "JOINT_MAX_COLUMNS", 0)
+    assert joint.solver.status.startswith(solve.OPTIMAL) and joint.solver.status != solve.OPTIMAL_ALTERNATION
+    monkeypatch.setattr(solve, "JOINT_MAX_COLUMNS", 0)
     alone = _plan(None, tight, shape=(2, 4))
-    assert alone.solver.status == ilp.OPTIMAL_ALTERNATION
+    assert alone.solver.status == solve.OPTIMAL_ALTERNATION
     assert alone.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
     assert alone.solver.objective_s <= 1.05 * joint.solver.objective_s
     assert alone.solver.objective_s >= joint.solver.objective_s * (1 - 1e-3)      # the joint model's gap

@@ -17,7 +17,8 @@ import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
 from autopar.solver.evaluate import evaluate
-from autopar.solver.ilp import FEASIBILITY_SLACK_BYTES, solve  # noqa: E402
+from autopar.solver.ilp import FEASIBILITY_SLACK_BYTES  # noqa: E402
+from autopar.solver.solve import solve  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from models import GPT, MLP, Block  # noqa: E402
 

@@ -14,7 +14,7 @@ import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
 from autopar.solver.evaluate import evaluate
-from autopar.solver.ilp import solve  # noqa: E402
+from autopar.solver.solve import solve  # noqa: E402
 from autopar.passes.layers import layer_of  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from models import GPT  # noqa: E402

@@ -96,7 +96,8 @@ def test_vocab_parallel_loss_prices_its_all_reduces_and_splits_the_logits_memory
     """The vocab-parallel loss's two all-reduces (rows x 4 bytes, then rows x 8: the maximum, then the
     sum-exp and the target logit) are priced by the cost model and listed on the node; the plan holds
     a tp-th of the logits, so it needs less memory than the one that gathers them for the loss."""
-    from autopar.cost_model.comm import vocab_reduce_times
+    from autopar.cost_model.comm import row_reduce_times
+    from autopar.strategies.vocab import ROW_STATISTICS
     model = GPT(vocab=8192, seq=64, hidden=64, heads=4, layers=1)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
     plans = {}
@@ -107,8 +108,8 @@ def test_vocab_parallel_loss_prices_its_all_reduces_and_splits_the_logits_memory
     node = next(n for n in plans["vocab_parallel"].nodes if n.op == "aten.cross_entropy_loss")
     rows = 8 * 64 // 2                                    # the batch is split over dp
     inside = [c for c in node.collectives if c.tensor == node.name]
-    want = vocab_reduce_times("aten.cross_entropy_loss", rows, 2, mesh.links[1],
-                              mesh.profile.kernel_overhead + mesh.profile.collective_overhead)[0]
+    want = row_reduce_times(ROW_STATISTICS["aten.cross_entropy_loss"], rows, 2, mesh.links[1],
+                            mesh.profile.kernel_overhead + mesh.profile.collective_overhead)[0]
     assert [(c.kind, c.phase) for c in inside] == [("all_reduce@tp", "forward")]
     assert inside[0].seconds == pytest.approx(want)
     logits_b = 8 * 64 * 8192 * 4 / 2                      # fp32 logits on a dp rank

@@ -45,9 +45,9 @@ lower one (`moe_routed_load`: slots past capacity are dropped, never sent). The 
 all-to-alls reversed. Tensor parallelism inside the experts (`expert_tp_exchange_times`) trades the
 device's fused gate/up shard with its peers once per step and direction: one all-to-all of the shard.
 
-Vocab-split cross-entropy and log_softmax (`vocab_reduce_times`): logits split on the vocabulary over an
-axis all-reduce a few fp32 statistics per row (the maximum, the sum-exp, ...; `VOCAB_REDUCES`), each
-all-reduce one launch.
+Vocab-split cross-entropy and log_softmax (`row_reduce_times`): logits split on the vocabulary over an
+axis all-reduce a few fp32 statistics per row (the maximum, the sum-exp, ...; how many bytes per row
+is the op's rule's fact: `strategies.vocab.ROW_STATISTICS`), each all-reduce one launch.
 
 Gradient synchronisation is bucketed (`bucketed_time`): the bandwidth term of all buckets plus
 one latency term per bucket, as DDP's 25 MiB buckets or Megatron's one contiguous buffer run it.
@@ -87,9 +87,9 @@ from ..symbolic import ceil_div, smin, to_float
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
            "latency_steps", "bucketed_time", "bucket_count", "first_bucket_bytes", "bucketed_reduction", "GradBucket", "transfer_time",
-           "flat_gather_axis", "async_output_axis",
+           "flat_gather_axis", "regather_seconds", "async_output_axis",
            "bucket_launch_time", "final_bucket_time", "expert_exchange_times", "expert_tp_exchange_times", "moe_routed_load",
-           "VOCAB_REDUCES", "vocab_reduce_times", "vocab_reduce_bytes_on_wire", "ReshardCost", "reshard_cost",
+           "row_reduce_times", "row_reduce_bytes_on_wire", "ReshardCost", "reshard_cost",
            "coded_reshard_cost", "layout_code", "placement_code"]
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
@@ -258,6 +258,15 @@ def flat_gather_axis(stored: Sequence[Placement], used: Sequence[Placement], sha
     return a
 
 
+def regather_seconds(fwd, flat, n: int) -> tuple[tuple[float, ...], ...]:
+    """[a][b] seconds of gathering a layer's parameter again for its backward (a residency option): its
+    forward gather's `fwd`, less 2 (n - 1) / n of its latency and launch `flat` where the runtime gathers
+    the layer's n such parameters as one flat all-gather in each pass (n collectives become one)."""
+    saved = 2 * (n - 1) / n if n else 0.0
+    flat = flat or [[0.0] * len(row) for row in fwd]
+    return tuple(tuple(f - saved * x for f, x in zip(row, frow)) for row, frow in zip(fwd, flat))
+
+
 def async_output_axis(src: Sequence[Placement], dst: Sequence[Placement]) -> int | None:
     """The mesh axis over which the runtime makes a program output whole by one all-reduce issued
     asynchronously, waited where the caller first uses the value (runtime/ops.py `AsyncOutput`): the
@@ -327,29 +336,21 @@ def expert_exchange_times(row_bytes: float, n: int, link: AnyLink, imbalance: fl
     return counts + 2 * rows, 2 * rows
 
 
-# Per row on the device, the bytes of each all-reduce a vocab-split op runs inside itself (fp32
-# statistics: runtime/vocab.py), forward and backward: cross-entropy all-reduces the maximum, then the
-# sum-exp and the target logit in one buffer, and nothing in its backward; log_softmax the maximum,
-# then the sum-exp, and in its backward sum(dy).
-VOCAB_REDUCES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "aten.cross_entropy_loss": ((4, 8), ()),
-    "aten.log_softmax": ((4, 4), (4,)), "aten._log_softmax": ((4, 4), (4,))}
-
-
-def vocab_reduce_times(op: str, rows: float, n: int, link: AnyLink,
-                       launch_overhead: float = 0.0) -> tuple[float, float]:
-    """(forward, backward) seconds of the all-reduces of vocab-split op `op` (`VOCAB_REDUCES`) over one
-    mesh axis of n devices, for `rows` rows on one device."""
+def row_reduce_times(per_row: tuple[tuple[int, ...], tuple[int, ...]], rows: float, n: int, link: AnyLink,
+                     launch_overhead: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of an op's all-reduces of a few statistics per row over one mesh axis
+    of n devices, each its own launch: `per_row` the (forward, backward) bytes per row of each, for
+    `rows` rows on one device (a vocab-split loss: `strategies.vocab.ROW_STATISTICS`)."""
     if n <= 1:
         return 0.0, 0.0
-    fwd, bwd = VOCAB_REDUCES[op]
     return tuple(sum(collective_time("all_reduce", rows * b, n, link) + launch_overhead for b in phase)
-                 for phase in (fwd, bwd))
+                 for phase in per_row)
 
 
-def vocab_reduce_bytes_on_wire(op: str, rows: float, n: int) -> tuple[float, float]:
-    """(forward, backward) bytes one device sends in those all-reduces (`vocab_reduce_times`)."""
-    return tuple(collective_bytes_on_wire("all_reduce", rows * sum(phase), n) for phase in VOCAB_REDUCES[op])
+def row_reduce_bytes_on_wire(per_row: tuple[tuple[int, ...], tuple[int, ...]], rows: float,
+                             n: int) -> tuple[float, float]:
+    """(forward, backward) bytes one device sends in those all-reduces (`row_reduce_times`)."""
+    return tuple(collective_bytes_on_wire("all_reduce", rows * sum(phase), n) for phase in per_row)
 
 
 def expert_tp_exchange_times(shard_bytes: float, n: int, link: AnyLink,

@@ -29,7 +29,7 @@ attention score product QK^T (K = head_dim, an s x s output). Its backward is pr
 on the matrix units like a matmul, and each backward is its forward time times the factor of
 BACKWARD_FACTORS, the ratio of the work (FLOPs for matmuls, bytes for memory-bound kernels) the
 backward kernels do to the forward's; the table says where each factor comes from.
-The planner (`solver.problem.build_problem`) and `autopar.estimate` both price ops with it.
+The planner and `autopar.estimate` both price ops with it (through `ops.op_cost`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from .profiles import DeviceProfile
 from ..symbolic import is_zero, smax
 
 __all__ = ["compute_time", "op_times", "backward_factor", "BACKWARD_FACTORS", "HIDDEN_OUTPUT_PASSES", "TENSOR_CORE_FAMILIES",
-           "RANDOM_OPS", "random_time",
+           "RANDOM_OPS", "random_time", "TRAINING_FLOPS_FACTOR", "step_flops",
            "matmul_efficiency_at", "matmul_time", "matmul_backward_time", "optimizer_step_time", "POINTWISE_EFFICIENCY",
            "OPTIMIZER_STEP_BYTES", "MIXED_PRECISION_STEP_EXTRA_BYTES",
            "GRAD_ACCUMULATION_PASSES", "grad_accumulation_time", "optimizer_seconds"]
@@ -111,6 +111,16 @@ def random_time(elements: float, profile: DeviceProfile) -> float:
 # Ops that write an input-sized intermediate of their own besides their outputs (passes over what
 # they read): cross-entropy's log-probabilities, kept for its backward.
 HIDDEN_OUTPUT_PASSES: dict[str, float] = {"aten.cross_entropy_loss": 1.0}
+
+
+# Model FLOPs of an op in a training step (Megatron-LM's and PaLM's count, 6 N per token for a dense model):
+# its forward, and where its output needs a gradient a backward of twice the forward's (dX and dW)
+TRAINING_FLOPS_FACTOR = 3.0
+
+
+def step_flops(flops: float, needs_grad: bool) -> float:
+    """Model FLOPs of an op of `flops` forward FLOPs in a training step (TRAINING_FLOPS_FACTOR)."""
+    return flops * (TRAINING_FLOPS_FACTOR if needs_grad else 1.0)
 
 
 def backward_factor(op: str | None, family: str | None) -> float:

@@ -35,7 +35,8 @@ from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, 
 from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
 from ..solver.evaluate import Staging
-from ..solver.ilp import AT_TIME_LIMIT, most_sharded, solve
+from ..solver.ilp import most_sharded
+from ..solver.solve import AT_TIME_LIMIT, solve
 
 log = logging.getLogger("autopar")
 

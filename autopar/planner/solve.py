@@ -23,7 +23,7 @@ from .cache import PlanCache
 from .scaling import build_scaling
 from ..solver.decisions import add_families
 from ..solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
-from ..solver.ilp import min_memory, solve
+from ..solver.solve import min_memory, solve
 from ..solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 from ..strategies import op_name, rule_for
 from ..strategies.attention import context_axis

@@ -177,6 +177,26 @@ def comm_total(p: Problem, choice: Mapping[str, int]):
     return ssum(e.cost[a][b] for e, a, b in picked_edges(p, choice))
 
 
+def seconds_by_part(p: Problem, choice: Mapping[str, int], part_of: Mapping[str, int], parts: int,
+                    output_part: int) -> list:
+    """Compute and resharding seconds (forward and backward, one microbatch) summed per part of the
+    graph: a node's in its part (`part_of`), an edge's in its consumer's (`output_part` for the
+    program's outputs). What the stage-boundary search balances (`decisions.stages.layer_seconds`)."""
+    per = [0.0] * parts
+    for d in p.decisions.values():
+        per[part_of[d.name]] += d.compute_s[choice[d.leader]]
+    for e, a, b in picked_edges(p, choice):
+        per[output_part if e.dst == "output" else part_of[e.dst]] += e.cost[a][b]
+    return per
+
+
+def per_microbatch_seconds(cost, fwd, microbatches: int) -> list[list[float]]:
+    """[a][b] seconds of a parameter edge per microbatch of `microbatches`: its forward gather every
+    microbatch, its gradient's leg (synchronised once per step) a 1/microbatches share."""
+    k = 1.0 / microbatches
+    return [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(cost, fwd)]
+
+
 def grad_sync_total(p: Problem, choice: Mapping[str, int]):
     """Seconds of the gradient legs of parameter edges in the edge tables: a gradient reduced in a
     bucket its transfer (less what the backward hides), any other its own collectives."""
@@ -354,7 +374,37 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
         ch.comp[c] += d.compute_s[i]
         if d.name in weighted:
             ch.wgrad[c] += WEIGHT_GRAD_SHARE * (d.compute_s[i] - f)
-    entering: list[dict[str, float]] = [dict() for _ in range(n)]   # chunk -> tensors sent into it
+    entering, users = _edge_costs(problem, choice, staging, ch, where)
+    for name, k in node_modules(problem, choice):
+        ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
+    for c in range(n):
+        ch.fwd[c] += ch.runtime[c]
+        ch.bwd[c] += ch.wsync[c]
+        ch.wgrad[c] += ch.wsync[c]
+        ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
+    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
+    ch.state, ch.grads = [0.0] * n, [0.0] * n
+    for d in dec.values():
+        for c in users.get(d.name, {chunk_of[d.name]}):
+            ch.state[c] += d.state_bytes[choice[d.leader]]
+            ch.grads[c] += d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+    for name, cs in users.items():      # tied parameters: their gradients all-reduced over the ranks using them
+        held = sorted({c % p for c in cs})
+        if len(held) > 1:
+            d = dec[name]
+            nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
+            for r in held:
+                t = collective_time("all_reduce", nbytes, len(held), staging.link)
+                ch.sync[r] += t
+                ch.comm[r] += t
+    return ch
+
+
+def _edge_costs(problem: Problem, choice, staging: Staging, ch: _Chunks, where):
+    """Add the edges' seconds to the chunks of their consumers (`where`); returns per chunk the tensors
+    sent into it (name -> bytes) and per parameter the chunks using it."""
+    chunk_of, pipe, dec = staging.chunk_of, staging.pipe, problem.decisions
+    entering: list[dict[str, float]] = [dict() for _ in ch.fwd]    # chunk -> tensors sent into it
     users: dict[str, set[int]] = {}                                 # parameter -> chunks using it
     for e, a, b in picked_edges(problem, choice):
         src, c = dec[e.src], where(e.dst)
@@ -380,29 +430,7 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
             ch.bwd[c] += e.cost[a][b] - f
             if chunk_of[e.src] != c and src.kind == "op":     # inputs reach every rank from its data loader
                 entering[c][e.src] = src.act_bytes[choice[src.leader]]
-    for name, k in node_modules(problem, choice):
-        ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
-    for c in range(n):
-        ch.fwd[c] += ch.runtime[c]
-        ch.bwd[c] += ch.wsync[c]
-        ch.wgrad[c] += ch.wsync[c]
-        ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
-    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
-    ch.state, ch.grads = [0.0] * n, [0.0] * n
-    for d in dec.values():
-        for c in users.get(d.name, {chunk_of[d.name]}):
-            ch.state[c] += d.state_bytes[choice[d.leader]]
-            ch.grads[c] += d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
-    for name, cs in users.items():      # tied parameters: their gradients all-reduced over the ranks using them
-        held = sorted({c % p for c in cs})
-        if len(held) > 1:
-            d = dec[name]
-            nbytes = d.grad_bytes[choice[d.leader]] if d.grad_bytes else 0.0
-            for r in held:
-                t = collective_time("all_reduce", nbytes, len(held), staging.link)
-                ch.sync[r] += t
-                ch.comm[r] += t
-    return ch
+    return entering, users
 
 
 def _term_chunks(problem: Problem, chunk_of: Mapping[str, int]):
@@ -518,7 +546,6 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     fwd_end = max((t for t, w in enumerate(positions) if w <= live.last), default=-1)
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
-    groups = {g.key: g for g in fam.groups}
     shares: dict = {}           # group key -> its `_shares`
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
@@ -544,17 +571,24 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         fwd_state = st[r] - gr[r]
         pts = [fwd_state + x + (k - 1) * saved for x in one]
         device_state = st[r] - sum(b for f, b, q in freed if q == r and f.until >= live.step_end)
-        tiers: dict[str, float] = {}
-        for h in fam.held:
-            if on.get(h.gate[0]) == h.gate[1]:
-                if h.gate[0] not in shares:
-                    shares[h.gate[0]] = _shares(groups[h.gate[0]], member)
-                share = sum(x for c, x in shares[h.gate[0]].items() if rank(c) == r)
-                tiers[h.tier] = tiers.get(h.tier, 0.0) + share * h.count * h.expr.value(problem, choice)
         out.state.append(device_state)
         out.saved.append(saved)
         out.in_flight.append(k)
         out.points.append(pts)
-        out.tiers.append(tiers)
+        out.tiers.append(_rank_tiers(problem, choice, on, r, rank, shares, member))
         out.peak.append(max(device_state, *pts))
     return out
+
+
+def _rank_tiers(problem: Problem, choice, on, r: int, rank, shares: dict, member) -> dict[str, float]:
+    """Tier -> bytes pipeline rank r holds in it: its share of each held term's group (`shares`: group key
+    -> `_shares`, filled as needed)."""
+    groups = {g.key: g for g in problem.families.groups}
+    tiers: dict[str, float] = {}
+    for h in problem.families.held:
+        if on.get(h.gate[0]) == h.gate[1]:
+            if h.gate[0] not in shares:
+                shares[h.gate[0]] = _shares(groups[h.gate[0]], member)
+            share = sum(x for c, x in shares[h.gate[0]].items() if rank(c) == r)
+            tiers[h.tier] = tiers.get(h.tier, 0.0) + share * h.count * h.expr.value(problem, choice)
+    return tiers

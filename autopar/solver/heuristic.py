@@ -19,7 +19,7 @@ size); with the layouts fixed, only the options are left (a few dozen binaries).
 Each step keeps the better plan (by what the ILP minimises, `Evaluation.objective_s`), so the
 result never gets worse with more time. Step 3's last plan is optimal in its layouts for its
 options and in its options for its layouts; it is not proven optimal jointly. On small models
-the joint model then starts from it (`ilp.solve`).
+the joint model then starts from it (`solve.solve`).
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from . import prune
 from .evaluate import evaluate
-from .ilp import LEAST_STATUS as LEAST
+from .ilp import StrategyILP, infeasible, least_memory, most_sharded
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
+LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `start_plan`'s, near the minimum
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     their end whatever the deadline (their plan is the same on every run)."""
     models = _Models(problem, budget, allowed)
     best = _first(problem, budget, None if floor else deadline, models)
-    if best.status == LEAST:
+    if best.status == LEAST_STATUS:
         return best
     return improve(problem, budget, best, deadline, progress, models)
 
@@ -77,14 +79,13 @@ def resume_plan(problem, budget: float, plan: Assignment, deadline: float | None
 def _first(problem, budget: float, deadline: float | None, models: _Models) -> Heuristic:
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
     relaxation's layouts rounded, the better."""
-    from .ilp import infeasible, least_memory, most_sharded
     choice = most_sharded(problem, models.allowed)
     options = models.options_for(choice)
     if options is None:     # a budget near the minimum: the plan that needs least, if it fits
         plan, need = least_memory(problem)
         if need > budget:
             raise infeasible(problem, budget, need)
-        return Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST, "HiGHS", 1.0)
+        return Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
     best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
                      "Feasible (the most sharded plan)", "HiGHS", 1.0)
     defaults = problem.families.defaults()
@@ -130,7 +131,6 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     the same on every run; then, while time remains, step 3 there, the alternation in the other
     pairs' subspaces, and local search: the layouts within one mesh axis of the plan's
     (`prune.near`) re-solved from it, round after round while the plan improves."""
-    from . import prune
     pairs = prune.axis_pairs(problem)
     best, solved = None, 0
     for k, (i, j) in enumerate(pairs):
@@ -188,7 +188,6 @@ class _Models:
         return self.options[key]
 
     def get(self, options: dict[str, int]):
-        from .ilp import StrategyILP
         key = tuple(sorted(options.items()))
         if key not in self.built:
             model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared, allowed=self.allowed)
@@ -215,7 +214,6 @@ def _better(problem, models: _Models, best: Heuristic, choice: dict[str, int], s
 
 def families_for(problem, budget: float, choice: dict[str, int]) -> dict[str, int] | None:
     """The best family options for a fixed layout choice, or None if no options make it fit."""
-    from .ilp import StrategyILP
     model = StrategyILP(problem, budget, choice=choice)
     model.build()
     r = model.solve_lazy(None)

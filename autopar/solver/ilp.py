@@ -38,11 +38,11 @@ run over the whole step (`cost_model.memory`): the backward's points also hold t
 flight and the parameter gradients made so far, and keep a copy k[e] until its consumer's backward.
 
 The model is written as arrays (`mip.py`) and solved by HiGHS through highspy (CBC through pulp
-where highspy is missing). `solve` first runs the alternation of `heuristic.py`: layouts with the
+where highspy is missing). `solve.solve` first runs the alternation of `heuristic.py`: layouts with the
 family options fixed (no products of layout and option columns: the layout model's size) and
 options with the layouts fixed (a few dozen binaries), each optimal for the other. That plan is
 the floor, so a longer time limit never gives a slower plan. The joint model above starts from it
-where the layout model is small (JOINT_MAX_COLUMNS); on larger ones the alternation's plan is the
+where the layout model is small (`solve.JOINT_MAX_COLUMNS`); on larger ones the alternation's plan is the
 answer, and its status says so. Memory rows (D) are added lazily when the budget is far from
 binding: the model is solved without the rows that the start's slack shows to be loose, and any
 row the solution violates is added and the model re-solved. A large MIP first solves its LP
@@ -51,11 +51,10 @@ relaxation and rounds it: within the MIP gap of the relaxation's bound, that pla
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
 from .evaluate import evaluate
@@ -64,8 +63,6 @@ from .memory_rows import GIB, MemoryRows
 from .mip import INF, MIP_GAP, Defined, Mip, MipResult
 from .problem import Problem
 
-log = logging.getLogger("autopar")
-
 # HiGHS and CBC accept a MIP row within 1e-6 of its bound (their MIP feasibility tolerance); memory
 # rows are in GiB, so a plan up to ~1.07 kB over the budget could pass. The budget rows are
 # tightened by twice that, and `min_memory` adds it, so a budget of `min_memory_bytes` fits.
@@ -73,13 +70,6 @@ FEASIBILITY_SLACK_BYTES = 2e-6 * GIB
 ROW_TOLERANCE = 1e-9  # GiB: a row is violated beyond the solver's own feasibility tolerance
 LAZY_ROWS = 10      # memory rows added per round (the most violated first): a few rounds on real models
 LAZY_FROM = 200     # fewer memory rows than this are all added at once (a small model's rounds cost more)
-# The joint model multiplies each gated term's layout columns by the option columns (McCormick products):
-# from a layout model of this many columns on it is not built and the alternation's plan is the answer
-# (Llama-3-8B on (8, 8): 66k layout columns, a joint model of 176k columns that HiGHS did not solve in
-# a minute; GPT-3 175B's pipeline stage on (16, 8): 17k layout columns, a joint model of 50k columns and
-# 104k rows whose first solve took HiGHS 13 s and which found no plan better than the alternation's in
-# a minute; the 4-block test models: a few hundred columns, joint optimum in well under a second).
-JOINT_MAX_COLUMNS = 10_000
 # A MIP of this many columns or more first rounds its LP relaxation (`StrategyILP.solve_lazy`): HiGHS's
 # MIP costs seconds there (Llama-3-8B over 64 devices, 68k columns: 1.0-1.5 s against the LP's 0.09 s);
 # the option models (3k columns) and the test models' MIPs take it hundredths of a second.
@@ -440,13 +430,6 @@ def most_sharded(p: Problem, allowed: Mapping[str, tuple[int, ...]] | None = Non
     return choice
 
 
-def min_memory(problem: Problem) -> float:
-    """The smallest budget that fits a plan found: the peak per-device memory of the plan that needs
-    least (`least_memory`, ignoring time), as the ILP's rows and the evaluator price it, plus the
-    solver's slack."""
-    return least_memory(problem)[1]
-
-
 LEAST_ROUNDS = 4     # alternation rounds of `least_memory` at most (the test models settle in one)
 
 
@@ -489,82 +472,3 @@ def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[s
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
     peak = max(r.values[z] * GIB, evaluate(problem, *plan).peak_bytes)
     return plan, float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
-
-
-def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
-          progress: bool = False, start: tuple[dict[str, int], dict[str, int]] | None = None,
-          floor: bool = False) -> SolveResult:
-    """The best plan found within `time_limit` seconds (None: the optimum of the alternation, and of
-    the joint model where that is built), never worse than the alternating heuristic's plan
-    (`heuristic.py`). The joint model (layouts and family options together) is built only where
-    the layout model has at most JOINT_MAX_COLUMNS columns; without free family options the
-    layout model is the joint model and its solve is the answer. The status is in `status_words`'
-    words; how the solver got there is logged. `start`: a (layout choice, family options) to improve
-    instead of the heuristic's first plans (`heuristic.resume_plan`), where it fits the budget.
-    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`: a
-    caller with no other plan to return)."""
-    t0 = time.perf_counter()
-    deadline = None if time_limit is None else t0 + time_limit
-    r = _solve(problem, memory_budget, deadline, t0, progress, start, floor)
-    log.info("solver: %s (%s, %.2f s)", r.status, r.solver, r.seconds)
-    timed_out = deadline is not None and time.perf_counter() >= deadline
-    return replace(r, status=status_words(r.status, r.gap, timed_out=timed_out))
-
-
-OPTIMAL = "optimal"
-OPTIMAL_ALTERNATION = "optimal for each family given the others (alternation)"
-AT_TIME_LIMIT = "best found at the time limit"
-ALTERNATED = "Feasible (layouts and memory options alternated"     # `_solve`'s raw status of that answer
-SUBSPACES = "Feasible (solved in subspaces"
-LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `heuristic.start_plan`'s, near the minimum
-
-
-def status_words(raw: str, gap: float, *, timed_out: bool) -> str:
-    """A solve's outcome in words a user can act on, from the solver's raw status: "optimal" (proven,
-    within the MIP gap); OPTIMAL_ALTERNATION (layouts optimal for the memory options and the options
-    for the layouts, not proven jointly); "best found at the time limit, gap x%" where the solver
-    proved a bound on the whole problem (not the alternation's layouts alone, not a trivial 100%),
-    without a gap otherwise; the subspace search and the fallbacks by what they are."""
-    stopped = "Feasible (stopped" in raw or "time limit" in raw
-    alternated = raw.startswith(ALTERNATED)
-    if raw.startswith(SUBSPACES):
-        return (f"{AT_TIME_LIMIT} (subspaces of merged mesh axes searched)" if timed_out or stopped else
-                "best found by searching subspaces of merged mesh axes (no bound computed)")
-    if raw.startswith("Heuristic"):
-        return "the most sharded plan: the solver stopped without a plan (raise time_limit)"
-    if LEAST_STATUS in raw:
-        return "the plan that needs least memory: the budget leaves no other choice found (not proven optimal)"
-    if stopped or (timed_out and not raw.startswith(("Optimal", ALTERNATED))):
-        proved = raw.startswith("Feasible (stopped") and 0.0 <= gap < 1.0
-        return f"{AT_TIME_LIMIT}, gap {gap:.2%}" if proved else AT_TIME_LIMIT
-    if alternated:
-        return OPTIMAL_ALTERNATION if "layout solve: Optimal" in raw else "best found (not proven optimal)"
-    if raw.startswith("Optimal (the LP relaxation rounded"):         # within the MIP gap of the relaxation's bound
-        return f"{OPTIMAL} (the LP relaxation rounded)"
-    if raw.startswith("Optimal") or raw.endswith("solver: Optimal)"):    # the heuristic's plan ties the optimum
-        return OPTIMAL
-    return "best found (not proven optimal)"
-
-
-def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: float,
-           progress: bool, carried: tuple[dict[str, int], dict[str, int]] | None = None,
-           floor: bool = False) -> SolveResult:
-    from .heuristic import resume_plan, start_plan, subspace_plan
-    from .prune import too_large
-    if too_large(problem):
-        start = subspace_plan(problem, memory_budget, deadline, progress)
-        return SolveResult(start.plan[0], start.objective_s, f"{SUBSPACES}: {start.status})",
-                           start.solver, time.perf_counter() - t0, start.n_variables, start.n_constraints,
-                           known_gap(float("nan")), start.plan[1])
-    start = None if carried is None else resume_plan(problem, memory_budget, carried, deadline, progress)
-    if start is None:
-        start = start_plan(problem, memory_budget, deadline, progress, floor=floor)
-    free = any(len(g.allowed) > 1 for g in problem.families.groups)
-    if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
-        status = start.status if not free else (
-            f"{ALTERNATED}, each optimal for the other; the joint model of {start.n_variables} layout columns times "
-            f"the options was not built; the plan's layout solve: {start.status})")
-        return SolveResult(start.plan[0], start.objective_s, status, start.solver, time.perf_counter() - t0,
-                           start.n_variables, start.n_constraints, known_gap(start.gap if not free else float("nan")),
-                           start.plan[1])
-    return StrategyILP(problem, memory_budget).solve_from(start, deadline, t0, progress)

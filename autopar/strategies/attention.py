@@ -16,7 +16,8 @@ The last three are context parallelism: the sequence stays split through attenti
 model can keep activations split on the sequence. Their executor is `runtime/attention.py`, which
 balances causal work (each device computes on sequence chunks i and 2n-1-i) and runs each block
 through a fused kernel; their time, with the ring's transfers overlapped with its blocks, and the
-memory their executor keeps and works in, are `cost_model/context.py`. A strategy uses at most one
+memory their executor keeps and works in, are `cost_model/context.py`, from the facts of
+`sequence_split` (`inner.SequenceSplit`). A strategy uses at most one
 context-parallel axis.
 """
 from __future__ import annotations
@@ -26,7 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from .inner import SequenceSplit
 from .registry import AxisOption, register
+from .strategy import shard_count
 
 aten = torch.ops.aten
 R = Replicate()
@@ -78,7 +81,20 @@ def admissible(labels: Sequence[str], inputs, output, ins, outs, mesh_shape, fit
     return all(fits(L, m, mesh_shape) for L, m in zip(inner[:3], ins[:3]))
 
 
-@register(aten.scaled_dot_product_attention, family="attention", admits=admissible)
+def sequence_split(node, s, ins, outs, mesh_shape) -> tuple[SequenceSplit, ...]:
+    """The `inner` hook: the transfers of a strategy with a context-parallel axis (none for any other)."""
+    axis = context_axis(s.labels)
+    if axis is None:
+        return ()
+    args = sdpa_args(*node.args, **node.kwargs)
+    q_b = ins[0].nbytes / shard_count(s.inputs[0], mesh_shape)
+    kv_b = (ins[1].nbytes + ins[2].nbytes) / shard_count(s.inputs[1], mesh_shape)
+    return (SequenceSplit(s.labels[axis], axis, mesh_shape[axis], q_b, kv_b,
+                          balanced=bool(args["is_causal"]) or args["attn_mask"] is not None,
+                          itemsize=ins[1].dtype.itemsize, head_dim=int(ins[0].shape[-1])),)
+
+
+@register(aten.scaled_dot_product_attention, family="attention", admits=admissible, inner=sequence_split)
 def sdpa_rule(node, ins, outs):
     """Split the batch, the heads, or the sequence ("ring", "allgather_kv", "ulysses": context parallelism)."""
     q = ins[0]

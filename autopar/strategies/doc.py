@@ -110,26 +110,30 @@ def render(captured=None) -> str:
               ""]
     for family in sorted(by_rule):
         lines += [f"### {family}", "", "| op | rule | options (on an example node) |", "|---|---|---|"]
-        for target in sorted(by_rule[family], key=_name):
-            rule = RULES[target]
-            doc = " ".join((rule.fn.__doc__ or "").strip().split("\n\n")[0].split())
-            doc = doc.split(". ")[0].rstrip(".") + "." if doc else ""
-            flags = [f for f, on in (("view", rule.is_view), ("follower", rule.follower)) if on]
-            what = f"`{rule.fn.__name__}`" + (f" ({', '.join(flags)})" if flags else "")
-            if doc:
-                what += ": " + doc.replace("|", "\\|")
-            ex = examples.get(_name(target))
-            opts = ""
-            if ex is not None:
-                model, node = ex
-                ins = [tensor_meta(a.meta["val"])[0] for a in tensor_inputs(node)]
-                outs = tensor_meta(node.meta.get("val"))
-                options = [o for o in axis_options(rule, node, ins, outs) if o.label != "replicate"]
-                opts = (f"{model} `{node.name}` {_shapes(node)}: "
-                        + ("; ".join(_option_text(o) for o in options) if options else "replicate only"))
-            lines.append(f"| `{_name(target)}` | {what} | {opts.replace('|', '/')} |")
+        lines += [_rule_row(target, examples) for target in sorted(by_rule[family], key=_name)]
         lines.append("")
     return "\n".join(lines)
+
+
+def _rule_row(target, examples: dict[str, tuple[str, object]]) -> str:
+    """The table row of op `target`: its rule, and its options on the zoo's example node (if any)."""
+    rule = RULES[target]
+    doc = " ".join((rule.fn.__doc__ or "").strip().split("\n\n")[0].split())
+    doc = doc.split(". ")[0].rstrip(".") + "." if doc else ""
+    flags = [f for f, on in (("view", rule.is_view), ("follower", rule.follower)) if on]
+    what = f"`{rule.fn.__name__}`" + (f" ({', '.join(flags)})" if flags else "")
+    if doc:
+        what += ": " + doc.replace("|", "\\|")
+    ex = examples.get(_name(target))
+    opts = ""
+    if ex is not None:
+        model, node = ex
+        ins = [tensor_meta(a.meta["val"])[0] for a in tensor_inputs(node)]
+        outs = tensor_meta(node.meta.get("val"))
+        options = [o for o in axis_options(rule, node, ins, outs) if o.label != "replicate"]
+        opts = (f"{model} `{node.name}` {_shapes(node)}: "
+                + ("; ".join(_option_text(o) for o in options) if options else "replicate only"))
+    return f"| `{_name(target)}` | {what} | {opts.replace('|', '/')} |"
 
 
 def main(argv=None) -> int:

@@ -18,8 +18,9 @@ Along one mesh axis the op has three ways to split its work:
 Under every option a device runs the token-slots its experts take as two grouped GEMMs
 (`passes.lowering.moe_grouped`; priced by `cost_model.experts` besides the FLOPs). Only
 expert_parallel moves data inside the op: its dispatch and combine are priced with the op
-(`solver.problem.op_cost`, `cost_model.comm.expert_exchange_time`), the other two move nothing
-the edges do not already show. Several axes may split experts; a device's experts are then block
+(`cost_model.comm.expert_exchange_times`), the other two move nothing the edges do not already
+show. What the op does inside itself under a strategy are the facts of `moe_inner`
+(`inner.py`), priced by `cost_model/inner.py`. Several axes may split experts; a device's experts are then block
 `mixed radix of its coordinates on those axes, in mesh order` (as DTensor chunks a dim); beside an
 experts axis, expert_parallel sends only the slots whose experts the device's block holds there.
 
@@ -40,7 +41,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..errors import PlanOptionError
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
+from ..passes.shape_prop import tensor_meta
+from .inner import GroupedExperts, Imbalanced, RoutedExchange, WeightTrade
 from .registry import AxisOption, register
+from .strategy import shard_count
 
 R, P, S0 = Replicate(), Partial(), Shard(0)
 MOE_OP = "autopar.moe_experts"
@@ -56,7 +60,31 @@ def admissible(labels, inputs, output, ins, outs, mesh_shape, fits) -> bool:
     return sum(lab == EXPERT_TP for lab in labels) <= 1
 
 
-@register(torch.ops.autopar.moe_experts, family="moe", admits=admissible)
+def moe_inner(node, s, ins, outs, mesh_shape) -> tuple:
+    """The `inner` hook: under strategy s, the load imbalance where experts are split, the token-slot
+    exchange per expert-parallel axis, the expert_tp weight trade, and the grouped experts' passes.
+    The routing's and the weights' sizes are the graph's (fixed whatever the batch and sequence)."""
+    experts, tokens, exchange = expert_axes(s.inputs), token_axes(s.inputs), exchange_axes(s.inputs)
+    top_k = tensor_meta(node.args[_INDEX].meta["val"])[0].shape[1]
+    gate_up = tensor_meta(node.args[_GATE_UP].meta["val"])[0]
+    out, tp = outs[0], tensor_axis(s.inputs)
+    facts: list = [Imbalanced()] if experts else []
+    # the slots whose experts it holds on the axes splitting experts alone (runtime/experts.py sends no other)
+    elsewhere = math.prod(mesh_shape[a] for a in experts if a not in exchange)
+    routed_b = out.nbytes / shard_count(s.output, mesh_shape) * top_k / elsewhere
+    facts += [RoutedExchange(a, mesh_shape[a], routed_b) for a in exchange]
+    if tp is not None:
+        facts.append(WeightTrade(tp, mesh_shape[tp], gate_up.nbytes / shard_count(s.inputs[_GATE_UP], mesh_shape)))
+    slots = out.shape[0] * top_k
+    facts.append(GroupedExperts(
+        slots / math.prod(mesh_shape[a] for a in set(experts) | set(tokens)), bool(experts),
+        slots / math.prod(mesh_shape[a] for a in tokens) if exchange else None, gate_up.shape[2],
+        gate_up.shape[1] / 2 / (mesh_shape[tp] if tp is not None else 1), out.dtype.itemsize, bool(exchange),
+        gate_up.shape[0] / math.prod(mesh_shape[a] for a in experts)))
+    return tuple(facts)
+
+
+@register(torch.ops.autopar.moe_experts, family="moe", admits=admissible, inner=moe_inner)
 def moe_rule(node, ins, outs):
     """hidden[T, H], top_k_index[T, k], top_k_weights[T, k], gate_up[E, 2I, H], down[E, H, I]."""
     return [AxisOption((S0, S0, S0, R, R), S0, "tokens"),

@@ -6,7 +6,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .pointwise import broadcast_options
 from .registry import AxisOption, register
-from .vocab import cross_entropy_option, embedding_option, log_softmax_option, nll_loss_option
+from .vocab import cross_entropy_option, embedding_option, log_softmax_option, nll_loss_option, row_reductions
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()
@@ -21,7 +21,7 @@ def norm_rule(node, ins, outs):
     return [AxisOption((Shard(d),) + rest, Shard(d), "split") for d in range(x.ndim - n_norm)]
 
 
-@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, family="softmax")
+@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, family="softmax", inner=row_reductions)
 def softmax_rule(node, ins, outs):
     """Normalised over `dim`: split any other dim, or (log_softmax) that one (`vocab.py`)."""
     x = ins[0]
@@ -46,7 +46,7 @@ def _reduction_kind(node) -> str:
     return {0: "none", 1: "mean", 2: "sum"}.get(red, red)
 
 
-@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, family="loss")
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, family="loss", inner=row_reductions)
 def cross_entropy_rule(node, ins, outs):
     """Split the batch: each device's loss is a partial sum (or partial mean) of the whole; or split
     cross-entropy's classes (`vocab.py`)."""

@@ -47,17 +47,21 @@ class OpRule:
     # which N-D combinations of its options run (labels, input layouts, output layout, input metas,
     # output metas, mesh shape, fits) -> bool; None: all that split evenly
     admits: Callable | None = None
+    # what the op does inside itself beyond its kernel under a strategy, as facts for pricing:
+    # (node, strategy, input metas, output metas, mesh shape) -> tuple of facts (`inner.py`); None: nothing
+    inner: Callable | None = None
 
 
 RULES: dict[object, OpRule] = {}
 
 
 def register(*targets, family: str, saves_inputs: bool = True,
-             is_view: bool = False, follower: bool = False, admits: Callable | None = None):
+             is_view: bool = False, follower: bool = False, admits: Callable | None = None,
+             inner: Callable | None = None):
     """Register `fn` as the rule of every op in `targets` (OpOverloadPackets or Python callables)."""
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
-            RULES[t] = OpRule(fn, family, saves_inputs, is_view, follower, admits)
+            RULES[t] = OpRule(fn, family, saves_inputs, is_view, follower, admits, inner)
         return fn
     return deco
 
@@ -67,6 +71,15 @@ def rule_for(target) -> OpRule | None:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)
     return RULES.get(packet) if packet is not None else None
+
+
+def inner_facts(rule: OpRule | None, node: fx.Node, strategy, ins: Sequence[TensorMeta],
+                outs: Sequence[TensorMeta], mesh_shape: Sequence[int]) -> tuple:
+    """The facts of what a node's op does inside itself under `strategy` (its rule's `inner` hook; none
+    without one)."""
+    if rule is None or rule.inner is None:
+        return ()
+    return rule.inner(node, strategy, ins, outs, mesh_shape)
 
 
 def op_name(target) -> str:

@@ -20,7 +20,8 @@ mesh axis of n devices, none of them is ever whole on a device:
 The head between them is a column-parallel linear (output S(-1)), which the matmul rule already
 offers: with these options the logits stay split from the head to the loss, whether the model calls
 cross_entropy or log_softmax and nll_loss. All run in `runtime/vocab.py`. The all-reduces (a few
-floats per row) are priced with the op (`solver.problem.op_cost`, `cost_model.comm.vocab_reduce_times`);
+floats per row: `ROW_STATISTICS`) are the ops' facts (`row_reductions`, `inner.RowReductions`), priced
+with the op (`cost_model/inner.py`, `cost_model.comm.row_reduce_times`);
 the embedding and nll_loss move nothing the edges do not show (their partial sums are reduced on the
 way out). Several axes may split the vocabulary; a device's slice is then block `mixed radix of its
 coordinates on those axes, in mesh order` (as DTensor chunks a dim).
@@ -31,12 +32,21 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .inner import RowReductions
 from .registry import AxisOption, op_name
+from .strategy import shard_count
 
 VOCAB_PARALLEL = "vocab_parallel"
 CLASS_DIM = 1          # of cross-entropy's input (N, C, d1, ...)
 LOG_SOFTMAX_OPS = ("aten.log_softmax", "aten._log_softmax")
 R = Replicate()
+# Per row on the device, the bytes of each all-reduce a vocab-split op runs inside itself (fp32
+# statistics: runtime/vocab.py), (forward, backward): cross-entropy all-reduces the maximum, then the
+# sum-exp and the target logit in one buffer, and nothing in its backward; log_softmax the maximum,
+# then the sum-exp, and in its backward sum(dy).
+ROW_STATISTICS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "aten.cross_entropy_loss": ((4, 8), ()),
+    "aten.log_softmax": ((4, 4), (4,)), "aten._log_softmax": ((4, 4), (4,))}
 
 
 def _arg(node, index: int, name: str, default):
@@ -86,3 +96,20 @@ def op_class_dim(target, args, ndim: int) -> int:
 def vocab_axes(layout: Sequence, dim: int) -> list[int]:
     """The mesh axes on which `layout` splits tensor dim `dim` (the vocabulary), in mesh order."""
     return [a for a, p in enumerate(layout) if isinstance(p, Shard) and p.dim == dim]
+
+
+def row_reductions(node, s, ins, outs, mesh_shape) -> tuple[RowReductions, ...]:
+    """The `inner` hook of the softmax and loss rules: one `RowReductions` per mesh axis over which an
+    op that all-reduces inside itself when vocab-split (`ROW_STATISTICS`) splits its vocabulary under
+    strategy s (none for any other op or strategy). Rows: the elements of its input on one device per
+    vocabulary entry."""
+    op = op_name(node.target)
+    if op not in ROW_STATISTICS:
+        return ()
+    x, dim = ins[0], op_class_dim(node.target, node.args, ins[0].ndim)
+    axes = vocab_axes(s.inputs[0], dim)
+    split = 1
+    for a in axes:
+        split *= mesh_shape[a]
+    rows = x.nbytes / x.dtype.itemsize / shard_count(s.inputs[0], mesh_shape) / (x.shape[dim] / split)
+    return tuple(RowReductions(a, mesh_shape[a], rows, ROW_STATISTICS[op]) for a in axes)

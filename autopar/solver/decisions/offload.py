@@ -29,6 +29,7 @@ a tier with none is not offered.
 """
 from __future__ import annotations
 
+from ...cost_model.offload import host_step_seconds, transfer_terms
 from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
@@ -117,15 +118,14 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
         held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
         for t in allowed:
             if t:
-                link = _link(problem, t)
-                moves = held.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * len(items) * link.latency)
+                per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
+                moves = held.scaled(per_byte) + Expr(const=per_tensor * len(items))
                 fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
                 fam.held.append(Held(held, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
 
 
 def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None:
     prof = problem.mesh.profile
-    host = prof.host_link
     for n in names:
         d = problem.decisions[n]
         opt = Expr(((n, tuple(d.opt_bytes)),))
@@ -138,14 +138,14 @@ def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None
         fam.freed.append(Freed(opt, tuple((key, t) for t in allowed if t), -1, problem.live.step_end,
                                f"optimizer state of {d.fqn}", f"opt:{n}"))
         # gradient out, parameter back: param + grad bytes = state - optimizer part
-        moved = tuple((s - o) / host.bandwidth + e * prof.host_optimizer_element_time
-                      for s, o, e in zip(d.state_bytes, d.opt_bytes, d.elements))
+        moved = tuple(host_step_seconds(s - o, e, prof) for s, o, e in zip(d.state_bytes, d.opt_bytes, d.elements))
         for t in allowed:
             if not t:
                 continue
-            step = Expr(((n, moved),), const=2.0 * host.latency)
+            step = Expr(((n, moved),), const=transfer_terms(prof.host_link, 2.0)[1])
             if t == DISK:      # the state is read and written once per step
-                step = step + opt.scaled(2.0 / prof.disk_link.bandwidth) + Expr(const=2.0 * prof.disk_link.latency)
+                per_byte, per_tensor = transfer_terms(prof.disk_link, 2.0)
+                step = step + opt.scaled(per_byte) + Expr(const=per_tensor)
             fam.costs.append(Cost(step, (key, t), 1.0, f"optimizer step of {d.fqn} on the host"))
             fam.held.append(Held(held, (key, t), TIERS[t], 1.0, f"optimizer state of {d.fqn}"))
             fam.held.append(Held(in_transit, (key, t), "host", 1.0, f"fp32 gradient of {d.fqn} in the host step"))
@@ -177,17 +177,18 @@ def parameters_out(problem: Problem, fam: Families, key: str, names, tiers, out_
         for t in tiers:
             if not t:
                 continue
-            link = _link(problem, t)
-            moves = param.scaled(2.0 / link.bandwidth) + Expr(const=2.0 * link.latency)
+            per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
+            moves = param.scaled(per_byte) + Expr(const=per_tensor)
             if t == DISK:
-                moves = moves + param.scaled(1.0 / disk.bandwidth) + Expr(const=disk.latency)
+                per_byte, per_tensor = transfer_terms(disk, 1.0)
+                moves = moves + param.scaled(per_byte) + Expr(const=per_tensor)
             fam.costs.append(Cost(moves, (key, t), 1.0, f"parameter {d.fqn} from the {TIERS[t]}, forward and backward"))
             fam.held.append(Held(param, (key, t), TIERS[t], 1.0, f"parameter {d.fqn}"))
 
 
 def gradients_out(problem: Problem, fam: Families, key: str, names, out_of: dict[str, list[int]]) -> None:
     """A parameter's gradient moved to the host as it is made (`out_of`: `edges_by(problem, "src")`)."""
-    host = problem.mesh.profile.host_link
+    per_byte, per_tensor = transfer_terms(problem.mesh.profile.host_link, 2.0)
     for n in names:
         d = problem.decisions[n]
         grad = Expr(((n, tuple(d.grad_bytes)),))
@@ -195,6 +196,6 @@ def gradients_out(problem: Problem, fam: Families, key: str, names, out_of: dict
                                f"gradient of {d.fqn}", f"grad:{n}"))
         alone = tuple((k, tuple(tuple(0.0 if s is None else s[2] for s in row) for row in problem.edges[k].sync))
                       for k in out_of.get(n, ()) if problem.edges[k].sync is not None)
-        moves = grad.scaled(2.0 / host.bandwidth) + Expr(const=2.0 * host.latency)
+        moves = grad.scaled(per_byte) + Expr(const=per_tensor)
         fam.costs.append(Cost(moves + Expr((), alone), (key, HOST), 1.0, f"gradient of {d.fqn} to the host and back"))
         fam.held.append(Held(grad, (key, HOST), "host", 1.0, f"gradient of {d.fqn}"))

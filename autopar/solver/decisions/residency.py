@@ -24,12 +24,13 @@ a layer's backward gather one layer ahead, but on the ranks measured so far that
   as ONE all-gather per pass (runtime/layer_gather.py), forward and backward, where the edge tables
   price one gather per parameter. So per layer of n such parameters, one cost: their forward
   gathers' seconds once more (the backward), less 2 (n - 1) / n of each one's latency and launch
-  (`EdgeTable.flat`): n collectives become one in each pass. Outside the layers (decided per
-  parameter) n = 1: the forward gather once more. The edge tables' forward stays per parameter:
-  it is also the price under "keep", where the runtime gathers one by one.
+  (`EdgeTable.flat`, `comm.regather_seconds`): n collectives become one in each pass. Outside the
+  layers (decided per parameter) n = 1: the forward gather once more. The edge tables' forward
+  stays per parameter: it is also the price under "keep", where the runtime gathers one by one.
 """
 from __future__ import annotations
 
+from ...cost_model.comm import regather_seconds
 from ...plan_records import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
@@ -108,11 +109,6 @@ def layer_regather(problem: Problem, layer: str, ks: list[int], gate) -> Cost:
     """The re-gather of parameter edges `ks` of one layer (module docstring): their forward gathers
     again, n collectives made one in each pass for the n a flat gather takes."""
     n = sum(problem.edges[k].flat is not None for k in ks)
-    saved = 2 * (n - 1) / n if n else 0.0
-    terms = []
-    for k in ks:
-        e = problem.edges[k]
-        flat = e.flat or [[0.0] * len(row) for row in e.fwd]
-        terms.append((k, tuple(tuple(f - saved * x for f, x in zip(row, frow)) for row, frow in zip(e.fwd, flat))))
+    terms = [(k, regather_seconds(problem.edges[k].fwd, problem.edges[k].flat, n)) for k in ks]
     what = f"re-gather {layer}" + (f": its {n} parameters in one flat all-gather per pass" if n > 1 else "")
     return Cost(Expr((), tuple(terms)), gate, 1.0, what)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from ...cost_model.pipeline import check_schedule
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan_records import PIPELINE_KEYS, PipelinePlan
-from ..evaluate import Evaluation, Staging, evaluate
+from ..evaluate import Evaluation, Staging, evaluate, per_microbatch_seconds, seconds_by_part
 from ..problem import Problem
 
 # schedules the planner chooses among (each has an executor in runtime/pipeline.py). "zb" runs there too
@@ -64,8 +64,8 @@ def node_chunks(problem: Problem, graph, pipe: PipelinePlan) -> dict[str, int]:
 
 def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[float, list[float], float]:
     """(seconds before the first layer, per layer, after the last): compute of the nodes and the
-    resharding into them, one microbatch (what the boundary program balances). Nodes between two
-    layers go with the next, as in `node_chunks`."""
+    resharding into them, one microbatch, as the evaluator sums them (`evaluate.seconds_by_part`; what
+    the boundary program balances). Nodes between two layers go with the next, as in `node_chunks`."""
     order = layer_sequence(graph)
     n = len(order)
     seg = node_chunks(problem, graph, PipelinePlan("_", max(n, 1), 1, 1, "1f1b", ("",) + tuple(order[1:])))
@@ -74,13 +74,7 @@ def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[f
     for i, q in enumerate(problem.order):     # -1: before the layers, n: after them
         if q not in problem.layer and (i < first or i > last):
             seg[q] = -1 if i < first else n
-    per = [0.0] * (n + 2)
-    for d in problem.decisions.values():
-        per[seg[d.name] + 1] += d.compute_s[choice[d.leader]]
-    for e in problem.edges:
-        a = e.a_of[choice[problem.decisions[e.src].leader]]
-        b = 0 if e.dst == "output" else e.b_of[choice[problem.decisions[e.dst].leader]]
-        per[(n if e.dst == "output" else seg[e.dst]) + 1] += e.cost[a][b]
+    per = seconds_by_part(problem, choice, {q: c + 1 for q, c in seg.items()}, n + 2, n + 1)
     return per[0], per[1:-1], per[-1]
 
 
@@ -195,12 +189,12 @@ def per_step_view(problem: Problem, microbatches: int) -> Problem:
     edges and priced as they are by the evaluator); the same choice indices."""
     if microbatches == 1:
         return problem
-    k, tables = 1.0 / microbatches, {}
+    tables: dict = {}
 
     def weighed(e):
         key = (id(e.cost), id(e.fwd))       # identical edges keep sharing one table
         if key not in tables:
-            tables[key] = [[f + k * (c - f) for c, f in zip(rc, rf)] for rc, rf in zip(e.cost, e.fwd)]
+            tables[key] = per_microbatch_seconds(e.cost, e.fwd, microbatches)
         return replace(e, cost=tables[key])
     edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
              for e in problem.edges]
