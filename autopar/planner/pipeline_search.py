@@ -287,7 +287,7 @@ def _signature(s) -> tuple:
 
 
 def _status(statuses: dict[tuple, str], chosen, found: Searched, timed_out: bool) -> str:
-    """The search's outcome in words (`solver.ilp.status_words`): the chosen pipeline's own solve's
+    """The search's outcome in words (`solver.solve.status_words`): the chosen pipeline's own solve's
     status, and how many of the (axis, microbatch count) groups were solved and ruled out by bound."""
     groups = found.solved + found.pruned + found.unsearched
     own = statuses.get((chosen.axis, chosen.microbatches), "")

@@ -42,7 +42,7 @@ def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict) -> S
     option}, as the plan records them)."""
     sp = build_problem(cap, sym.infos, mesh, only=only, optimizer=opts.optimizer,
                        batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
-                       saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
+                       saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
     one = {name: 0 for name in sp.decisions}
     add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload)
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's

@@ -236,7 +236,7 @@ def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Pro
     """The planning problem: the layout family, then the others as the options allow."""
     problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
                             sharded_outputs=opts.sharded_outputs, precision=opts.precision,
-                            saved_frees=opts.frees_activations, moe_capacity_factor=opts.moe_capacity_factor)
+                            saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
     try:
         # a pipeline stage's problem (pipelining.stage_options: pipeline=False) offers no gradient
         # offload: the pipelined runtime sums a tied parameter's gradient over its ranks after the

@@ -143,19 +143,19 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
                   batch_axes: Sequence[str] | None = None, sharded_outputs: bool = False,
                   link_layers: bool = True, only: Mapping[str, Strategy] | None = None,
                   precision: str = "auto", saved_frees: bool = False,
-                  moe_capacity_factor: float | None = None) -> Problem:
+                  capacity_factor: float | None = None) -> Problem:
     """The planning problem of a captured graph (the layout family; `solver.decisions` adds the others).
 
     `precision` prices optimizer state (`cost_model.memory.state_bytes`); `saved_frees` adds the
     liveness points where freeing families (recomputation, offload) lower memory.
-    `moe_capacity_factor` (the plan option) caps the busiest device's load (`cost_model.inner.busiest_load`).
+    `capacity_factor` (the plan option) caps the busiest device's load of routed ops (`cost_model.inner.busiest_load`).
 
     `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
     how a chosen plan is re-priced at symbolic sizes (`autopar.planner.scaling`), where `infos` hold
     sympy shapes and FLOPs. Pins, merging and layer tying are then moot and skipped."""
     if only is not None:
         pins, link_layers = None, False
-    load = busiest_load(mesh.profile, moe_capacity_factor)
+    load = busiest_load(mesh.profile, capacity_factor)
     found = node_decisions(cap, infos, mesh, Pins(pins, mesh),
                            Pricing(optimizer, precision, tuple(batch_axes or ()), load, only))
     decisions = found.decisions
