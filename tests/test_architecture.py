@@ -131,3 +131,15 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
     graph = {"autopar.errors": {"autopar.solver.ilp"}, "autopar.solver.ilp": {"autopar.errors"}}
     assert _circles(graph) == [["autopar.errors", "autopar.solver.ilp"]]
     assert _layer("autopar.solver.ilp") > _layer("autopar.errors")
+
+
+OP_WORDS = re.compile(r"moe|vocab|expert|attention|sdpa|scaled_dot|softmax|cross_entropy|nll_loss|ulysses|"
+                      r"allgather_kv|\bring\b|routed|aten\.", re.IGNORECASE)
+
+
+def test_the_solver_names_no_op():
+    """Op-specific knowledge lives with the op's rules (`strategies/`) and its prices in `cost_model/`:
+    the solver builds and solves the problem for any op through one interface."""
+    hits = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}" for path in sorted((PACKAGE / "solver").rglob("*.py"))
+            for i, line in enumerate(path.read_text().splitlines(), 1) if OP_WORDS.search(line)]
+    assert hits == []

@@ -148,7 +148,7 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
 
     `precision` prices optimizer state (`cost_model.memory.state_bytes`); `saved_frees` adds the
     liveness points where freeing families (recomputation, offload) lower memory.
-    `capacity_factor` (the plan option) caps the busiest device's load of routed ops (`cost_model.inner.busiest_load`).
+    `capacity_factor` (the plan option) caps the busiest device's load where ops deal work by routing (`cost_model.inner.busiest_load`).
 
     `only` (node name -> strategy) prices that one strategy per node instead of enumerating them:
     how a chosen plan is re-priced at symbolic sizes (`autopar.planner.scaling`), where `infos` hold
