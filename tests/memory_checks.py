@@ -59,15 +59,12 @@ def gpt(dropout: float = 0.0, hidden: int = 32, seq: int = 16, batch: int = 4, l
 PLANNER_BUDGET = 0.8
 
 
-def saved_plan(model, inputs, mesh, pins, tight: bool = False):
-    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it). tight: under
-    PLANNER_BUDGET of the peak of the plan made without a budget, so that the planner frees memory."""
+def saved_plan(model, inputs, mesh, pins, untight=None):
+    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it). untight: the plan
+    made without a budget; then planned under PLANNER_BUDGET of its peak, so that the planner frees memory."""
     def make():
-        plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False)
-        if tight:
-            plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False,
-                                memory_budget=PLANNER_BUDGET * plan.estimate.peak_memory_bytes)
-        return plan.to_json()
+        budget = None if untight is None else PLANNER_BUDGET * untight.estimate.peak_memory_bytes
+        return autopar.plan(model, inputs, mesh, pins=pins, symbolic=False, memory_budget=budget).to_json()
     text = [make() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
     return autopar.Plan.from_json(text[0])
@@ -82,7 +79,7 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
         profile = dataclasses.replace(profile, grad_bucket_bytes=float(bucket_bytes))
     mesh = autopar.Mesh(mesh_shape, axes, device=profile)
     plan = saved_plan(model, inputs, mesh, pins)
-    tight = saved_plan(model, inputs, mesh, pins, tight=True) if None in variants.values() else None
+    tight = saved_plan(model, inputs, mesh, pins, untight=plan) if None in variants.values() else None
     problems = {}       # the variants share a model, inputs and mesh: one planning problem per plan options
     # only the variant's decisions (the planner's own memory choices cleared); None: the planner's own,
     # made under a budget the plan without decisions exceeds
