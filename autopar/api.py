@@ -138,12 +138,14 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
     args, kwargs = _as_tuple(example_inputs), example_kwargs
     plan_opts = PlanOptions(**options) if plan is None else None
     keys = _pipeline_keys(plan_opts.pipeline) if plan is None else None
+    captured: dict[int, tuple] = {}     # rank 0's search: microbatch count -> (its capture, annotations)
     if keys is not None:     # searched and priced as `plan()` does
-        plan = planned_on_rank0(lambda: search_pipeline(model, args, kwargs, mesh, plan_opts, keys))
+        plan = planned_on_rank0(lambda: search_pipeline(model, args, kwargs, mesh, plan_opts, keys, captured))
     pipe = plan.pipeline if plan is not None and plan.pipeline.stages > 1 else None
     if pipe is not None:     # a pipelined plan runs on one microbatch
         args, kwargs = microbatch(args, kwargs, pipe.microbatches)
-    cap = capture(model, args, kwargs)
+    m = pipe.microbatches if pipe is not None else 1
+    cap = captured[m][0] if m in captured else capture(model, args, kwargs)   # the search's, where it made one
     if plan is None:
         plan = planned_on_rank0(lambda: plan_captured(cap, mesh, plan_opts, source=(model, args, kwargs)))
     else:

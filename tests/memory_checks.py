@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import json
 import os
 import sys
 
@@ -58,15 +59,12 @@ def gpt(dropout: float = 0.0, hidden: int = 32, seq: int = 16, batch: int = 4, l
 PLANNER_BUDGET = 0.8
 
 
-def saved_plan(model, inputs, mesh, pins, tight: bool = False):
-    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it). tight: under
-    PLANNER_BUDGET of the peak of the plan made without a budget, so that the planner frees memory."""
+def saved_plan(model, inputs, mesh, pins, untight=None):
+    """Rank 0 plans; every rank gets the same Plan (as a saved plan file would give it). untight: the plan
+    made without a budget; then planned under PLANNER_BUDGET of its peak, so that the planner frees memory."""
     def make():
-        plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False)
-        if tight:
-            plan = autopar.plan(model, inputs, mesh, pins=pins, symbolic=False,
-                                memory_budget=PLANNER_BUDGET * plan.estimate.peak_memory_bytes)
-        return plan.to_json()
+        budget = None if untight is None else PLANNER_BUDGET * untight.estimate.peak_memory_bytes
+        return autopar.plan(model, inputs, mesh, pins=pins, symbolic=False, memory_budget=budget).to_json()
     text = [make() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
     return autopar.Plan.from_json(text[0])
@@ -81,16 +79,19 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
         profile = dataclasses.replace(profile, grad_bucket_bytes=float(bucket_bytes))
     mesh = autopar.Mesh(mesh_shape, axes, device=profile)
     plan = saved_plan(model, inputs, mesh, pins)
-    tight = saved_plan(model, inputs, mesh, pins, tight=True) if None in variants.values() else None
+    tight = saved_plan(model, inputs, mesh, pins, untight=plan) if None in variants.values() else None
+    problems = {}       # the variants share a model, inputs and mesh: one planning problem per plan options
     # only the variant's decisions (the planner's own memory choices cleared); None: the planner's own,
     # made under a budget the plan without decisions exceeds
     return {name: train_variant(copy.deepcopy(model), inputs, mesh,
                                 tight if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
-                                compare)
+                                compare, problems)
             for name, dec in variants.items()}
 
 
-def train_variant(model, inputs, mesh, plan, compare=True):
+def train_variant(model, inputs, mesh, plan, compare=True, problems=None):
+    """problems: {plan options: planning problem} shared by calls on the same model, inputs and mesh
+    (`predicted_tier`)."""
     ref = copy.deepcopy(model)
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
@@ -154,7 +155,7 @@ def train_variant(model, inputs, mesh, plan, compare=True):
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
     worst["decisions"] = sorted(f"{k}={v}" for fam in (plan.recompute, plan.residency, plan.offload)
                                 for k, v in fam.items() if v not in ("none", "keep", "device"))
-    worst.update(seen, **predictions(ref, inputs, mesh, plan),
+    worst.update(seen, **predictions(ref, inputs, mesh, plan, {} if problems is None else problems),
                  decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},
@@ -176,25 +177,29 @@ def _grad(dmodel, fqn, p):
     return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False).full_tensor()
 
 
-def predictions(model, inputs, mesh, plan) -> dict:
+def predictions(model, inputs, mesh, plan, problems: dict) -> dict:
     """The planner's price of the plan's decisions: the same on every rank, so worked out on rank 0 and shared."""
     out = [None]
     if dist.get_rank() == 0:
         predicted = autopar.estimate(model, inputs, mesh, plan)
         out = [dict(predicted_peak=predicted.peak_memory_bytes, predicted_state=predicted.param_state_bytes,
-                    predicted_host=predicted_tier(model, inputs, mesh, plan))]
+                    predicted_host=predicted_tier(model, inputs, mesh, plan, problems))]
     dist.broadcast_object_list(out, src=0)
     return out[0]
 
 
-def predicted_tier(model, inputs, mesh, plan) -> float:
-    """Bytes the plan's decisions put in the host tier, as the planner prices them."""
+def predicted_tier(model, inputs, mesh, plan, problems: dict) -> float:
+    """Bytes the plan's decisions put in the host tier, as the planner prices them; `problems`: the planning
+    problems made so far for this model, inputs and mesh, by plan options (filled here)."""
     from autopar.passes.capture import capture
     from autopar.passes.shape_prop import annotate
     from autopar.planner.solve import PlanOptions, plan_assignment, planning_problem
     from autopar.solver.evaluate import evaluate
-    cap = capture(model, inputs)
-    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
+    key = json.dumps(plan.options, sort_keys=True)
+    if key not in problems:
+        cap = capture(model, inputs)
+        problems[key] = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions.from_dict(plan.options))
+    problem = problems[key]
     return evaluate(problem, *plan_assignment(problem, plan)).tiers.get("host", 0.0)
 
 

@@ -156,8 +156,10 @@ def test_scaling_covers_memory_decisions():
     with pytest.raises(autopar.InfeasibleError) as e:
         autopar.plan(model, inputs, mesh, batch_axes=("dp",), recompute="none", offload="none", memory_budget=1)
     for fixed in ({"offload": "none"}, {"recompute": "none"}):
+        # any plan that fits will do (the test compares ways of pricing it); one cut short by the time limit
+        # gathers a layer's parameters in part, which the scaling must price as the planner did
         plan = autopar.plan(model, inputs, mesh, batch_axes=("dp",), memory_budget=0.85 * e.value.min_memory_bytes,
-                            **fixed)
+                            time_limit=1, **fixed)
         assert {*plan.recompute.values(), *plan.offload.values()} - {"none", "device"}, plan.recompute
         assert not plan.scaling.unavailable, plan.scaling.unavailable
         at0 = plan.estimate_at()
@@ -168,3 +170,21 @@ def test_scaling_covers_memory_decisions():
             want = autopar.estimate(model, gpt_inputs(batch=b, seq=s, vocab=64), mesh, plan)
             assert _same(got.step_time_s, want.step_time_s) and _same(got.peak_memory_bytes, want.peak_memory_bytes)
         assert plan.largest_batch() >= 8
+
+
+def test_layer_gathered_in_part_is_priced_at_other_sizes_as_planned():
+    """Only qkv's weight stored split (ZeRO-3 style, re-gathered): the rest of each layer stays whole, so
+    its flat gather takes one parameter of the several the planning problem's layouts could gather. The
+    scaling, priced on the plan's own layouts, counts the layer as the planner did."""
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=32, hidden=32, heads=4, layers=2)
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    plan = autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), mesh, batch_axes=("dp",),
+                        pins={"blocks.*.attn.qkv.weight": ("S(0)",)}, recompute="none", offload="none",
+                        residency="regather")
+    assert {k for k, lay in plan.placements.items() if lay != ("R",)} == {"blocks.0.attn.qkv.weight",
+                                                                          "blocks.1.attn.qkv.weight"}
+    assert plan.residency["blocks.0.attn.qkv.weight"] == "regather"
+    at0 = plan.estimate_at()
+    assert _same(at0.step_time_s, plan.estimate.step_time_s), (at0.step_time_s, plan.estimate.step_time_s)
+    assert _same(at0.peak_memory_bytes, plan.estimate.peak_memory_bytes)

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard
 from ..symbolic import Poly2, ssum
 from ..plan_records import Scaling
 from ..solver.decisions import add_families
+from ..solver.decisions.residency import FlatGathers
 from ..solver.families import Expr
 from ..solver.evaluate import evaluate, recorded_options
 from ..solver.problem import build_problem, chosen_edges, edge_legs, op_exchanges
@@ -36,15 +37,17 @@ from ..solver.problem import build_problem, chosen_edges, edge_legs, op_exchange
 __all__ = ["build_scaling"]
 
 
-def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict) -> Scaling:
+def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict, flat: FlatGathers) -> Scaling:
     """Scaling of the plan that picks the strategies `only` (node -> Strategy) on `mesh`, from the
     symbolic graph `sym` (SymbolicGraph), with the memory decisions `decided` (family -> {plan key ->
-    option}, as the plan records them)."""
+    option}, as the plan records them) and the planning problem's flat parameter gathers `flat`
+    (`residency.flat_gathers`: a layer the plan gathers in part is priced as the planner priced it)."""
     sp = build_problem(cap, sym.infos, mesh, only=only, optimizer=opts.optimizer,
                        batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
                        saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
     one = {name: 0 for name in sp.decisions}
-    add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload)
+    add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload,
+                 flat=flat)
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
     poly = functools.lru_cache(maxsize=None)(Poly2.of)
     for d in sp.decisions.values():

@@ -15,10 +15,13 @@ from . import offload, recompute, residency
 
 
 def add_families(problem: Problem, *, recompute_mode: str = "auto", residency_mode: str = "auto",
-                 offload_mode: str = "auto", gradient_offload: bool = True) -> Problem:
+                 offload_mode: str = "auto", gradient_offload: bool = True,
+                 flat: residency.FlatGathers | None = None) -> Problem:
+    """`flat`: the planning problem's flat parameter gathers (`residency.flat_gathers`), where `problem`
+    holds one plan's layouts only."""
     fam = Families()
     fam.extend(recompute.build(problem, recompute_mode))
-    fam.extend(residency.build(problem, residency_mode))
+    fam.extend(residency.build(problem, residency_mode, flat))
     fam.extend(offload.build(problem, offload_mode, gradient_offload))
     problem.families = merge_freed(fam)
     return problem

@@ -30,6 +30,8 @@ a layer's backward gather one layer ahead, but on the ranks measured so far that
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ...cost_model.comm import regather_seconds
 from ...plan_records import ACTIVATIONS, RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
@@ -39,8 +41,12 @@ from .recompute import copy_freed
 
 REGATHER = 1
 
+FlatGathers = Mapping[tuple[str, str, int], tuple[str, int, int]]   # (src, dst, slot) -> (layer, n, at)
 
-def build(problem: Problem, setting: str) -> Families:
+
+def build(problem: Problem, setting: str, flat: FlatGathers | None = None) -> Families:
+    """`flat`: the layers' flat gathers as the planning problem has them (`flat_gathers`), for a problem
+    holding only a plan's own layouts (`autopar.scaling`); default: this problem's."""
     allowed = allowed_options("residency", setting, RESIDENCY_MODES)
     groups = layer_groups(problem)
     fam = Families()
@@ -62,7 +68,9 @@ def build(problem: Problem, setting: str) -> Families:
         edges.setdefault(rep, []).append((k, mask))
         if member not in names.setdefault(rep, []):
             names[rep].append(member)
-    back = regathered_at(problem, [k for items in edges.values() for k, mask in items if mask is None])
+    flat = flat_gathers(problem) if flat is None else flat
+    back = {k: flat[key][2] for k, e in enumerate(problem.edges) if (key := (e.src, e.dst, e.slot)) in flat}
+    n_of = {layer: n for layer, n, _ in flat.values()}
     masks = Masked()
     for rep, items in edges.items():
         key = f"residency:{rep}"
@@ -81,19 +89,22 @@ def build(problem: Problem, setting: str) -> Families:
                 fam.costs.append(Cost(Expr((), ((k, masks(e.fwd, mask)),)), (key, REGATHER), 1.0,
                                       f"re-gather {problem.decisions[e.src].fqn or e.src} for {e.dst}"))
         for layer, ks in layers.items():
-            fam.costs.append(layer_regather(problem, layer, ks, (key, REGATHER)))
+            fam.costs.append(layer_regather(problem, layer, ks, (key, REGATHER), n_of.get(layer)))
     return fam
 
 
-def regathered_at(problem: Problem, ks: list[int]) -> dict[int, int]:
-    """Parameter edge -> the timeline position after which the backward has its copy again, for
-    the edges of layers gathered flat (runtime/layer_gather.py): the whole layer is gathered when
+def flat_gathers(problem: Problem) -> dict[tuple[str, str, int], tuple[str, int, int]]:
+    """The parameter edges of layers gathered flat (runtime/layer_gather.py), by (src, dst, slot): (their
+    layer, how many of its parameter edges a flat gather can take under some layout of `problem`, the
+    timeline position after which the backward has the copy again). The whole layer is gathered when
     its backward starts (the backward of its last consumer), and launched one layer earlier still,
-    when the next layer's backward gathers (the prefetch); the edges of one layer, alike."""
+    when the next layer's backward gathers (the prefetch); the edges of one layer, alike.
+    The figures are the planning problem's, over every layout it weighs: a problem of one plan's layouts
+    (`build_problem(only=)`) holds only the edges that plan gathers, so it takes them from there."""
     layers: dict[str, list[int]] = {}
-    for k in ks:
-        layer = problem.layer.get(problem.edges[k].src)
-        if layer is not None and problem.edges[k].flat is not None:
+    for k, e in enumerate(problem.edges):
+        layer = problem.layer.get(e.src)
+        if e.keeps_copy and problem.decisions[e.src].kind == "param" and layer is not None and e.flat is not None:
             layers.setdefault(layer, []).append(k)
     starts = {layer: min(problem.live.backward_of(problem.edges[k].dst_pos) for k in ks)
               for layer, ks in layers.items()}
@@ -101,14 +112,17 @@ def regathered_at(problem: Problem, ks: list[int]) -> dict[int, int]:
     out = {}
     for i, layer in enumerate(order):
         at = starts[order[i + 1]] if i + 1 < len(order) else starts[layer]
-        out.update(dict.fromkeys(layers[layer], at - 1))
+        for k in layers[layer]:
+            e = problem.edges[k]
+            out[e.src, e.dst, e.slot] = (layer, len(layers[layer]), at - 1)
     return out
 
 
-def layer_regather(problem: Problem, layer: str, ks: list[int], gate) -> Cost:
+def layer_regather(problem: Problem, layer: str, ks: list[int], gate, n: int | None = None) -> Cost:
     """The re-gather of parameter edges `ks` of one layer (module docstring): their forward gathers
-    again, n collectives made one in each pass for the n a flat gather takes."""
-    n = sum(problem.edges[k].flat is not None for k in ks)
+    again, n collectives made one in each pass for the n a flat gather takes (default: the edges of
+    `ks` it can take)."""
+    n = sum(problem.edges[k].flat is not None for k in ks) if n is None else n
     terms = [(k, regather_seconds(problem.edges[k].fwd, problem.edges[k].flat, n)) for k in ks]
     what = f"re-gather {layer}" + (f": its {n} parameters in one flat all-gather per pass" if n > 1 else "")
     return Cost(Expr((), tuple(terms)), gate, 1.0, what)
