@@ -18,7 +18,7 @@ from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
 from autopar.placement import parse_layout  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
-from autopar.planner.scaling import _batch_step  # noqa: E402
+from autopar.views.scaling import _batch_step  # noqa: E402
 from autopar.solver.evaluate import evaluate  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from autopar.strategies.strategy import Strategy  # noqa: E402
