@@ -46,7 +46,7 @@ FlatGathers = Mapping[tuple[str, str, int], tuple[str, int, int]]   # (src, dst,
 
 def build(problem: Problem, setting: str, flat: FlatGathers | None = None) -> Families:
     """`flat`: the layers' flat gathers as the planning problem has them (`flat_gathers`), for a problem
-    holding only a plan's own layouts (`autopar.scaling`); default: this problem's."""
+    holding only a plan's own layouts (`autopar.planner.scaling`); default: this problem's."""
     allowed = allowed_options("residency", setting, RESIDENCY_MODES)
     groups = layer_groups(problem)
     fam = Families()
