@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-
 from torch.distributed.tensor import Shard
 
 from ..symbolic import Poly2, ssum
@@ -32,7 +31,7 @@ from ..solver.decisions import add_families
 from ..solver.decisions.residency import FlatGathers
 from ..solver.families import Expr
 from ..solver.evaluate import evaluate, recorded_options
-from ..solver.problem import build_problem, chosen_edges, edge_legs, op_exchanges
+from ..solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 
 __all__ = ["build_scaling"]
 
