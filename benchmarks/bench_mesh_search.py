@@ -12,8 +12,9 @@
   256 GiB at that size, are never gathered whole on a device);
 * llama-node: Llama-3-8B at 8 x 8192 on one node of 8 H100; --baseline also plans the (8,) FSDP-style
   mesh (one "dp" axis) for comparison.
-Prints one JSON line per search: the chosen mesh, its step and peak memory, the runners-up (each with
-its predicted step and peak, or why it was not planned), the search's wall and CPU seconds, and the
+Prints one JSON line per search: the chosen mesh, its step and peak memory and why it won, the
+runners-up (each mesh planned, with its predicted step and peak, or why no plan fits), how many meshes
+were weighed by status and the first ones not planned with why, the search's wall and CPU seconds, and the
 machine's load average (`os.getloadavg`) at the start and end: the machine is shared, so wall times
 are inflated by the load and CPU seconds are the steadier measure.
 """
@@ -25,6 +26,7 @@ import os
 import sys
 import time
 import warnings
+from collections import Counter
 
 import torch
 
@@ -33,6 +35,7 @@ import autopar  # noqa: E402
 from autopar.views.report import tensor_parallel_family  # noqa: E402
 
 GIB = 2**30
+NOT_PLANNED_ROWS = 4     # the first meshes not planned printed with why (all of them are in plan.mesh_search)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
 
@@ -97,7 +100,11 @@ def run(name: str, time_limit: float, baseline: bool) -> dict:
            "attention": sorted({"/".join(n.labels) for n in plan.nodes if "scaled_dot_product" in n.op}),
            "search_wall_s": round(wall, 1), "search_cpu_s": round(cpu, 1), "time_limit_s": time_limit,
            "load_avg_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],
-           "meshes": [_row(c) for c in plan.mesh_search]}
+           "why": plan.mesh_search[0].note,
+           "runners_up": [_row(c) for c in plan.mesh_search[1:] if c.status in ("planned", "infeasible")],
+           "meshes_weighed": dict(Counter(c.status for c in plan.mesh_search)),
+           "not_planned": [_row(c) for c in plan.mesh_search if c.status not in ("chosen", "planned", "infeasible")
+                           ][:NOT_PLANNED_ROWS]}
     if baseline and base_mesh is not None:
         t0 = time.perf_counter()
         with warnings.catch_warnings():

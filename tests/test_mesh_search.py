@@ -99,6 +99,25 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
         autopar.plan(model, inputs, cluster, batch_axes=("dp",))
 
 
+def test_a_time_limit_is_shared_among_the_first_meshes_planned(monkeypatch):
+    """Under a time limit the first SHARED meshes planned each get an equal share of the time left (their
+    own `time_limit`), so that runners-up are planned however slow the machine; the ones after, what is left."""
+    from autopar.planner import mesh_search
+    now = [100.0]
+    monkeypatch.setattr(mesh_search.time, "perf_counter", lambda: now[0])
+    deadline, n = 190.0, mesh_search.SHARED
+    assert mesh_search._time_slice(deadline, 0) == pytest.approx(90.0 / n)
+    limits = []
+    for k in range(n + 1):
+        limits.append(mesh_search._time_slice(deadline, k))
+        now[0] += limits[-1] / 2                    # each plan takes half its slice
+    assert all(b > a for a, b in zip(limits[:n], limits[1:n]))   # what one leaves is shared by the rest
+    assert limits[-1] == pytest.approx(deadline - (now[0] - limits[-1] / 2))   # after them: all that is left
+    assert mesh_search._time_slice(None, 0) is None
+    now[0] = 200.0
+    assert mesh_search._time_slice(deadline, 1) == 0.0
+
+
 def test_the_cli_takes_a_cluster_for_the_mesh():
     from autopar.cli import CliError, _mesh, build_parser
     a = build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--device", "a100"])

@@ -17,9 +17,11 @@
    the cluster, `plan.mesh_search` every candidate with its price or why it was not planned.
 
 `time_limit` bounds the whole search after the model's capture (as `plan()` on a Mesh counts its
-time limit from the capture on): the candidates share one deadline, each gets the time left (the
-first one all of it, what `plan()` on its mesh would get), and a candidate is started only while the
-time left is at least what the last one took (the first always runs, so that there is a plan).
+time limit from the capture on): the candidates share one deadline, each planned with its slice of
+it as its own `time_limit` (`_time_slice`: the SHARED first ones equal shares of the time left, so
+that runners-up are planned however slow the machine; the later ones what is left, started only
+while that is at least what the last one took and MIN_SLICE_S); until a plan is found a candidate
+is planned whatever the time left, so that there is a plan.
 Without a time limit the result depends on the inputs alone; with one, on how far the search got
 (the report says how many were planned).
 """
@@ -40,6 +42,7 @@ from ..passes.capture import capture
 from ..passes.shape_prop import annotate
 from .pipeline_search import search_pipeline
 from ..plan import MeshCandidate, Plan, Timings
+from ..solver.solve import AT_TIME_LIMIT
 from .solve import PlanOptions, frozen_gc, plan_captured
 
 log = logging.getLogger("autopar")
@@ -48,6 +51,11 @@ SCREEN_SLACK = 2.0       # candidates whose screen estimate is over this many ti
                          # the screen is a rough account (transformer constants, no layout choice), so a
                          # margin of 2x leaves it room to misjudge a contender
 MAX_PLANNED = 8          # at most this many candidates are planned (each is one or a few ILP solves)
+SHARED = 3               # under a time limit the first this many meshes planned share it (`_time_slice`), so that
+                         # the winner is compared with runners-up however slow the machine: planning one mesh
+                         # with all of the time gains little (the solver's first plans come in its first seconds)
+MIN_SLICE_S = 1.0        # a mesh is not planned in less: capture and problem building alone take about that on a
+                         # small model
 SCREEN_MARGIN = 0.25     # once meshes are planned, the screen is calibrated by them: a candidate whose estimate
                          # times the least (price / estimate) seen is over the best plan's step by more than
                          # this fraction is not planned. Measured price / estimate: GPT-3 175B 1.246-1.267 over
@@ -76,7 +84,7 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
                           key=lambda s: (not s.fits, s.estimate_s))
         # the deadline starts after the capture, as `plan()` on a Mesh starts its own (planner.deadline_of)
         deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
-        best, rows = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
+        best, rows, priced = _plan_in_order(model, args, kwargs, cap, infos, screened, opts, deadline)
     if best is None:
         raise InfeasibleError(f"no mesh of {cluster} fits a plan in the memory budget of {budget / 2**30:.2f} GiB "
                               f"per device ({len(rows)} meshes weighed; " + "; ".join(
@@ -88,16 +96,18 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
     rest = [r for r in rows if r.status not in ("planned", "infeasible")]
     plan.mesh = dict(plan.mesh, nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
                      device_order=DEVICE_ORDER)
-    plan.mesh_search = [replace(chosen, status="chosen", note=_why(plan, chosen, planned))] + planned + rest
+    plan.mesh_search = [replace(chosen, status="chosen", note=_why(plan, chosen, planned, priced))] + planned + rest
     plan.timings = Timings(plan.timings.solve_s, time.perf_counter() - t0)
     return plan
 
 
 def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], opts: PlanOptions,
                    deadline: float | None):
+    """(the best plan and its row, or None; a row per candidate) planning `screened` in order."""
     captured = {1: (cap, infos)}        # microbatch count -> (capture of one microbatch, its annotations)
     best: tuple[Plan, MeshCandidate] | None = None
     rows: list[MeshCandidate] = []
+    priced: dict[tuple, object] = {}    # (shape, names) -> the Estimate of a mesh planned
     last_s, n_planned = 0.0, 0
     top = screened[0].estimate_s if screened else math.inf
     scale = math.inf        # the least (price / screen estimate) of the meshes planned
@@ -110,33 +120,45 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
                                           f"of axes other than pp are labels: the planner chooses what every op "
                                           f"does on each axis)"))
             continue
-        left = None if deadline is None else deadline - time.perf_counter()
-        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, left,
+        limit = _time_slice(deadline, n_planned)
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, limit,
                                                   last_s)
         if skip is not None:
             rows.append(replace(row, status=skip[0], note=skip[1]))
             continue
         t = time.perf_counter()
-        plan = _plan_one(model, args, kwargs, captured, s, opts, left)
+        log.info("mesh search: planning %s (screen %.4g s, bound %.4g s, time limit %s)", _label(s.mesh),
+                 s.estimate_s, s.bound_s, "none" if limit is None else f"{limit:.1f} s")
+        plan = _plan_one(model, args, kwargs, captured, s, opts, limit)
         last_s, n_planned = time.perf_counter() - t, n_planned + 1
         if isinstance(plan, str):
             rows.append(replace(row, status="infeasible", note=plan))
             continue
-        e = plan.estimate
+        e = priced[s.mesh.shape, s.mesh.axis_names] = plan.estimate
         row = replace(row, status="planned", step_time_s=e.step_time_s, peak_memory_bytes=e.peak_memory_bytes,
-                      note=_shape_note(plan))
+                      note=_shape_note(plan) + _cut_short(plan, limit))
         rows.append(row)
         if 0 < s.estimate_s < math.inf:
             scale = min(scale, e.step_time_s / s.estimate_s)
         if best is None or e.step_time_s < best[0].estimate.step_time_s * (1 - 1e-12):
             best = (plan, row)
-    return best, rows
+    return best, rows, priced
 
 
-def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, left: float | None,
+def _time_slice(deadline: float | None, n_planned: int) -> float | None:
+    """The time limit of the next mesh's plan: of the time left, an equal share among the SHARED first
+    meshes planned still to come (the first gets 1/SHARED, the second 1/(SHARED - 1) of what is left, ...),
+    all of it after them; None without a deadline."""
+    if deadline is None:
+        return None
+    return max(deadline - time.perf_counter(), 0.0) / max(SHARED - n_planned, 1)
+
+
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, limit: float | None,
              last_s: float) -> tuple[str, str] | None:
     """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already;
-    `scale`: the least price over screen estimate of the meshes planned)."""
+    `scale`: the least price over screen estimate of the meshes planned; `limit`: its time slice;
+    `last_s`: what the last mesh's plan took)."""
     if s.bound_s >= best_s:
         return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
     if n_planned >= MAX_PLANNED:
@@ -146,7 +168,7 @@ def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: floa
     if s.estimate_s * scale > best_s * (1 + SCREEN_MARGIN):
         return "not planned", (f"its screen estimate scaled as the planned meshes' prices (x{scale:.3g}) is "
                                f"{s.estimate_s * scale / best_s - 1:.1%} over the best plan's step")
-    if left is not None and left < last_s:
+    if limit is not None and (limit < MIN_SLICE_S or (n_planned >= SHARED and limit < last_s)):
         return "not planned", "the time limit"
     return None
 
@@ -158,9 +180,9 @@ def _problem_key(s: Screened) -> tuple:
     return s.mesh.shape, names.index("pp") if "pp" in names else None
 
 
-def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, left: float | None):
-    """The planner's best plan on candidate `s`'s mesh, or why none fits (text)."""
-    limit = opts.time_limit if left is None else max(left, 1.0)
+def _plan_one(model, args, kwargs, captured: dict, s: Screened, opts: PlanOptions, limit: float | None):
+    """The planner's best plan on candidate `s`'s mesh within `limit` seconds (its public `time_limit`), or
+    why none fits (text)."""
     sub = replace(opts, time_limit=limit, symbolic=False, pipeline=False)
     try:
         if s.degrees["pp"] > 1:
@@ -180,15 +202,34 @@ def _shape_note(plan: Plan) -> str:
             f"bubble {plan.estimate.bubble_s:.3f} s")
 
 
-def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate]) -> str:
-    """Why the winner won: its margin over the runner-up, and where their prices differ most."""
+def _cut_short(plan: Plan, limit: float | None) -> str:
+    """Where the mesh's plan stopped at its time limit, saying so: its price is of the plan found by then."""
+    if plan.solver is None or AT_TIME_LIMIT not in plan.solver.status:
+        return ""
+    within = "" if limit is None else f" ({limit:.1f} s)"
+    return f"; stopped at its time limit{within}: a longer time_limit may find it a faster plan"
+
+
+def _why(plan: Plan, chosen: MeshCandidate, planned: list[MeshCandidate], priced: dict) -> str:
+    """Why the winner won: its margin over the runner-up, and the parts of their steps that differ most."""
     base = _shape_note(plan)
     runner = next((r for r in planned if r.step_time_s is not None), None)
     if runner is None:
         return f"{base}; the only mesh planned"
     gap = runner.step_time_s / chosen.step_time_s - 1
+    parts = _parts(priced[runner.shape, runner.axis_names]), _parts(plan.estimate)
+    diffs = sorted(((r - w, name) for name, r, w in zip(PARTS, *parts) if abs(r - w) > 0), key=lambda d: -abs(d[0]))
+    where = ", ".join(f"{name} {abs(d):.3g} s {'less' if d > 0 else 'more'}" for d, name in diffs[:2])
     return (f"{base}; fastest predicted step of {sum(r.status == 'planned' for r in planned) + 1} meshes planned, "
-            f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)")
+            f"{gap:.1%} ahead of {_label(runner)} ({runner.step_time_s:.4g} s)" + (f": {where}" if where else ""))
+
+
+PARTS = ("compute", "communication", "pipeline bubble", "recompute/residency/offload")
+
+
+def _parts(e) -> tuple[float, ...]:
+    """An estimate's step in PARTS (the evaluator's own breakdown; they overlap where it overlaps them)."""
+    return e.compute_s, e.comm_s, e.bubble_s, sum(e.family_s.values())
 
 
 def _label(r) -> str:       # a MeshCandidate or a Mesh

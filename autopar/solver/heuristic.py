@@ -82,7 +82,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models) -> H
     choice = most_sharded(problem, models.allowed)
     options = models.options_for(choice)
     if options is None:     # a budget near the minimum: the plan that needs least, if it fits
-        plan, need = least_memory(problem)
+        plan, need = least_memory(problem, models.allowed)
         if need > budget:
             raise infeasible(problem, budget, need)
         return Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)

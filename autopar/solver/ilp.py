@@ -433,8 +433,10 @@ def most_sharded(p: Problem, allowed: Mapping[str, tuple[int, ...]] | None = Non
 LEAST_ROUNDS = 4     # alternation rounds of `least_memory` at most (the test models settle in one)
 
 
-def least_memory(problem: Problem) -> tuple[tuple[dict[str, int], dict[str, int]], float]:
-    """(the plan that needs least memory, the budget it needs: `min_memory`).
+def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None = None
+                 ) -> tuple[tuple[dict[str, int], dict[str, int]], float]:
+    """(the plan that needs least memory, the budget it needs: `min_memory`); `allowed`: among these
+    strategies only (`StrategyILP`'s argument: a subspace of `prune.py` where the whole model is too large).
 
     With the family options fixed (none free) this is the exact minimum of the peak over the layouts.
     With free options, the joint min-max model is hard: on a 2-block GPT over a (2, 2) CPU mesh with
@@ -445,12 +447,12 @@ def least_memory(problem: Problem) -> tuple[tuple[dict[str, int], dict[str, int]
     peak falls. The result is a plan that fits its budget, not proven the least."""
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if not free:
-        return _least_peak(problem)
-    choice = most_sharded(problem)
+        return _least_peak(problem, allowed=allowed)
+    choice = most_sharded(problem, allowed)
     (_, options), _ = _least_peak(problem, choice=choice)
     best = None
     for _ in range(LEAST_ROUNDS):
-        (choice, _), _ = _least_peak(problem, options=options)
+        (choice, _), _ = _least_peak(problem, options=options, allowed=allowed)
         (_, options), need = _least_peak(problem, choice=choice)
         if best is not None and need >= best[1]:
             break

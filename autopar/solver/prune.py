@@ -115,3 +115,12 @@ def layout_columns(problem: Problem) -> int:
 def too_large(problem: Problem) -> bool:
     """Is the layout model solved in subspaces (`SUBSPACE_FROM`)? Only on three or more split axes."""
     return bool(axis_pairs(problem)) and layout_columns(problem) > SUBSPACE_FROM
+
+
+def floor_subspace(problem: Problem) -> Allowed | None:
+    """Where a model too large to solve (`too_large`) is searched first: the first pair's merged-axes
+    subspace (`heuristic.subspace_plan`'s floor); None (the whole model) where it is not too large.
+    The plan that needs least memory is sought there too (`solve.min_memory`): the whole min-max
+    model is the size of the layout model and more (Llama-3-8B at 131,072 tokens on (8, 2, 4) H100
+    grew past 6 GiB in minutes)."""
+    return merged_axes(problem, *axis_pairs(problem)[0]) if too_large(problem) else None

@@ -17,7 +17,7 @@ from dataclasses import replace
 from .heuristic import LEAST_STATUS, resume_plan, start_plan, subspace_plan
 from .ilp import SolveResult, StrategyILP, known_gap, least_memory
 from .problem import Problem
-from .prune import too_large
+from .prune import floor_subspace, too_large
 
 # The joint model multiplies each gated term's layout columns by the option columns (McCormick products):
 # from a layout model of this many columns on it is not built and the alternation's plan is the answer
@@ -33,8 +33,9 @@ log = logging.getLogger("autopar")
 def min_memory(problem: Problem) -> float:
     """The smallest budget that fits a plan found: the peak per-device memory of the plan that needs
     least (`least_memory`, ignoring time), as the ILP's rows and the evaluator price it, plus the
-    solver's slack."""
-    return least_memory(problem)[1]
+    solver's slack. On a model too large to solve whole, among the first subspace searched
+    (`prune.floor_subspace`)."""
+    return least_memory(problem, floor_subspace(problem))[1]
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
