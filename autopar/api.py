@@ -111,7 +111,7 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
     `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
     A `Cluster` for `mesh`: rank 0 chooses the mesh with the plan (`plan()`), and every rank builds
     the DeviceMesh it records (or `plan.mesh`'s, where a plan is given).
-    A pipelined plan (`pipeline=` given, or `plan.pipeline.stages > 1`) returns a
+    A pipelined plan (the planner's choice, `pipeline=` given, or `plan.pipeline.stages > 1`) returns a
     `runtime.pipeline.PipelinedModule`: each call runs one training step through the schedule.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
         module; default: the system's temporary directory).
