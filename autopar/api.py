@@ -62,12 +62,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
     pipeline: pipeline stages over one mesh axis (`plan.pipeline`). None (the default) or `{}`: the planner
-        chooses, "no pipeline" among its choices (`planner/pipeline_search.py`: the plan without one first,
-        then one ILP per pipeline axis and microbatch count in the order of their lower bounds, a
-        candidate whose bound cannot beat the best found left unsolved; a pipelined plan is chosen only
-        where it is faster); a dict fixes the keys it gives (axis, stages, virtual_stages, microbatches,
+        chooses, "no pipeline" among its choices (`planner/pipeline_search.py`: one ILP per pipeline axis
+        and microbatch count in the order of their lower bounds, a candidate whose bound cannot beat the
+        best plan found left unsolved); a dict fixes the keys it gives (axis, stages, virtual_stages, microbatches,
         schedule), the planner chooses the rest; False: no pipeline. Axis names are hints (an axis named
-        "pp" is searched first among the pipelines), never requirements.
+        "pp" is searched first, before the plan without one), never requirements.
     moe_capacity_factor: mixture-of-experts layers drop the token-slots past each expert's capacity,
         ceil(factor x tokens x top_k / experts) over the global batch (GShard, Switch Transformer; the rule:
         `autopar/runtime/experts.py`, one process: `autopar.moe_capacity`); None: dropless.

@@ -54,14 +54,19 @@ def test_fixed_keys_are_respected_and_false_forbids(chosen):
     assert plan.pipeline.virtual_stages == 1
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert flat.pipeline.stages == 1 and flat.pipeline.axis is None
-    # the default (pipeline=None) chooses among both: no slower than either; here the plan without a
-    # pipeline is near its floor, which no pipeline's lower bound beats: none is solved (issue 37)
+    # the default (pipeline=None) chooses among both: no slower than either (the axis named "pp" is
+    # searched first: a hint)
     default = autopar.plan(model, inputs, mesh, batch_axes=("dp",), **KW)
     assert default.estimate.step_time_s <= min(flat.estimate.step_time_s, chosen[3].estimate.step_time_s)
-    assert default.pipeline.stages == 1 and default.estimate.step_time_s == flat.estimate.step_time_s
-    assert "no pipeline is faster (0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in default.solver.status
-    # at the time limit the plan without a pipeline (always found first) is the answer, and says so
-    cut = autopar.plan(model, inputs, mesh, batch_axes=("dp",), **dict(KW, time_limit=0))
+    assert default.pipeline.stages == 1 and "no pipeline is faster" in default.solver.status
+    # on an axis not named for pipelines the plan without one comes first; it is near its floor, which
+    # no pipeline's lower bound beats: none is solved (issue 37)
+    other = autopar.Mesh((2, 2), ("a", "dp"), device="h100")
+    unnamed = autopar.plan(model, inputs, other, batch_axes=("dp",), **KW)
+    assert unnamed.pipeline.stages == 1 and unnamed.estimate.step_time_s == flat.estimate.step_time_s
+    assert "no pipeline is faster (0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in unnamed.solver.status
+    # at the time limit the best plan found is the answer, and says so
+    cut = autopar.plan(model, inputs, other, batch_axes=("dp",), **dict(KW, time_limit=0))
     assert cut.pipeline.stages == 1 and cut.solver.status.startswith(AT_TIME_LIMIT)
     assert "2 not searched" in cut.solver.status
 

@@ -75,19 +75,23 @@ def _captured(model, args, kwargs, m: int, captured: dict[int, tuple]) -> tuple:
 
 def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions,
             fixed: Mapping, captured: dict[int, tuple], t0: float, deadline: float | None) -> Plan:
-    """The plan without a pipeline first, where it is a choice: the fallback, and the step every
-    pipeline must beat; then the pipeline groups in the order of their lower bounds, a group whose
-    bound cannot beat the best plan found left unsolved (a model whose plan without a pipeline is
-    near its compute floor solves no pipeline at all)."""
     cands = _pipelines(model, args, kwargs, mesh, opts, fixed)
-    piped = [c for c in cands if c.axis is not None]
+    unpiped = cands[0].axis is None       # "no pipeline" among the choices
+    cands = cands[1:] if unpiped else cands
     floor = pipeline_floor(captured[1][0].gm.graph, captured[1][1], mesh)
+    cands = _ordered(cands, floor)
+    hinted = [c for c in cands if c.axis in PIPELINE_AXIS_HINTS] if unpiped else []
     run = _Groups(model, args, kwargs, mesh, opts, captured, deadline)
-    if len(piped) < len(cands):         # "no pipeline" among the choices
-        run.plan_flat(t0, more=bool(piped))
+    # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
+    # its floor, or the time is out), then the other axes
+    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor)
+    if unpiped:
+        found = run.flat_after(found, floor, t0, len(cands) > len(hinted))
     flat = run.flat
-    found = choose_pipeline(mesh, _ordered(piped, floor), run.solve_at, run.budget, run.out_of_time, floor,
-                            flat.estimate.step_time_s if flat is not None else math.inf)
+    rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], run.solve_at, run.budget, run.out_of_time,
+                           floor, min(flat.estimate.step_time_s if flat is not None else math.inf,
+                                      found.best.evaluation.step_s if found.best is not None else math.inf))
+    found = _merged(found, rest)
     if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
         if flat is not None:
             return _flat_status(flat, found)
@@ -156,13 +160,19 @@ class _Groups:
     def out_of_time(self) -> bool:     # the next group, as long as the costliest so far, would end past it
         return self.deadline is not None and time.perf_counter() + self.took >= self.deadline
 
-    def plan_flat(self, t0: float, more: bool) -> None:
-        """The plan without a pipeline (`flat`, or `why` none fits); the costliest group so far is then
-        what it took besides its solve (its problem's build)."""
+    def flat_after(self, found: Searched, floor, t0: float, more: bool) -> Searched:
+        """After the hinted axes: the plan without a pipeline, unless a pipeline found beats its floor
+        (counted pruned) or the time is out (counted unsearched)."""
+        beat = found.best.evaluation.step_s if found.best is not None else math.inf
+        if floor(Candidate(None, 1, 1, "1f1b", 1)) >= beat:
+            return replace(found, pruned=found.pruned + 1)
+        if found.best is not None and self.out_of_time():
+            return replace(found, unsearched=found.unsearched + 1)
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
                                     self.deadline, more)
         flat = self.flat
         self.took = max(self.took, flat.timings.total_s - flat.timings.solve_s if flat is not None else 0.0)
+        return found
 
 
 def _nothing_fits(found: Searched, why: InfeasibleError | None, n: int, budget: float) -> InfeasibleError:
@@ -192,6 +202,13 @@ def _pipelined_plan(found: Searched, run: _Groups, mesh: Mesh, opts: PlanOptions
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
     return plan
+
+
+def _merged(a: Searched, b: Searched) -> Searched:
+    """Two searches' outcomes as one: the faster best (the first on a tie), the counts summed."""
+    best = a.best if b.best is None or (a.best is not None and a.best.evaluation.step_s <= b.best.evaluation.step_s) \
+        else b.best
+    return Searched(best, min(a.least, b.least), a.solved + b.solved, a.pruned + b.pruned, a.unsearched + b.unsearched)
 
 
 FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
