@@ -61,13 +61,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
         "auto", "none", "host", "disk" (`plan.offload`; tier sizes: `Mesh(host_memory=, disk=)`).
     precision: optimizer state bytes per parameter: "auto" (fp32 master weights and moments for
         16-bit parameters), "same" (all in the parameter dtype) or "mixed".
-    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). `{}`: the planner chooses, "no
-        pipeline" among its choices (`planner/pipeline_search.py`: one ILP per pipeline axis and microbatch
-        count, in the order of their lower bounds, a candidate that cannot beat the best found left
-        unsolved); a dict fixes the keys it gives (axis, stages, virtual_stages, microbatches,
-        schedule), the planner chooses the rest; None (the default) or False: no pipeline (the search
-        is not yet bounded by `time_limit` on every model: issue 37). Axis names are hints (an axis
-        named "pp" is searched first), never requirements.
+    pipeline: pipeline stages over one mesh axis (`plan.pipeline`). None (the default) or `{}`: the planner
+        chooses, "no pipeline" among its choices (`planner/pipeline_search.py`: one ILP per pipeline axis
+        and microbatch count in the order of their lower bounds, a candidate whose bound cannot beat the
+        best plan found left unsolved); a dict fixes the keys it gives (axis, stages, virtual_stages, microbatches,
+        schedule), the planner chooses the rest; False: no pipeline. Axis names are hints (an axis named
+        "pp" is searched first, before the plan without one), never requirements.
     moe_capacity_factor: mixture-of-experts layers drop the token-slots past each expert's capacity,
         ceil(factor x tokens x top_k / experts) over the global batch (GShard, Switch Transformer; the rule:
         `autopar/runtime/experts.py`, one process: `autopar.moe_capacity`); None: dropless.
@@ -89,13 +88,15 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
 
 
 def _pipeline_keys(pipeline) -> Mapping | None:
-    """The pipeline keys fixed by the `pipeline=` option (a dict: those it gives, `{}` none of them),
-    or None where None or False asks for no pipeline."""
+    """The pipeline keys fixed by the `pipeline=` option (None: choose all of them; a dict: those it
+    gives), or None where `False` forbids a pipeline."""
+    if pipeline is None:
+        return {}
     if isinstance(pipeline, Mapping):
         return pipeline
-    if pipeline is not None and pipeline is not False:
-        raise PlanOptionError(f"pipeline={pipeline!r}: give None or False (no pipeline) or a dict such as "
-                              f"dict(axis='pp') ({{}}: the planner chooses)")
+    if pipeline is not False:
+        raise PlanOptionError(f"pipeline={pipeline!r}: give None (the planner chooses), False (no pipeline) or a "
+                              f"dict such as dict(axis='pp') (fixes the keys it gives)")
     return None
 
 
@@ -109,7 +110,7 @@ def autoparallelize(model: torch.nn.Module, mesh: Mesh | Cluster, example_inputs
     `plan`'s. The user's model is not modified; the returned module holds this rank's parameter shards.
     A `Cluster` for `mesh`: rank 0 chooses the mesh with the plan (`plan()`), and every rank builds
     the DeviceMesh it records (or `plan.mesh`'s, where a plan is given).
-    A pipelined plan (`pipeline=` given, or `plan.pipeline.stages > 1`) returns a
+    A pipelined plan (the planner's choice, `pipeline=` given, or `plan.pipeline.stages > 1`) returns a
     `runtime.pipeline.PipelinedModule`: each call runs one training step through the schedule.
     offload_dir: where the disk tier writes its files (a fresh temporary directory inside it per
         module; default: the system's temporary directory).

@@ -7,7 +7,12 @@ from dataclasses import replace
 import pytest
 import autopar
 from autopar.cost_model.pipeline import in_flight_microbatches, pipeline_time, step_floor
+from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
+from autopar.passes.capture import capture
+from autopar.passes.shape_prop import annotate
+from autopar.solver.decisions.stages import Candidate
+from autopar.solver.solve import AT_TIME_LIMIT
 from memory_checks import gpt
 
 KW = dict(symbolic=False, progress=False, time_limit=30)
@@ -49,10 +54,33 @@ def test_fixed_keys_are_respected_and_false_forbids(chosen):
     assert plan.pipeline.virtual_stages == 1
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert flat.pipeline.stages == 1 and flat.pipeline.axis is None
-    # pipeline={} chooses among both: no slower than either, and says what its bound ruled out
-    searched = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline={}, **KW)
-    assert searched.estimate.step_time_s <= min(flat.estimate.step_time_s, chosen[3].estimate.step_time_s)
-    assert "ruled out by their lower bound" in searched.solver.status
+    # the default (pipeline=None) chooses among both: no slower than either (the axis named "pp" is
+    # searched first: a hint)
+    default = autopar.plan(model, inputs, mesh, batch_axes=("dp",), **KW)
+    assert default.estimate.step_time_s <= min(flat.estimate.step_time_s, chosen[3].estimate.step_time_s)
+    assert default.pipeline.stages == 1 and "no pipeline is faster" in default.solver.status
+    # on an axis not named for pipelines the plan without one comes first; it is near its floor, which
+    # no pipeline's lower bound beats: none is solved (issue 37)
+    other = autopar.Mesh((2, 2), ("a", "dp"), device="h100")
+    unnamed = autopar.plan(model, inputs, other, batch_axes=("dp",), **KW)
+    assert unnamed.pipeline.stages == 1 and unnamed.estimate.step_time_s == flat.estimate.step_time_s
+    assert "no pipeline is faster (0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in unnamed.solver.status
+    # at the time limit the best plan found is the answer, and says so
+    cut = autopar.plan(model, inputs, other, batch_axes=("dp",), **dict(KW, time_limit=0))
+    assert cut.pipeline.stages == 1 and cut.solver.status.startswith(AT_TIME_LIMIT)
+    assert "2 not searched" in cut.solver.status
+
+
+def test_the_lower_bound_is_below_the_priced_step(chosen):
+    """The search leaves a candidate unsolved when its lower bound cannot beat a plan found: the bound
+    must never be above what the evaluator prices (here the chosen pipeline, and the plan without one)."""
+    model, inputs, mesh, plan = chosen
+    cap = capture(model, inputs, None)
+    floor = pipeline_floor(cap.gm.graph, annotate(cap.gm), mesh)
+    pp = plan.pipeline
+    assert floor(Candidate(pp.axis, pp.stages, pp.microbatches, pp.schedule, pp.virtual_stages)) <= plan.estimate.step_time_s
+    flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
+    assert 0.5 * flat.estimate.step_time_s < floor(Candidate(None, 1, 1, "1f1b", 1)) <= flat.estimate.step_time_s
 
 
 def test_schedules_bubble_and_memory():
@@ -98,7 +126,7 @@ def test_a_budget_only_a_pipeline_fits():
     piped = autopar.plan(model, inputs, mesh, pipeline={"axis": "pp"}, **fixed, **KW)
     assert piped.estimate.peak_memory_bytes < flat
     budget = (piped.estimate.peak_memory_bytes + flat) / 2
-    plan = autopar.plan(model, inputs, mesh, memory_budget=budget, pipeline={}, **fixed, **KW)
+    plan = autopar.plan(model, inputs, mesh, memory_budget=budget, **fixed, **KW)     # the default chooses it
     assert plan.pipeline.stages == 2 and plan.estimate.peak_memory_bytes <= budget
 
 

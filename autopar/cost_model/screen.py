@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
+
 from ..strategies import op_name, rule_for
 from .comm import collective_time, p2p_time
 from .compute import POINTWISE_EFFICIENCY, TENSOR_CORE_FAMILIES, backward_factor
 from .memory import state_bytes_per_element
+from .ops import op_facts
 from .pipeline import step_floor
 
 ROLES = ("dp", "pp", "cp", "ep", "tp")      # the mesh screen's axis roles, outermost first
@@ -33,36 +36,47 @@ BACKWARD_FLOPS = 2.0          # a matmul's backward is two products (dX, dW) of 
 
 def pipeline_floor(graph, infos, mesh):
     """Candidate -> a lower bound on its step (`cost_model.pipeline.step_floor`) from the whole batch's
-    graph: its FLOPs over every device at the profile's best rate (a tensor-core op's backward at its
-    FLOP ratio where its output needs a gradient); per microbatch, one kernel's fixed cost per op
-    that does work and a send's latency into every chunk but the first."""
+    graph. Each device's time is at least its share of the FLOPs at the profile's best rate (a
+    tensor-core op's backward at its FLOP ratio where its output needs a gradient) plus the fixed costs
+    of the kernels it runs, per microbatch: every op that does work launches a kernel
+    (`compute.compute_time`: at least `kernel_overhead`; a tensor-core op with FLOPs also loses the
+    `matmul_ramp_time` of its efficiency curve), and where its output needs a gradient (floating point
+    from a parameter: `solver/nodes.needs_grad`'s rule) its backward costs at least its factor times that
+    (`compute.op_times`; a matmul's is two such kernels), plus one launch per kernel of autograd's work
+    beyond it (`autograd.grad_work`); every chunk but the first receives its input (a send's latency,
+    forward and backward). Summed over the devices and averaged, per pipeline rank and microbatch:
+    t >= work / m + fixed / p, and the step T >= (m + (p - 1) / v) t (`step_floor`)."""
     prof = mesh.profile
     rate = max(prof.peak_flops.values()) * max(prof.matmul_efficiency, POINTWISE_EFFICIENCY)
     grad: dict[str, bool] = {}
-    flops, kernels = 0.0, 0
+    flops, fixed = 0.0, 0.0
     for n in graph.nodes:
         v = n.meta.get("val")
-        grad[n.name] = (n.op == "placeholder" and bool(getattr(v, "requires_grad", False))) or any(
-            grad.get(a.name, False) for a in n.all_input_nodes)
+        floating = isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+        grad[n.name] = floating and ((n.op == "placeholder" and v.requires_grad) or any(
+            grad.get(a.name, False) for a in n.all_input_nodes))
         if n.op != "call_function" or n.name not in infos:
             continue
         rule = rule_for(n.target)
         info = infos[n.name]
         if rule is not None and rule.is_view or (info.flops <= 0 and info.bytes_moved <= 0):
             continue
-        kernels += 1
-        back = backward_factor(op_name(n.target), rule.family) if (
-            rule is not None and rule.family in TENSOR_CORE_FAMILIES and grad[n.name]) else 0.0
-        flops += info.flops * (1.0 + back)
-    work, fixed = flops / (mesh.size * rate), kernels * prof.kernel_overhead
+        family = rule.family if rule is not None else None
+        tensor_core = family in TENSOR_CORE_FAMILIES and info.flops > 0
+        kernel = prof.kernel_overhead + (prof.matmul_ramp_time if tensor_core else 0.0)
+        back = backward_factor(op_name(n.target), family) if grad[n.name] else 0.0
+        work = op_facts(n, infos, grad).work if grad[n.name] else None
+        fixed += kernel * (1.0 + back) + (work.kernels + work.sums if work else 0) * prof.kernel_overhead
+        flops += info.flops * (1.0 + (back if tensor_core else 0.0))
+    work_s = flops / (mesh.size * rate)
 
     def floor(c: Candidate) -> float:
         sends = 0.0     # every chunk but the first receives its input (priced in its forward and backward)
         if c.stages > 1:
             sends = 2 * (c.stages * c.virtual_stages - 1) * p2p_time(1.0, mesh.axes[mesh.axis_index(c.axis)].link)
-        return step_floor(work, fixed + sends, c.stages, c.microbatches, c.schedule, c.virtual_stages)
+        per_rank = work_s + (fixed + sends) * c.microbatches / c.stages     # m t: the rank's work of a step
+        return step_floor(per_rank, 0.0, c.stages, c.microbatches, c.schedule, c.virtual_stages)
     return floor
-
 
 
 def mesh_bound(mesh, flops: float, pp: int, microbatches: int, virtual_stages: int) -> float:

@@ -212,8 +212,8 @@ def _merged(a: Searched, b: Searched) -> Searched:
 
 
 FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
-                     # its heuristic's first plans come whatever the limit (what follows only refines them);
-                     # the pipeline groups, one solve each, get the rest
+                     # its first plans come whatever the limit (the fallback, the same on every run; what
+                     # follows only refines them); the pipeline groups, one solve each, get the rest
 
 
 def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0: float, deadline: float | None,
@@ -225,7 +225,7 @@ def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0
     if more and deadline is not None:
         own = time.perf_counter() + FLAT_SHARE * max(deadline - time.perf_counter(), 0.0)
     try:
-        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos), None
+        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos, floor=True), None
     except InfeasibleError as e:
         log.info("no pipeline: infeasible (%s)", e)
         return None, e

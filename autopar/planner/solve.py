@@ -168,10 +168,12 @@ def frozen_gc():
 
 
 def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None,
-                   deadline: float | None = None, infos=None) -> Plan:
+                   deadline: float | None = None, infos=None, floor: bool = False) -> Plan:
     """The plan of a captured graph without a pipeline, uncached; `deadline`: when it must be
     done (default: the time limit from now: the capture aside, the whole call within it); `infos`:
-    its annotations where the caller made them."""
+    its annotations where the caller made them. `floor`: the solver's first plans (`solver.solve`'s:
+    the most sharded plan and the LP relaxation's layouts rounded) are found whatever the deadline (a
+    search's first plan, the same on every run however loaded the machine)."""
     deadline = deadline_of(opts) if deadline is None else deadline
     _phase(opts, "strategies")
     infos = annotate(cap.gm) if infos is None else infos
@@ -180,7 +182,7 @@ def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sour
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
     _phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
-        result, priced = solve_within(problem, budget, deadline, opts.progress)
+        result, priced = solve_within(problem, budget, deadline, opts.progress, floor)
     except InfeasibleError as e:
         raise _with_hint(e, cap, infos, mesh, opts) from None
     plan = assemble(cap, problem, result.choice, mesh, opts, result.options, priced=priced)
@@ -216,13 +218,14 @@ def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.perf_counter(), 0.0)
 
 
-def solve_within(problem: Problem, budget: float, deadline: float | None, progress: bool = False):
+def solve_within(problem: Problem, budget: float, deadline: float | None, progress: bool = False,
+                 floor: bool = False):
     """(SolveResult, its Evaluation) by `deadline`: solve, and check the answer with the evaluator: a MIP solver
     accepts rows a tolerance over their bound, so a plan it returns may price a few bytes over the
-    budget; then solve again with the budget lowered by the excess."""
+    budget; then solve again with the budget lowered by the excess. `floor`: as `solver.solve`'s."""
     target = budget
     for _ in range(BUDGET_RETRIES):
-        result = solve(problem, target, remaining(deadline), progress=progress)
+        result = solve(problem, target, remaining(deadline), progress=progress, floor=floor)
         ev = evaluate(problem, result.choice, effective_options(problem, result.choice, result.options))
         over = ev.peak_bytes - budget
         if over <= 0:
