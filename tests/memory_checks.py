@@ -71,8 +71,9 @@ def saved_plan(model, inputs, mesh, pins, untight=None):
 
 
 def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, model_kw=None, compare=True,
-                 bucket_bytes=None):
-    """bucket_bytes: the profile's `grad_bucket_bytes` (the runtime's gradient buckets and their price)."""
+                 bucket_bytes=None, predict=True):
+    """bucket_bytes: the profile's `grad_bucket_bytes` (the runtime's gradient buckets and their price);
+    predict: the planner's prices of each variant too (`predictions`: a capture and an estimate each)."""
     model, inputs = gpt(dropout, **(model_kw or {}))
     profile = shard_happy_profile()
     if bucket_bytes is not None:
@@ -85,13 +86,18 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
     # made under a budget the plan without decisions exceeds
     return {name: train_variant(copy.deepcopy(model), inputs, mesh,
                                 tight if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
-                                compare, problems)
+                                compare, problems if predict else None)
             for name, dec in variants.items()}
+
+
+def unpriced_variants(rank, world, *args):
+    """`run_variants` without the planner's prices (`predictions`): for tests that read none of them."""
+    return run_variants(rank, world, *args, predict=False)
 
 
 def train_variant(model, inputs, mesh, plan, compare=True, problems=None):
     """problems: {plan options: planning problem} shared by calls on the same model, inputs and mesh
-    (`predicted_tier`)."""
+    (`predicted_tier`); None: the planner's prices (`predictions`) are left out."""
     ref = copy.deepcopy(model)
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     opt = dmodel.optimizer(torch.optim.AdamW, lr=LR)
@@ -155,7 +161,7 @@ def train_variant(model, inputs, mesh, plan, compare=True, problems=None):
     worst["params"] = {k: p.detach().full_tensor() for k, p in params.items()} if not compare else {}
     worst["decisions"] = sorted(f"{k}={v}" for fam in (plan.recompute, plan.residency, plan.offload)
                                 for k, v in fam.items() if v not in ("none", "keep", "device"))
-    worst.update(seen, **predictions(ref, inputs, mesh, plan, {} if problems is None else problems),
+    worst.update(seen, **({} if problems is None else predictions(ref, inputs, mesh, plan, problems)),
                  decisions={"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload},
                  notes=list(dmodel.memory.notes), tiers={k: opt.tier_of(k) for k in params},
                  local_numel={k: p.to_local().numel() for k, p in params.items()},

@@ -11,7 +11,7 @@ import pytest
 from rank_pool import get_pool
 
 from memory_checks import (TP_PINS, ZERO3_PINS, bad_memory_plans, mixed_precision_state, optimizer_state_bytes,
-                           run_variants)
+                           run_variants, unpriced_variants)
 
 TOL = 1e-4
 BLOCKS = ("blocks.0", "blocks.1")
@@ -38,12 +38,12 @@ REGATHERED = [f"blocks.{i}.{w}.weight" for i in range(2) for w in LINEARS]
 
 @pytest.fixture(scope="module")
 def dp():
-    return get_pool(2).run(run_variants, (2,), ("dp",), None, DP_VARIANTS, timeout=600)
+    return get_pool(2).run(unpriced_variants, (2,), ("dp",), None, DP_VARIANTS, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def tp():
-    return get_pool(2).run(run_variants, (2,), ("tp",), TP_PINS, RECOMPUTE_VARIANTS)
+    return get_pool(2).run(unpriced_variants, (2,), ("tp",), TP_PINS, RECOMPUTE_VARIANTS)
 
 
 def exact(results, name):
@@ -65,7 +65,7 @@ def test_recompute_trains_exactly_and_keeps_less(request, mesh):
 
 
 def test_recompute_replays_dropout(rank_pool, dp):
-    results = rank_pool(2).run(run_variants, (2,), ("dp",), None, RECOMPUTE_VARIANTS, 0.1, None, False)
+    results = rank_pool(2).run(unpriced_variants, (2,), ("dp",), None, RECOMPUTE_VARIANTS, 0.1, None, False)
     for r in results:
         base = r["none"]
         assert base["losses"] != dp[0]["none"]["losses"], "dropout must change the loss"
@@ -79,7 +79,7 @@ def test_recompute_replays_dropout(rank_pool, dp):
 
 def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
     regather = {"residency": {k: "regather" for k in REGATHERED}}
-    results = rank_pool(2).run(run_variants, (2,), ("dp",), ZERO3_PINS,
+    results = rank_pool(2).run(unpriced_variants, (2,), ("dp",), ZERO3_PINS,
                                {"keep": {}, "regather": regather,
                                 "regather_from_host": {**regather, "offload": each("host", "parameters:")}})
     exact(results, "regather")

@@ -7,7 +7,7 @@ import pytest
 
 from rank_pool import get_pool
 
-from memory_checks import run_variants
+from memory_checks import unpriced_variants
 
 TOL = 1e-4
 BLOCKS = ("blocks.0", "blocks.1")
@@ -21,7 +21,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def dp():
-    return get_pool(2).run(run_variants, (2,), ("dp",), None, VARIANTS)
+    return get_pool(2).run(unpriced_variants, (2,), ("dp",), None, VARIANTS)
 
 
 def test_parameters_on_the_host_train_exactly(dp):

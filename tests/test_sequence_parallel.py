@@ -21,7 +21,7 @@ from autopar.planner.solve import PlanOptions, plan_assignment, planning_problem
 from autopar.views.report import tensor_parallel_family as tp_family
 from autopar.solver.evaluate import evaluate
 from dist_checks import shard_happy_profile
-from memory_checks import SP_PINS, TP_PINS, gpt, run_variants
+from memory_checks import SP_PINS, TP_PINS, gpt, unpriced_variants
 from rank_pool import get_pool
 
 TOL = 1e-4
@@ -40,7 +40,7 @@ MESHES = {"tp4": ((TP,), ("tp",), SP_PINS, TP, 1), "dp2xtp2": ((2, 2), ("dp", "t
 @pytest.fixture(scope="module", params=list(MESHES))
 def trained(request):
     shape, axes, pins, tp, dp = MESHES[request.param]
-    results = get_pool(4).run(run_variants, shape, axes, pins, {"keep": {}, "regather": REGATHER}, timeout=300)
+    results = get_pool(4).run(unpriced_variants, shape, axes, pins, {"keep": {}, "regather": REGATHER}, timeout=300)
     return results, tp, dp
 
 
