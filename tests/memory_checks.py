@@ -64,7 +64,9 @@ def saved_plan(model, inputs, mesh, pins, untight=None):
     made without a budget; then planned under PLANNER_BUDGET of its peak, so that the planner frees memory."""
     def make():
         budget = None if untight is None else PLANNER_BUDGET * untight.estimate.peak_memory_bytes
-        return autopar.plan(model, inputs, mesh, pins=pins, symbolic=False, memory_budget=budget).to_json()
+        # no pipeline: these check the memory decisions' executors, and a pipeline would fit the budget instead
+        return autopar.plan(model, inputs, mesh, pins=pins, symbolic=False, memory_budget=budget,
+                            pipeline=False).to_json()
     text = [make() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
     return autopar.Plan.from_json(text[0])

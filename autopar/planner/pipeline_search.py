@@ -30,8 +30,8 @@ from ..placement import layout_str
 from ..plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
 from .cache import PlanCache
 from .pipeline import fixed_pipeline, lifted, stage_options
-from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, planning_problem, remaining,
-                      solve_captured)
+from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, phase, planning_problem,
+                      remaining, solve_captured)
 from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
 from ..solver.evaluate import Staging
@@ -52,7 +52,7 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     _check(fixed, mesh)
     captured = {} if captured is None else captured
     with frozen_gc():
-        cap1 = _captured(model, args, kwargs, 1, captured)[0]
+        cap1 = _captured(model, args, kwargs, 1, captured, opts)[0]
         cache = PlanCache.open(opts.cache_dir)
         key = cache.key(fingerprint(cap1), mesh, opts) if cache else None
         if cache and (hit := cache.get(key)) is not None:
@@ -64,9 +64,10 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     return plan
 
 
-def _captured(model, args, kwargs, m: int, captured: dict[int, tuple]) -> tuple:
+def _captured(model, args, kwargs, m: int, captured: dict[int, tuple], opts: PlanOptions) -> tuple:
     """(capture of one of `m` microbatches, its annotations), made once per count."""
     if m not in captured:
+        phase(opts, "capture", "" if m == 1 else f"{m} microbatches")
         cap = capture(model, *microbatch(args, kwargs, m))
         captured[m] = (cap, annotate(cap.gm))
         gc.freeze()       # kept for the whole search (`frozen_gc`)
@@ -135,7 +136,7 @@ class _Groups:
 
     def solve_at(self, axis, m: int, scale: float):
         t = time.perf_counter()
-        cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured)
+        cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
         if (axis, m) not in self.problems:
             self.problems[axis, m] = planning_problem(cap, infos, mesh.stage_mesh(axis),

@@ -123,7 +123,7 @@ def _constant_text(v) -> str:
 
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
-    _phase(opts, "capture")
+    phase(opts, "capture")
     return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
 
 
@@ -136,7 +136,7 @@ def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None
     key = cache.key(fingerprint(cap), mesh, opts) if cache else None
     if cache and (hit := cache.get(key)) is not None:
         hit.timings = Timings(0.0, time.perf_counter() - t0, cached=True)
-        _phase(opts, "done", "from the plan cache")
+        phase(opts, "done", "from the plan cache")
         return hit
     plan = _solve_captured(cap, mesh, opts, t0, source)
     if cache:
@@ -175,12 +175,12 @@ def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sour
     the most sharded plan and the LP relaxation's layouts rounded) are found whatever the deadline (a
     search's first plan, the same on every run however loaded the machine)."""
     deadline = deadline_of(opts) if deadline is None else deadline
-    _phase(opts, "strategies")
+    phase(opts, "strategies")
     infos = annotate(cap.gm) if infos is None else infos
     problem = planning_problem(cap, infos, mesh, opts)
     gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
-    _phase(opts, "solve", f"{len(problem.leaders)} decisions")
+    phase(opts, "solve", f"{len(problem.leaders)} decisions")
     try:
         result, priced = solve_within(problem, budget, deadline, opts.progress, floor)
     except InfeasibleError as e:
@@ -196,11 +196,12 @@ def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, sour
                              result.objective, len(problem.leaders), len(problem.order), len(problem.rep),
                              result.gap, cap.trace)
     plan.timings = Timings(result.seconds, time.perf_counter() - t0)
-    _phase(opts, "done", f"{result.solver}: {result.status}")
+    phase(opts, "done", f"{result.solver}: {result.status}")
     return plan
 
 
-def _phase(opts: PlanOptions, name: str, note: str = "") -> None:
+def phase(opts: PlanOptions, name: str, note: str = "") -> None:
+    """Phase `name` of the call starts (`opts.on_phase`: autopar/progress.py prints it)."""
     if opts.on_phase is not None:
         opts.on_phase(name, note)
 
