@@ -39,7 +39,8 @@ DEVICE_ORDER = "row-major"     # autopar.cluster.DEVICE_ORDER (imported there fr
 _FIXED = ("batch", "seq")
 _OPTION_TYPES = {"memory_budget": "number?", "pins": "pins", "batch_axes": "axes", "sharded_outputs": "bool",
                  "optimizer": "str", "symbolic": "bool", "recompute": "str", "residency": "str", "offload": "str",
-                 "precision": "str", "pipeline": "pipeline", "moe_capacity_factor": "positive?"}
+                 "precision": "str", "pipeline": "pipeline", "moe_capacity_factor": "positive?",
+                 "stage": "bool"}
 
 
 def load_plan(cls, path: str | Path):

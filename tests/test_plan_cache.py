@@ -18,7 +18,7 @@ from autopar.solver.solve import ALTERNATED, AT_TIME_LIMIT, OPTIMAL, OPTIMAL_ALT
 # one value per option that changes the plan, other than its default
 CHANGED = dict(memory_budget=2**30, pins={"w": ("R",)}, batch_axes=("dp",), sharded_outputs=True, optimizer="sgd",
                time_limit=1.0, symbolic=False, recompute="full", residency="keep", offload="none",
-               precision="same", pipeline={"axis": "dp"}, moe_capacity_factor=1.25)
+               precision="same", pipeline={"axis": "dp"}, moe_capacity_factor=1.25, stage=True)
 
 
 def test_every_option_that_changes_a_plan_is_in_the_cache_key(tmp_path):

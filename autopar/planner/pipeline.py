@@ -70,7 +70,7 @@ def fixed_pipeline(spec: Mapping, mesh: Mesh) -> PipelinePlan:
 
 def stage_options(opts: PlanOptions, mesh: Mesh, k: int) -> PlanOptions:
     """The options for the stage mesh: pins without their pipeline-axis placement (which must be
-    "R"), no pipeline."""
+    "R"), no pipeline, marked as a stage's (`PlanOptions.stage`: no gradient offload)."""
     axis = mesh.axis_names[k]
     pins = {}
     for name, layout in (opts.pins or {}).items():
@@ -81,7 +81,7 @@ def stage_options(opts: PlanOptions, mesh: Mesh, k: int) -> PlanOptions:
     if axis in (opts.batch_axes or ()):
         raise PlanOptionError(f"batch_axes names the pipeline axis {axis!r}: the stages along it share one batch, "
                               f"split into microbatches; drop it from batch_axes")
-    return replace(opts, pins=pins or None, pipeline=False, symbolic=False)
+    return replace(opts, pins=pins or None, pipeline=False, stage=True, symbolic=False)
 
 
 def lifted(stage: Plan, mesh: Mesh, k: int, opts: PlanOptions, pipe: PipelinePlan) -> Plan:

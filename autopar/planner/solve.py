@@ -50,6 +50,7 @@ class PlanOptions:
                                                 # make_plan() plans without one (planner/pipeline_search.py)
     moe_capacity_factor: float | None = None    # None: dropless MoE routing; a number: each expert's capacity
                                                 # (runtime/experts.py)
+    stage: bool = False                         # one pipeline stage's problem (planner/pipeline.stage_options)
     on_phase: Callable[[str, str], None] | None = None   # called as each phase starts (autopar/progress.py)
 
     def __post_init__(self):
@@ -71,13 +72,13 @@ class PlanOptions:
                 "residency": self.residency, "offload": self.offload, "precision": self.precision,
                 "pipeline": (dict(sorted(self.pipeline.items())) if isinstance(self.pipeline, Mapping)
                              else self.pipeline),
-                "moe_capacity_factor": self.moe_capacity_factor}
+                "moe_capacity_factor": self.moe_capacity_factor, **({"stage": True} if self.stage else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> PlanOptions:
         """The options a plan was made with (`Plan.options`), to rebuild its planning problem."""
         keep = {k: d[k] for k in ("memory_budget", "sharded_outputs", "optimizer", "symbolic", "recompute",
-                                  "residency", "offload", "precision", "pipeline", "moe_capacity_factor")
+                                  "residency", "offload", "precision", "pipeline", "moe_capacity_factor", "stage")
                 if k in d}
         return cls(pins=dict(d.get("pins") or {}) or None, batch_axes=tuple(d.get("batch_axes") or ()) or None,
                    progress=False, **keep)
@@ -243,11 +244,10 @@ def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Pro
                             sharded_outputs=opts.sharded_outputs, precision=opts.precision,
                             saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
     try:
-        # a pipeline stage's problem (pipelining.stage_options: pipeline=False) offers no gradient
-        # offload: the pipelined runtime sums a tied parameter's gradient over its ranks after the
-        # schedule, on the device
+        # a pipeline stage's problem (`opts.stage`) offers no gradient offload: the pipelined runtime
+        # sums a tied parameter's gradient over its ranks after the schedule, on the device
         return add_families(problem, recompute_mode=opts.recompute, residency_mode=opts.residency,
-                            offload_mode=opts.offload, gradient_offload=opts.pipeline is not False)
+                            offload_mode=opts.offload, gradient_offload=not opts.stage)
     except ValueError as e:
         raise PlanOptionError(str(e)) from None
 
