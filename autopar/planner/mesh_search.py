@@ -103,7 +103,8 @@ def search_mesh(model: torch.nn.Module, args: tuple, kwargs: dict | None, cluste
 
 def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], opts: PlanOptions,
                    deadline: float | None):
-    """(the best plan and its row, or None; a row per candidate) planning `screened` in order."""
+    """(the best plan and its row, or None; a row per candidate; (shape, axis names) -> the Estimate of each
+    mesh planned, for `_why`) planning `screened` in order."""
     captured = {1: (cap, infos)}        # microbatch count -> (capture of one microbatch, its annotations)
     best: tuple[Plan, MeshCandidate] | None = None
     rows: list[MeshCandidate] = []
