@@ -38,6 +38,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
   and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
   `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
+* `storage_users(t)`: how many tensors share `t`'s storage (c10's use count of its StorageImpl), to tell
+  whether a gradient buffer handed out last step is still held by anything but autopar's own views.
 * `GROUPED_MM`: aten._grouped_mm, the op `torch.nn.functional.grouped_mm` runs (torch's FLOP counter
   has no formula for it: passes/lowering.py registers one under this name).
 * `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
@@ -179,6 +181,12 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
 def local_tensor(dt) -> torch.Tensor:
     """The local tensor object held by DTensor `dt` (no view made)."""
     return dt._local_tensor
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s storage; no public API counts them."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1      # less the storage object made here
 
 
 def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:
