@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import at_backward_end, dtensor_like, set_group_timeout, storage_users
+from ..compat import at_backward_end, dtensor_like, parameter_table, set_group_timeout, storage_users
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from ..placement import over_one_device
 from .faults import watch_of, watched
@@ -349,7 +349,7 @@ class GradSync:
         p = self._params.get(name)
         if p is None:
             owner, attr = self._owners[name]
-            p = self._params[name] = getattr(owner, attr)
+            p = self._params[name] = parameter_table(owner)[attr]
         return p
 
     def _what(self, b: _Bucket) -> str:
