@@ -38,6 +38,13 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
   and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
   `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
+* `dtensor_from(local, mesh, placements, shape, stride)`: `DTensor.from_local(..., run_check=False)` where
+  no autograd graph is recorded (inside an autograd Function, or grad mode off): the spec built and the
+  DTensor made directly (DTensor's `_dtensor_spec`, `_utils.compute_global_tensor_info` for a global
+  shape not given), without from_local's autograd Function: 1 us against 55-60 us a call on CPU,
+  paid several times per step on the runtime's hot path.
+* `storage_users(t)`: how many tensors share `t`'s storage (c10's use count of its StorageImpl), to tell
+  whether a gradient buffer handed out last step is still held by anything but autopar's own views.
 * `GROUPED_MM`: aten._grouped_mm, the op `torch.nn.functional.grouped_mm` runs (torch's FLOP counter
   has no formula for it: passes/lowering.py registers one under this name).
 * `fake_tensor_cache(enabled)`: turn FakeTensorMode's dispatch cache on or off while tracing
@@ -179,6 +186,28 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
 def local_tensor(dt) -> torch.Tensor:
     """The local tensor object held by DTensor `dt` (no view made)."""
     return dt._local_tensor
+
+
+def dtensor_from(local: torch.Tensor, mesh, placements, shape=None, stride=None) -> torch.Tensor:
+    """A DTensor holding `local` in `placements` over `mesh` (global `shape` and `stride`, computed as
+    from_local does where not given); recorded by autograd only through `DTensor.from_local` (grad mode on
+    and `local` requiring grad)."""
+    from torch.distributed.tensor import DTensor
+    if torch.is_grad_enabled() and local.requires_grad:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+    placements = tuple(placements)
+    if shape is None:
+        shape, stride = compute_global_tensor_info(local, mesh, placements)
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor.__new__(DTensor, local.view_as(local), spec, requires_grad=local.requires_grad)   # as from_local
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s storage; no public API counts them."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1      # less the storage object made here
 
 
 def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:

@@ -113,19 +113,37 @@ def _dp_step_shape(rank, world_size):
     plan = autopar.plan(model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()},
                         batch_axes=("dp",), memory_budget=float("inf"))
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
-    dmodel(*mesh.local_batch(inputs, ("dp",))).backward()
+    local = mesh.local_batch(inputs, ("dp",))
+    dmodel(*local).backward()
     ref(*inputs).backward()
     worst = grad_gap(dmodel, ref)
     grad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     sync = dmodel._grad_sync
-    return worst, sync.buckets_launched, sync.buckets_early, grad_bytes, sync.bucket_bytes
+    launched, early = sync.buckets_launched, sync.buckets_early
+    # the buckets' buffers are kept from step to step (DDP's), but never under a `.grad` someone holds
+    held = {n: p.grad for n, p in dmodel.named_parameters()}
+    seen = {n: g.to_local().clone() for n, g in held.items()}
+    addresses = []
+    for k in range(3):
+        dmodel.zero_grad()
+        ref.zero_grad()
+        (dmodel(*local) * (k + 2)).backward()
+        (ref(*inputs) * (k + 2)).backward()
+        worst = max(worst, grad_gap(dmodel, ref))
+        addresses.append({n: p.grad.to_local().data_ptr() for n, p in dmodel.named_parameters()})
+        if k == 0:
+            worst = max(worst, max(rel(held[n].to_local(), v) for n, v in seen.items()))
+            del held
+    return worst, launched, early, grad_bytes, sync.bucket_bytes, addresses[1] == addresses[2]
 
 
 def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
     """Data parallel as DDP runs it: the first gradient bucket (1 MiB) leaves during the backward and
-    the buckets are as many as the price counts; gradients exact."""
-    worst, launched, early, grad_bytes, cap = rank_pool(2).run(_dp_step_shape)[0]
+    the buckets are as many as the price counts; gradients exact, a kept `.grad` untouched by the next
+    backward, and the buckets' buffers written again where nothing holds them."""
+    worst, launched, early, grad_bytes, cap, reused = rank_pool(2).run(_dp_step_shape)[0]
     assert worst < TOL, worst
+    assert reused                  # nothing held the last step's gradients: their buffers written again
     assert cap == DDP_BUCKET_BYTES and grad_bytes > 2**20
     assert launched == bucket_count(grad_bytes, cap) == 2, launched
     assert early >= 1, early

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..compat import pytree, wrapper_tensor
+from ..compat import dtensor_from, pytree, wrapper_tensor
 from ..cost_model.comm import async_output_axis
 from .faults import watch_of
 from .reshard import one_collective, reshard
@@ -75,7 +75,7 @@ class _AllReduceLater(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         mesh, shape, stride = ctx.meta
         whole = tuple(Replicate() for _ in range(mesh.ndim))
-        return DTensor.from_local(grad.contiguous(), mesh, whole, run_check=False, shape=shape, stride=stride)
+        return dtensor_from(grad.contiguous(), mesh, whole, shape=shape, stride=stride)
 
 
 class AsyncOutput(torch.nn.Module):

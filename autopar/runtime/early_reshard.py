@@ -22,7 +22,7 @@ from ..compat import OpOverload, is_mutable
 from . import rng
 from .faults import watch_of
 from .ops import LocalOp
-from .reshard import Reshard, one_collective
+from .reshard import Reshard, one_collective, to_layout
 
 
 class EarlyReshard(Reshard):
@@ -40,7 +40,10 @@ class EarlyReshard(Reshard):
         y = None
         if not x.requires_grad and cur != self.layout and watch_of(x.device_mesh) is None:
             y, self._work = one_collective(x, cur, self.layout, async_op=True) or (None, None)
-        return y if y is not None else super().forward(x)      # as planned: differentiable
+        if y is not None:
+            return y
+        # no gradient flows back through it: the move alone (a local split: an input given whole), no autograd node
+        return to_layout(x, self.layout) if not x.requires_grad else super().forward(x)
 
     def wait(self, y):
         if self._work is not None:

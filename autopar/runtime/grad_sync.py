@@ -10,9 +10,14 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
 * the Reshard's backward hands the local partial gradient to `GradSync.take`, which sums the
   parameter's uses (a tied weight has two) and, once the last expected use has arrived, copies it
   into the open bucket of its kind: the same reduction (all-reduce over a set of axes, or a
-  reduce-scatter over one axis on one dim) and dtype; an all-reduce bucket filled as in the last
-  backward copies each gradient into its buffer as it arrives (DDP's way: the launch does not
-  wait for one large concatenation at the end of the backward). A bucket of `bucket_bytes` or more is
+  reduce-scatter over one axis on one dim) and dtype. An all-reduce bucket filled as in the last
+  backward is a `_Layout` from then on, DDP's bucket: one buffer kept from step to step, each
+  gradient copied into its place in it as it arrives (no concatenation at the launch), launched
+  when its last member has arrived, and after the wait each parameter's `.grad` is a DTensor over
+  its place, made once (no Python per parameter but the copy and the `.grad` assignment). The
+  buffer is written again only when nothing outside autopar holds it any more (every `.grad` of
+  its members None, as `zero_grad()` leaves them, and no other view of it alive); else the step
+  takes a new one. A bucket of `bucket_bytes` or more is
   launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
   bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
   gradients leave early in the backward. A bucket keeps no reference to a gradient it has copied
@@ -42,6 +47,7 @@ parameters sees no gradient for bucketed parameters (as with DDP): use `.backwar
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -49,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import at_backward_end, dtensor_like, set_group_timeout
+from ..compat import at_backward_end, dtensor_like, parameter_table, set_group_timeout, storage_users
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from ..placement import over_one_device
 from .faults import watch_of, watched
@@ -90,32 +96,18 @@ class _Bucket:
     out: torch.Tensor | None = None
     send: torch.Tensor | None = None     # a reduce-scatter's input, kept until its wait
     work: object = None
-    # an all-reduce bucket the last backward filled the same way: its buffer, each gradient copied
-    # in as it arrives (as DDP's buckets), so the launch sends at once; None: concatenated at launch
-    flat: torch.Tensor | None = None
-    expect: tuple[str, ...] = ()
-    filled: int = 0
     written: bool = False
+    layout: _Layout | None = None        # a bucket laid out as the last backward's (its buffer is `out`)
 
     def add(self, name: str, local: torch.Tensor) -> None:
         self.names.append(name)
         self.shapes.append(local.shape)
         self.nbytes += local.numel() * local.element_size()
-        if self.flat is not None:
-            k = local.numel()
-            if len(self.names) <= len(self.expect) and self.expect[len(self.names) - 1] == name \
-                    and self.filled + k <= self.flat.numel():
-                self.flat[self.filled:self.filled + k].view_as(local).copy_(local)
-                self.filled += k
-                return
-            # another order than the last backward's: what was copied in goes first, as it is
-            self.pieces, self.flat = [self.flat[:self.filled]], None
         self.pieces.append(local)
 
     def launch(self, group, n: int) -> None:
         if self.kind.dim is None:
-            complete = self.flat is not None and self.filled == self.flat.numel() and len(self.names) == len(self.expect)
-            self.out = self.flat if complete else torch.cat([g.reshape(-1) for g in self.pieces])
+            self.out = self.layout.flat if self.layout is not None else torch.cat([g.reshape(-1) for g in self.pieces])
             self.pieces = []
             self.work = dist.all_reduce(self.out, group=group, async_op=True)
             return
@@ -146,6 +138,69 @@ class _Bucket:
             off += k
 
 
+@dataclass(slots=True, eq=False)
+class _Layout:
+    """An all-reduce bucket as a backward filled it, kept for the next ones (module docstring): its
+    members in order, their shapes and sizes, and while armed (in a backward) which have arrived."""
+    kind: SyncKind
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    nbytes: int
+    flat: torch.Tensor | None = None            # the buffer, kept from step to step
+    views: list[torch.Tensor] = field(default_factory=list)     # each member's place in it
+    grads: list = field(default_factory=list)   # per member: (parameter, DTensor over its view) or None
+    params: list = field(default_factory=list)  # this backward's parameters, by member
+    got: list[bool] = field(default_factory=list)
+    arrived: int = 0
+    armed: bool = False                         # taking this backward's gradients
+    sent: bool = False                          # launched in this backward
+
+    def arm(self, params: list, like: torch.Tensor) -> None:
+        """Ready for a backward: the buffer reused where nothing but its own views holds it and no
+        member has a `.grad` (an accumulating step adds into a new one), else a new one."""
+        self.params, self.got, self.arrived, self.armed, self.sent = params, [False] * len(params), 0, True, False
+        if self.flat is not None and storage_users(self.flat) == 1 + len(self.views) \
+                and all(p.grad is None for p in params) and not any(map(_held_elsewhere, self.grads)):
+            return
+        numels = [math.prod(s) for s in self.shapes]
+        self.flat = like.new_empty(sum(numels))
+        self.views = [v.view(s) for v, s in zip(self.flat.split(numels), self.shapes)]
+        self.grads = [None] * len(self.names)
+
+    def fill(self, pos: int, local: torch.Tensor) -> bool:
+        """Member `pos`'s gradient into its place; False: not this layout's (shape), or a second arrival."""
+        view = self.views[pos]
+        if self.got[pos] or self.sent or view.shape != local.shape:
+            return False
+        view.copy_(local)
+        self.got[pos] = True
+        self.arrived += 1
+        return True
+
+    def write(self) -> None:
+        """After the wait: each arrived member's `.grad` is its place in the reduced buffer."""
+        for k, (p, got) in enumerate(zip(self.params, self.got)):
+            if not got:
+                continue
+            if p.grad is not None:       # a use reduced outside the bucket, or another path: added, as autograd
+                write_grad(p, self.views[k], bucket=True)
+                continue
+            made = self.grads[k]
+            if made is None or made[0] is not p:
+                made = self.grads[k] = (p, dtensor_like(self.views[k], p))
+            p.grad = made[1]
+
+
+def _held_elsewhere(made) -> bool:
+    """Is a `.grad` DTensor `_Layout` handed out (its (parameter, DTensor) entry) still referenced
+    outside that entry (a caller kept `p.grad`)? Its view is the layout's own, so the storage's count
+    does not tell."""
+    return made is not None and sys.getrefcount(made[1]) > _OWN_REFS
+
+
+_OWN_REFS = 2        # the entry's tuple and getrefcount's argument
+
+
 class GradSync:
     """Per distributed module: the parameters' gradient buckets (see the module docstring)."""
 
@@ -156,8 +211,8 @@ class GradSync:
         self.module, self.mesh, self.bucket_bytes, self.deferred = module, device_mesh, bucket_bytes, deferred
         self._groups: dict[tuple[int, ...], object] = {}
         self._kinds: dict[tuple, SyncKind | None] = {}
-        # (kind, first parameter) -> (parameters, elements) of each all-reduce bucket the last backward sent
-        self._filled: dict[tuple[SyncKind, str], tuple[tuple[str, ...], int]] = {}
+        # parameter -> (its all-reduce bucket as a backward filled it, its place there): `_Layout`
+        self._slots: dict[str, tuple[_Layout, int]] = {}
         self.buckets_launched = 0                    # this backward's (for tests and benchmarks)
         self.buckets_early = 0                       # of those, launched before the backward ended
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
@@ -174,6 +229,9 @@ class GradSync:
         self._armed = False
         self._ending = False
         self._params: dict | None = None            # name -> parameter, looked up once per backward
+        for lay in getattr(self, "_armed_layouts", ()):
+            lay.armed = False
+        self._armed_layouts: list[_Layout] = []     # this backward's, in the order they were armed
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
@@ -215,14 +273,22 @@ class GradSync:
         self._bucket(kind, name, local)
 
     def _bucket(self, kind: SyncKind, name: str, local: torch.Tensor) -> None:
-        """Parameter `name`'s complete local gradient into the open bucket of `kind`, launched once full."""
+        """Parameter `name`'s complete local gradient into its laid-out bucket (`_Layout`), else the
+        open bucket of `kind`; a bucket launched once full."""
         self._done.add(name)
+        slot = self._slots.get(name)
+        if slot is not None and slot[0].kind == kind:
+            lay, pos = slot
+            if not lay.armed:
+                lay.arm([self._param(n) for n in lay.names], local)
+                self._armed_layouts.append(lay)
+            if lay.fill(pos, local):
+                if lay.arrived == len(lay.names):
+                    self._launch(_Bucket(kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                return
         b = self._open.get(kind)
         if b is None:
             b = self._open[kind] = _Bucket(kind)
-            last = self._filled.get((kind, name)) if kind.dim is None else None
-            if last is not None:
-                b.expect, b.flat = last[0], local.new_empty(last[1])
         b.add(name, local)
         if b.nbytes >= (self.bucket_bytes if kind in self._kinds_sent else first_bucket_bytes(self.bucket_bytes)):
             self._launch(self._open.pop(kind))
@@ -239,8 +305,10 @@ class GradSync:
             b.launch(self._groups[axes], n)
         self._sent.append(b)
         self._kinds_sent.add(b.kind)
-        if b.kind.dim is None:
-            self._filled[(b.kind, b.names[0])] = (tuple(b.names), b.out.numel())
+        if b.layout is not None:
+            b.layout.sent = True
+        elif b.kind.dim is None:
+            self._lay_out(b)
         self.buckets_launched += 1
         self.buckets_early += not self._ending
         # as FSDP2's: a reduce-scatter's whole-size input is freed once it is done, the oldest waited
@@ -248,6 +316,18 @@ class GradSync:
         scatters = [s for s in self._sent if s.kind.dim is not None and not s.written]
         for old in scatters[:max(0, len(scatters) - REDUCE_SCATTERS_IN_FLIGHT)]:
             self._complete(old)
+
+    def _lay_out(self, b: _Bucket) -> None:
+        """Keep all-reduce bucket `b` as a `_Layout` for the next backwards; a layout holding one of its
+        members is dropped (the backward filled its buckets otherwise this time)."""
+        for name in b.names:
+            old = self._slots.get(name)
+            if old is not None:
+                for n in old[0].names:
+                    self._slots.pop(n, None)
+        lay = _Layout(b.kind, tuple(b.names), tuple(b.shapes), b.nbytes)
+        for k, name in enumerate(b.names):
+            self._slots[name] = (lay, k)
 
     def write(self, name: str, local: torch.Tensor) -> None:
         """A gradient with nothing to reduce, this rank's part in the stored layout, into `.grad`."""
@@ -269,7 +349,7 @@ class GradSync:
         p = self._params.get(name)
         if p is None:
             owner, attr = self._owners[name]
-            p = self._params[name] = getattr(owner, attr)
+            p = self._params[name] = parameter_table(owner)[attr]
         return p
 
     def _what(self, b: _Bucket) -> str:
@@ -282,8 +362,11 @@ class GradSync:
             b.work.wait()
         n = math.prod(self.mesh.size(a) for a in b.kind.axes)
         with torch.no_grad():
-            for name, reduced in b.results(n):
-                write_grad(self._param(name), reduced, bucket=True)
+            if b.layout is not None:
+                b.layout.write()
+            else:
+                for name, reduced in b.results(n):
+                    write_grad(self._param(name), reduced, bucket=True)
         b.send, b.written = None, True
 
     def finish(self) -> None:
@@ -291,6 +374,12 @@ class GradSync:
         self._ending = True
         for name in list(self._pending):            # uses that never arrived (an unused output)
             self._ready(name)
+        for lay in self._armed_layouts:             # members that never arrived: nothing to add
+            if not lay.sent:
+                for view, got in zip(lay.views, lay.got):
+                    if not got:
+                        view.zero_()
+                self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
         for kind in list(self._open):
             self._launch(self._open.pop(kind))
         for b in self._sent:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ..compat import at_backward_end
+from ..compat import at_backward_end, dtensor_from
 from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
@@ -201,7 +201,7 @@ class _LayerGather(torch.autograd.Function):
         for s, lay, k, local, plain in zip(shards, op.layouts, op._flat.numels, locals_, op.local):
             whole = buf[off:off + op._flat.n * k].view(op._flat.n * local.shape[0], *local.shape[1:])
             out.append(whole if plain is not None else
-                       DTensor.from_local(whole, s.device_mesh, lay, run_check=False, shape=s.shape, stride=s.stride()))
+                       dtensor_from(whole, s.device_mesh, lay, shape=s.shape, stride=s.stride()))
             off += op._flat.n * k
         return tuple(out)
 

@@ -17,7 +17,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..compat import child_table, parameter_table, pytree
+from ..compat import child_table, dtensor_from, parameter_table, pytree
 from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
@@ -266,7 +266,7 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
     mesh = module._autopar["mesh"]
     whole = tuple(Replicate() for _ in range(mesh.ndim))
     if slot.kind == "buffer":
-        return DTensor.from_local(module.get_buffer(slot.target), mesh, whole, run_check=False)
+        return dtensor_from(module.get_buffer(slot.target), mesh, whole)
     if slot.kind == "constant":
         const = cap.constants[slot.target] if slot.target in cap.constants else getattr(cap.gm, slot.target)
         if const.is_meta:      # a model on meta lifts the tensors its forward makes on meta: empty ones hold no value
@@ -274,11 +274,11 @@ def input_value(module: torch.nn.Module, cap: Captured, slot, leaves, input_layo
                 raise AutoparError(f"the model's forward makes tensor {slot.target!r} from meta values: build the "
                                    f"module that makes it off the meta device")
             const = torch.empty_like(const, device=_device(mesh))
-        return DTensor.from_local(const.to(_device(mesh)), mesh, whole, run_check=False)
+        return dtensor_from(const.to(_device(mesh)), mesh, whole)
     x = leaves[slot.target]
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         layout = input_layout if x.ndim else whole
-        x = DTensor.from_local(x.to(_device(mesh)), mesh, layout, run_check=False)
+        x = dtensor_from(x.to(_device(mesh)), mesh, layout)
         if x.ndim and kept_as is not None and kept_as != layout:
             x = to_layout(x, kept_as)
     return x

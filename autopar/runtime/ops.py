@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import pytree
+from ..compat import dtensor_from, pytree
 from ..passes import lowering  # noqa: F401  (defines the autopar:: ops)
 from ..placement import block_index, layout_str, local_shape
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
@@ -76,7 +76,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         mesh, layout, shape, stride = ctx.meta
-        return DTensor.from_local(grad.contiguous(), mesh, layout, run_check=False, shape=shape, stride=stride), None
+        return dtensor_from(grad.contiguous(), mesh, layout, shape=shape, stride=stride), None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -87,7 +87,7 @@ class _FromLocal(torch.autograd.Function):
         for p, n in zip(layout, mesh.shape):
             if isinstance(p, Partial) and p.reduce_op == "avg":
                 ctx.avg_scale /= n
-        return DTensor.from_local(t, mesh, layout, run_check=False)
+        return dtensor_from(t, mesh, layout)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import tracing
+from ..compat import dtensor_from, tracing
 from ..placement import layout_str, over_one_device
 from .faults import watched
 
@@ -55,16 +55,16 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
     # traced (the compile backend): DTensor's functional collectives, which trace; c10d's do not
-    issued = None if mid == cur or tracing() else one_collective(x, cur, mid)
+    issued = None if mid == cur or tracing() else (one_collective(x, cur, mid) or local_split(x, cur, mid))
     y = x if mid == cur else issued[0] if issued is not None else x.redistribute(x.device_mesh, mid)
     if to_partial:
         local = _first_keeps(y.to_local(), x.device_mesh, [i for i in to_partial if layout[i].reduce_op == "sum"])
-        y = DTensor.from_local(local, x.device_mesh, layout, run_check=False)
+        y = dtensor_from(local, x.device_mesh, layout)
     local = y.to_local()
     if not local.is_contiguous():
         # chunking a non-leading dim (gloo's all-to-all fallback) leaves strided shards, which
         # later views, forward or backward, cannot take
-        y = DTensor.from_local(local.contiguous(), y.device_mesh, layout, run_check=False)
+        y = dtensor_from(local.contiguous(), y.device_mesh, layout)
     return y
 
 
@@ -112,7 +112,7 @@ def carries_grad(dtype: torch.dtype) -> bool:
 
 
 def _relabel(x: DTensor, layout: tuple) -> DTensor:
-    return DTensor.from_local(x.to_local(), x.device_mesh, layout, run_check=False, shape=x.shape, stride=x.stride())
+    return dtensor_from(x.to_local(), x.device_mesh, layout, shape=x.shape, stride=x.stride())
 
 
 def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False) -> tuple | None:
@@ -140,7 +140,26 @@ def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False
         work = dist.all_gather_into_tensor(out, local.contiguous(), group=mesh.get_group(a), async_op=async_op)
     else:
         return None
-    return DTensor.from_local(out, mesh, layout, run_check=False, shape=x.shape, stride=x.stride()), work
+    return dtensor_from(out, mesh, layout, shape=x.shape, stride=x.stride()), work
+
+
+def local_split(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
+    """(`x` moved to `layout`, None) where the move only splits whole axes evenly (`Replicate` ->
+    `Shard(d)`, no other axis splitting dim d): this rank's block of its local tensor, taken without
+    communication or DTensor's redistribute (whose Python costs about a millisecond a call: an input
+    given whole and split over the batch, every step). Blocks in mesh order, as DTensor's. None otherwise."""
+    changed = [a for a, (c, t) in enumerate(zip(cur, layout)) if c != t]
+    if not changed or not all(isinstance(cur[a], Replicate) and isinstance(layout[a], Shard) for a in changed):
+        return None
+    mesh, local = x.device_mesh, x.to_local()
+    coord = mesh.get_coordinate()
+    for a in changed:
+        d, n = layout[a].dim, mesh.size(a)
+        if any(isinstance(p, Shard) and p.dim == d for i, p in enumerate(cur) if i != a) or local.shape[d] % n:
+            return None
+        k = local.shape[d] // n
+        local = local.narrow(d, coord[a] * k, k)
+    return dtensor_from(local, mesh, layout, shape=x.shape, stride=x.stride()), None
 
 
 def grad_layout(layout: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -173,7 +192,7 @@ def reduce_local_grad(grad: torch.Tensor, layout: tuple, src: tuple, sync, meta:
     if sync is not None and sync.take(layout, src, grad):
         return None
     mesh, shape, stride = meta
-    whole = DTensor.from_local(grad.contiguous(), mesh, layout, run_check=False, shape=shape, stride=stride)
+    whole = dtensor_from(grad.contiguous(), mesh, layout, shape=shape, stride=stride)
     return to_layout(whole, grad_layout(src))
 
 

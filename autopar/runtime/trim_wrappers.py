@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..compat import local_tensor, pytree
+from ..compat import dtensor_from, local_tensor, pytree
 from ..passes.captured import Captured
 from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, over_one_device, parse_layout
@@ -169,8 +169,7 @@ class LeafParams:
                 kind.append(self.sync.kind(spec.grad_layout, spec.layout, grad))
             # one use: autograd summed the parameter's uses before the hook
             if not self.sync.take(spec.fqn, 1, kind[0], grad):
-                whole = DTensor.from_local(grad.contiguous(), p.device_mesh, spec.grad_layout, run_check=False,
-                                           shape=p.shape, stride=p.stride())
+                whole = dtensor_from(grad.contiguous(), p.device_mesh, spec.grad_layout, shape=p.shape, stride=p.stride())
                 write_grad(p, to_layout(whole, spec.layout).to_local())
 
         if leaf.requires_grad:
