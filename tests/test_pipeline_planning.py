@@ -11,7 +11,7 @@ from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
-from autopar.solver.decisions.stages import Candidate
+from autopar.solver.decisions.stages import Candidate, choose_pipeline
 from autopar.solver.solve import AT_TIME_LIMIT
 from memory_checks import gpt
 
@@ -65,10 +65,24 @@ def test_fixed_keys_are_respected_and_false_forbids(chosen):
     unnamed = autopar.plan(model, inputs, other, batch_axes=("dp",), **KW)
     assert unnamed.pipeline.stages == 1 and unnamed.estimate.step_time_s == flat.estimate.step_time_s
     assert "no pipeline is faster (0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in unnamed.solver.status
-    # at the time limit the best plan found is the answer, and says so
+    # at the time limit the best plan found is the answer, and says so; the candidates' bounds cost no
+    # solve and are still weighed, so the same candidates are ruled out as with time to spare
     cut = autopar.plan(model, inputs, other, batch_axes=("dp",), **dict(KW, time_limit=0))
     assert cut.pipeline.stages == 1 and cut.solver.status.startswith(AT_TIME_LIMIT)
-    assert "2 not searched" in cut.solver.status
+    assert "0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in cut.solver.status
+
+
+def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
+    """Out of time with a plan in hand, the search solves nothing more: a group whose lower bound cannot
+    beat that plan is ruled out (as with time to spare), one whose bound could is left unsearched."""
+    cands = [Candidate("pp", 2, m, "1f1b", 1) for m in (2, 4, 8)]
+    bound = {2: 1.0, 4: 3.0, 8: 0.5}
+
+    def never(*_):
+        raise AssertionError("solved a group past the time limit")
+    found = choose_pipeline(None, cands, never, 1.0, out_of_time=lambda: True, floor=lambda c: bound[c.microbatches],
+                            incumbent_s=2.0)
+    assert (found.best, found.solved, found.pruned, found.unsearched) == (None, 0, 1, 2)
 
 
 def test_the_lower_bound_is_below_the_priced_step(chosen):

@@ -238,16 +238,19 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     holds 1/stages of the parameters and several microbatches in flight): where no pipeline of an
     (axis, microbatches) fits its ranks, that ILP is solved again with the budget lowered by the
     overflow, at most TIGHTEN_ROUNDS times. Once `out_of_time()`, the best found so far is the
-    answer (the search goes on only while neither it nor `incumbent_s` exists)."""
-    best, least, solved, pruned = None, math.inf, 0, 0
+    answer (the search goes on only while neither it nor `incumbent_s` exists); the groups' bounds,
+    which cost no solve, are still weighed, so a group is counted unsearched only where its bound
+    could beat the answer (the status is then the same under any load where the bounds decide)."""
+    best, least, solved, pruned, unsearched = None, math.inf, 0, 0, 0
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
-    for done, key in enumerate(keys):
+    for key in keys:
         beat = min(incumbent_s, best.evaluation.step_s if best is not None else math.inf)
-        if math.isfinite(beat) and out_of_time():
-            return Searched(best, least, solved, pruned, len(keys) - done)
         group = [c for c in cands if (c.axis, c.microbatches) == key]
         if floor is not None and min(floor(c) for c in group) >= beat:
             pruned += 1
+            continue
+        if math.isfinite(beat) and out_of_time():
+            unsearched += 1
             continue
         solved += 1
         scale = 1.0
@@ -264,7 +267,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             if not math.isfinite(low):      # nothing was priced: a lower budget changes nothing
                 break
             scale *= TIGHTEN_MARGIN * budget / low
-    return Searched(best, least, solved, pruned, 0)
+    return Searched(best, least, solved, pruned, unsearched)
 
 
 def _best_of(mesh, group: list[Candidate], solved, budget: float) -> tuple[Chosen | None, float]:
