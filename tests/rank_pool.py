@@ -13,6 +13,7 @@ alive between tests makes a multi-process test cost one round trip.
 """
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -80,6 +81,9 @@ class RankPool:
             before_first_fork.pop(0)()
         self._tmpdir = tempfile.mkdtemp(prefix="autopar_rank_pool_")
         init_file = os.path.join(self._tmpdir, "store")  # must not exist yet: a fresh FileStore
+        # what the parent holds (torch, transformers, its warm caches) is never garbage in a rank: frozen,
+        # a rank's collections skip it instead of walking it (and copying its pages, written by the walk)
+        gc.freeze()
         ctx = mp.get_context("fork")
         self._conns, self._procs = [], []
         for rank in range(world_size):
