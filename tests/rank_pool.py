@@ -82,7 +82,9 @@ class RankPool:
         self._tmpdir = tempfile.mkdtemp(prefix="autopar_rank_pool_")
         init_file = os.path.join(self._tmpdir, "store")  # must not exist yet: a fresh FileStore
         # what the parent holds (torch, transformers, its warm caches) is never garbage in a rank: frozen,
-        # a rank's collections skip it instead of walking it (and copying its pages, written by the walk)
+        # a rank's collections skip it instead of walking it (and copying its pages, written by the walk);
+        # the parent's garbage is collected first, so that none is kept frozen
+        gc.collect()
         gc.freeze()
         ctx = mp.get_context("fork")
         self._conns, self._procs = [], []
