@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Models are built from local configs (examples/zoo.py): nothing may be downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from rank_pool import get_pool, shutdown_all  # noqa: E402
+from rank_pool import before_first_fork, get_pool, shutdown_all  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import transformers  # noqa: E402
@@ -19,6 +19,19 @@ import zoo  # noqa: E402
 # them instead of importing them itself (transformers loads its model modules lazily: 3-4 CPU s a rank)
 for _cls in zoo._HF_CLASSES.values():
     getattr(transformers, _cls)
+
+
+def _warm_autopar():
+    """Plan a small GPT once in the parent: a rank forked afterwards starts with torch.export, the
+    strategies and the solver warm (a cold rank pays 2-4 CPU s more for its first plan and capture)."""
+    import autopar
+    from models import GPT, gpt_inputs
+    model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
+    autopar.plan(model, gpt_inputs(batch=8, seq=16, vocab=64), autopar.Mesh((2, 2), ("dp", "tp"), device="cpu"),
+                 symbolic=False, progress=False)
+
+
+before_first_fork.append(_warm_autopar)
 
 
 @pytest.fixture

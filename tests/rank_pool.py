@@ -13,6 +13,7 @@ alive between tests makes a multi-process test cost one round trip.
 """
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -29,6 +30,10 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  imported before fork so ranks need not
 
 _STOP = b"stop"
+# Called once in this process before its first pool forks (conftest.py adds autopar's): whatever they
+# leave warm (lazy imports, torch.export's and the solver's first-call setup) every rank inherits
+# instead of paying it itself.
+before_first_fork = []
 
 
 class RankError(RuntimeError):
@@ -72,8 +77,15 @@ class RankPool:
     def __init__(self, world_size, startup_timeout=60):
         self.world_size = world_size
         self.alive = False
+        while before_first_fork:
+            before_first_fork.pop(0)()
         self._tmpdir = tempfile.mkdtemp(prefix="autopar_rank_pool_")
         init_file = os.path.join(self._tmpdir, "store")  # must not exist yet: a fresh FileStore
+        # what the parent holds (torch, transformers, its warm caches) is never garbage in a rank: frozen,
+        # a rank's collections skip it instead of walking it (and copying its pages, written by the walk);
+        # the parent's garbage is collected first, so that none is kept frozen
+        gc.collect()
+        gc.freeze()
         ctx = mp.get_context("fork")
         self._conns, self._procs = [], []
         for rank in range(world_size):

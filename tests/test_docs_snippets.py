@@ -2,9 +2,10 @@
 
 A snippet uses names the prose around it defines (`model`, `example_inputs`, `plan`, ...): each
 document gets a small context binding them, and the snippets of a document run in order in one
-namespace on 4 real ranks (the README's applies a plan), in a scratch directory. docs/usage.md
-continues the README's example: its snippets run after the README's, in the README's namespace (one
-context, one plan, one distributed module for both). Its shell commands are docs/cli.md's, which
+namespace on 4 real ranks where it runs something on them (the README's applies a plan), else on one
+(planning and pricing run alike on every rank: 4 would do it 4 times), in a scratch directory.
+docs/usage.md continues the README's example: its snippets run after the README's, in the README's
+namespace (one context, one plan, one distributed module for both). Its shell commands are docs/cli.md's, which
 tests/test_docs_cli.py runs."""
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ CONTINUES = {USAGE: ROOT / "README.md"}           # a document -> the one whose 
 CALLED = {"README.md": ("dmodel",), "usage.md": ("compiled",)}
 _SNIPPET = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _SHELL = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
+# what runs on the ranks: a document calling none of these runs on one (a call it misses, on one rank,
+# raises: the mesh's world size is not the job's)
+_DISTRIBUTED = re.compile(r"autoparallelize|autopar\.compile|torch\.distributed|device_mesh")
 
 
 def snippets(path: Path) -> list[str]:
@@ -141,7 +145,8 @@ def test_readme_links_reach_docs_and_their_headings():
 @pytest.mark.parametrize("paths", [c for c in chains() if any(snippets(p) for p in c)],
                          ids=lambda c: "+".join(p.name for p in c))
 def test_every_snippet_runs(rank_pool, paths):
-    names, called = rank_pool(4).run(_run_documents, [str(p) for p in paths], timeout=600)[0]
+    ranks = 4 if any(_DISTRIBUTED.search(code) for p in paths for code in snippets(p)) else 1
+    names, called = rank_pool(ranks).run(_run_documents, [str(p) for p in paths], timeout=600)[0]
     assert names
     if paths[0].name == "README.md":    # the distributed module and the compiled model compute the loss
         assert set(called) == {"dmodel", "compiled"} and all(gap < 1e-5 for gap in called.values()), called
