@@ -54,7 +54,8 @@ def _train_at_other_batches(rank, world_size, batch_axes, batches):
                     [rel(params[k].detach().full_tensor(), p.detach()) for k, p in ref.named_parameters()])
         out[b] = worst
     out["programs"] = len(dmodel._autopar["programs"])
-    out["local_splits"] = sorted(m.extra_repr() for m in dmodel.graph_module.modules() if type(m).__name__ == "LocalSplit")
+    out["local_splits"] = sorted(m.extra_repr() for m in dmodel.graph_module.modules()
+                                 if type(m).__name__ == "LocalSplit")
     return out
 
 

@@ -26,7 +26,8 @@ other axes as stored, one dtype) become one `LayerGather`:
 Parameters of a layer that cannot join its flat gather (another kind of gather, a layer that is
 recomputed: checkpoint re-runs its region's gathers) are gathered one by one (`GatherCopy`), and
 logged. A layer whose activations are offloaded gathers flat as any other: its region's saved-tensor
-router finds a saved view of the flat buffer in the registry first and keeps its `RegatheredCopy`. Parameters outside the layers group by their run between two layers (the embeddings;
+router finds a saved view of the flat buffer in the registry first and keeps its `RegatheredCopy`.
+Parameters outside the layers group by their run between two layers (the embeddings;
 the final norm and head).
 
 Why our own and not FSDP2's `FSDPParamGroup`: FSDP2 owns the module's parameters (it replaces them

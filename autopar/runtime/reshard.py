@@ -267,4 +267,5 @@ class LocalSplit(Reshard):
         return local_block(local, self.axes, self._coord, self.mesh.shape)
 
     def extra_repr(self) -> str:
-        return f"{', '.join(layout_str(self.source))} -> {', '.join(layout_str(self.layout))} (this rank's block, local)"
+        src, dst = ", ".join(layout_str(self.source)), ", ".join(layout_str(self.layout))
+        return f"{src} -> {dst} (this rank's block, local)"
