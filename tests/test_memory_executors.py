@@ -81,12 +81,17 @@ def test_regather_frees_the_gathered_copy_until_the_backward(rank_pool):
     regather = {"residency": {k: "regather" for k in REGATHERED}}
     results = rank_pool(2).run(unpriced_variants, (2,), ("dp",), ZERO3_PINS,
                                {"keep": {}, "regather": regather,
-                                "regather_from_host": {**regather, "offload": each("host", "parameters:")}})
+                                "regather_from_host": {**regather, "offload": each("host", "parameters:")},
+                                "regather_act_host": {**regather, "offload": each("host", "activations:")}})
     exact(results, "regather")
     exact(results, "regather_from_host")
+    exact(results, "regather_act_host")
     for r in results:
         assert r["regather"]["gathers"] > 0
         assert r["regather"]["layer_gathers"] == list(BLOCKS)       # one flat gather per block (layer_gather.py)
+        # activations offloaded to the host: the blocks still gather flat (priced so: residency.layer_regather)
+        assert r["regather_act_host"]["layer_gathers"] == list(BLOCKS)
+        assert r["regather_act_host"]["fwd_device"] < r["regather"]["fwd_device"]
         assert r["regather_from_host"]["layer_gathers"] == []      # fetched from the host: gathered one by one
         # each regathered weight is whole when gathered (one axis): its fp32 bytes, no longer kept
         whole_bytes = 4 * sum(2 * r["regather"]["local_numel"][k] for k in REGATHERED)

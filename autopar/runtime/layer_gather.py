@@ -24,8 +24,10 @@ other axes as stored, one dtype) become one `LayerGather`:
   the gradient buckets (grad_sync.py) as the `Reshard` would, one after the other.
 
 Parameters of a layer that cannot join its flat gather (another kind of gather, a layer that is
-recomputed or offloaded: its region runs its own gathers) are gathered one by one (`GatherCopy`),
-and logged. Parameters outside the layers group by their run between two layers (the embeddings;
+recomputed: checkpoint re-runs its region's gathers) are gathered one by one (`GatherCopy`), and
+logged. A layer whose activations are offloaded gathers flat as any other: its region's saved-tensor
+router finds a saved view of the flat buffer in the registry first and keeps its `RegatheredCopy`.
+Parameters outside the layers group by their run between two layers (the embeddings;
 the final norm and head).
 
 Why our own and not FSDP2's `FSDPParamGroup`: FSDP2 owns the module's parameters (it replaces them
@@ -219,7 +221,7 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     """Replace the "regather" `GatherCopy` nodes of `gm` taking a parameter placeholder by one
     `LayerGather` per (layer, mesh axis, dtype) (module docstring), each launched one group ahead.
     Parameters outside the layers group by their run between layers. `stored_of(fqn)`: the stored
-    layout; `skip_layers`: layers left as they are (recomputed or offloaded: regions). Returns how
+    layout; `skip_layers`: layers left as they are (recomputed: regions checkpoint re-runs). Returns how
     many `LayerGather`s were made."""
     groups = _groups(gm, param_of, stored_of, mesh_shape, skip_layers)
     made = _layer_gathers(gm, groups, copies)
@@ -252,7 +254,7 @@ def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
         layer = layer_key(fqn)
         axis = flat_gather_axis(stored_of(fqn), mod.layout, tuple(val.shape) if val is not None else (), mesh_shape)
         if axis is None or layer in skip_layers:
-            why = "its layer is recomputed or offloaded" if axis is not None else "not an even dim-0 gather"
+            why = "its layer is recomputed" if axis is not None else "not an even dim-0 gather"
             alone.append(f"{fqn} ({why})")
             continue
         where = layer if layer is not None else f"@{segment}"

@@ -3,7 +3,9 @@
 * residency (regather.py): each Reshard that gathers a parameter, and each activation gather the
   plan re-gathers ("activations:<layer>", Megatron sequence parallelism), becomes a `GatherCopy`;
   a layer's re-gathered parameters then become one flat gather per mesh axis and dtype
-  (layer_gather.py), outside recomputed or offloaded layers (their regions run their own gathers);
+  (layer_gather.py), also in a layer whose activations are offloaded (its region routes what its ops
+  save; a saved view of the flat buffer is gathered again as anywhere), but not in a recomputed
+  layer (checkpoint re-runs its region, gathers included, one by one);
 * recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
@@ -113,7 +115,7 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
         _gather_copies(gm, plan, param_of, rt)
     if rt.regathers:
         regions = frozenset(k for k in node_layers(gm).values() if k is not None
-                            and (plan.recompute.get(k, "none") != "none" or activations.get(k, "device") != "device"))
+                            and plan.recompute.get(k, "none") != "none")
         whole = ("R",) * len(plan.mesh["shape"])
         flatten_gathers(gm, param_of, lambda fqn: parse_layout(plan.placements.get(fqn, whole)),
                         tuple(plan.mesh["shape"]), rt.copies, regions)

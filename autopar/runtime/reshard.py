@@ -143,22 +143,46 @@ def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False
     return dtensor_from(out, mesh, layout, shape=x.shape, stride=x.stride()), work
 
 
-def local_split(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
-    """(`x` moved to `layout`, None) where the move only splits whole axes evenly (`Replicate` ->
-    `Shard(d)`, no other axis splitting dim d): this rank's block of its local tensor, taken without
-    communication or DTensor's redistribute (whose Python costs about a millisecond a call: an input
-    given whole and split over the batch, every step). Blocks in mesh order, as DTensor's. None otherwise."""
+def split_axes(cur: Sequence[Placement], layout: Sequence[Placement], shape: Sequence[int],
+               mesh_shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+    """((mesh axis, dim), ...) where moving a tensor of global `shape` from `cur` to `layout` only splits
+    whole axes evenly (`Replicate` -> `Shard(d)`, no other axis of `cur` splitting dim d): each rank's
+    block is a slice of its local tensor, no communication. None otherwise."""
     changed = [a for a, (c, t) in enumerate(zip(cur, layout)) if c != t]
     if not changed or not all(isinstance(cur[a], Replicate) and isinstance(layout[a], Shard) for a in changed):
         return None
-    mesh, local = x.device_mesh, x.to_local()
-    coord = mesh.get_coordinate()
+    size = {}
     for a in changed:
-        d, n = layout[a].dim, mesh.size(a)
-        if any(isinstance(p, Shard) and p.dim == d for i, p in enumerate(cur) if i != a) or local.shape[d] % n:
+        d = layout[a].dim
+        if any(isinstance(p, Shard) and p.dim == d for p in cur) or d >= len(shape):
             return None
-        k = local.shape[d] // n
+        size[d] = size.get(d, shape[d])
+        if size[d] % mesh_shape[a]:
+            return None
+        size[d] //= mesh_shape[a]
+    return tuple((a, layout[a].dim) for a in changed)
+
+
+def local_block(local: torch.Tensor, axes: Sequence[tuple[int, int]], coord: Sequence[int],
+                mesh_shape: Sequence[int]) -> torch.Tensor:
+    """This rank's block of `local` split along `axes` ((mesh axis, dim): `split_axes`), in mesh order
+    as DTensor's chunks."""
+    for a, d in axes:
+        k = local.shape[d] // mesh_shape[a]
         local = local.narrow(d, coord[a] * k, k)
+    return local
+
+
+def local_split(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
+    """(`x` moved to `layout`, None) where the move only splits whole axes evenly (`split_axes`): this
+    rank's block of its local tensor, taken without communication or DTensor's redistribute (whose
+    Python costs about a millisecond a call: an input given whole and split over the batch, every
+    step). None otherwise."""
+    mesh = x.device_mesh
+    axes = split_axes(cur, layout, x.shape, mesh.shape)
+    if axes is None:
+        return None
+    local = local_block(x.to_local(), axes, mesh.get_coordinate(), mesh.shape)
     return dtensor_from(local, mesh, layout, shape=x.shape, stride=x.stride()), None
 
 
@@ -217,3 +241,31 @@ class Reshard(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(layout_str(self.layout))
+
+
+class LocalSplit(Reshard):
+    """Graph op: `y = self.reshard_x(x)` on an edge where a tensor no gradient flows through (an
+    integer input given whole: token ids, targets) is split evenly over whole axes (`split_axes`):
+    this rank's block of the local tensor, handed on as a plain tensor to the `LocalOp` that takes
+    it (which takes local tensors as they are), with no DTensor made or redistributed. `x` may
+    arrive as a plain tensor in layout `source` (an input fed local, an op handing its result on
+    local: trim_wrappers.py, rewrite.passes_local) or as a DTensor. Traced (the compile backend),
+    it moves the DTensor as `Reshard` does, so that every rank traces the same graph."""
+
+    def __init__(self, layout: Sequence[Placement], source: Sequence[Placement], axes: Sequence[tuple[int, int]],
+                 mesh):
+        super().__init__(layout)
+        self.source, self.axes, self.mesh = tuple(source), tuple(axes), mesh
+        self._coord = mesh.get_coordinate()
+
+    def forward(self, x):
+        if tracing():
+            if not isinstance(x, DTensor):
+                x = dtensor_from(x, self.mesh, self.source)
+            return to_layout(x, self.layout).to_local()
+        local = x.to_local() if isinstance(x, DTensor) else x
+        return local_block(local, self.axes, self._coord, self.mesh.shape)
+
+    def extra_repr(self) -> str:
+        src, dst = ", ".join(layout_str(self.source)), ", ".join(layout_str(self.layout))
+        return f"{src} -> {dst} (this rank's block, local)"

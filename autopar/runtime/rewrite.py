@@ -28,7 +28,7 @@ from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .async_output import AsyncOutput
 from .attention import context_executor
 from .ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from .reshard import Reshard, carries_grad
+from .reshard import LocalSplit, Reshard, carries_grad, split_axes
 
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
 
@@ -73,10 +73,20 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
         slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
         grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(user.name, ()))
-        if not slots or any(not over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output))
+        if not slots or any(not (over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output))
+                                 or local_split_edge(np.output, up.inputs[k], val, mesh_shape) is not None)
                             or (grad_flows and not over_one_device(mesh_shape, grads[k], arrives)) for k in slots):
             return False
     return True
+
+
+def local_split_edge(src: tuple[str, ...], want: tuple[str, ...], val, mesh_shape) -> tuple | None:
+    """The (mesh axis, dim) splits of an edge into a `LocalOp` that runs as a `LocalSplit` (this rank's
+    block of a plain local tensor): a tensor no gradient flows through (`carries_grad`), split evenly over
+    whole axes (`reshard.split_axes`); None for any other edge."""
+    if not isinstance(val, torch.Tensor) or carries_grad(val.dtype):
+        return None
+    return split_axes(parse_layout(src), parse_layout(want), tuple(val.shape), mesh_shape)
 
 
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
@@ -93,8 +103,9 @@ class _Program:
     """The per-rank program while `rewrite` builds it: its graph, its modules, and the captured
     node -> its node map."""
 
-    def __init__(self, plan: Plan, planned: dict, side: dict, device_mesh):
+    def __init__(self, plan: Plan, planned: dict, side: dict, device_mesh, pass_local: bool):
         self.root, self.g = torch.nn.Module(), fx.Graph()
+        self.pass_local = pass_local     # ops may hand on plain local tensors (and integer splits run local)
         self.env: dict[fx.Node, fx.Node] = {}
         self.planned, self.side, self.mesh = planned, side, device_mesh
         self.sharded = plan.options.get("sharded_outputs", False)
@@ -113,7 +124,7 @@ def rewrite(cap: Captured, plan: Plan, device_mesh, pass_local: bool = True) -> 
     """The per-rank program of `plan` over `cap`. pass_local=False: every op hands on DTensors (a
     pipeline cuts the program into chunks whose outputs must carry their layout)."""
     planned = {n.name: n for n in plan.nodes}
-    prog = _Program(plan, planned, parameter_side_ops(cap, plan, planned), device_mesh)
+    prog = _Program(plan, planned, parameter_side_ops(cap, plan, planned), device_mesh, pass_local)
     env, g = prog.env, prog.g
     for node in cap.gm.graph.nodes:
         if node.op == "placeholder":
@@ -170,7 +181,11 @@ def _inputs(prog: _Program, node: fx.Node, np) -> tuple:
             if reshards_edge(src.executor if src else None, src.output if src else None, want, prog.mesh.shape):
                 side = prog.side
                 grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
-                v = prog.add_module(f"reshard_{node.name}_{slot}", Reshard(parse_layout(want), grad_to), v)
+                split = (local_split_edge(src.output, want, a.meta.get("val"), tuple(prog.mesh.shape))
+                         if prog.pass_local and src is not None and np.executor == "local" else None)
+                v = prog.add_module(f"reshard_{node.name}_{slot}",
+                                    Reshard(parse_layout(want), grad_to) if split is None else
+                                    LocalSplit(parse_layout(want), parse_layout(src.output), split, prog.mesh), v)
             slot += 1
         new_leaves.append(v)
     return pytree.tree_unflatten(new_leaves, spec)

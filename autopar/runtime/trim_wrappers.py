@@ -46,7 +46,7 @@ from ..plan import Plan
 from . import rng
 from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
-from .reshard import Reshard, carries_grad, reduce_local_grad, to_layout
+from .reshard import LocalSplit, Reshard, carries_grad, reduce_local_grad, to_layout
 from .vocab import splits_vocab
 
 
@@ -181,13 +181,16 @@ class LeafParams:
 def local_inputs(gm: fx.GraphModule, cap: Captured, layouts: dict[str, tuple]) -> frozenset[str]:
     """The user inputs of `gm` (placeholder name -> the layout it arrives in) that can be fed as the
     local tensor the caller gave, with no DTensor made: every use a `LocalOp` taking it in that layout
-    and sending its gradient back in it, if one can flow (up to axes of one device: `over_one_device`)."""
+    and sending its gradient back in it, if one can flow (up to axes of one device: `over_one_device`),
+    or a `LocalSplit` of it from that layout (an integer input given whole, split over the batch)."""
     captured = {n.name: n for n in cap.gm.graph.nodes}
     out = set()
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in layouts and n.users]:
         layout, grad_flows = layouts[ph.name], carries_grad(ph.meta["val"].dtype)
         for user in ph.users:
             mod = gm.get_submodule(user.target) if user.op == "call_module" else None
+            if type(mod) is LocalSplit and over_one_device(mod.mesh.shape, mod.source, layout):
+                continue
             slot = _tensor_slot(user, ph, captured.get(user.meta.get("autopar_node")))
             if type(mod) is not LocalOp or slot is None:
                 break
@@ -240,7 +243,7 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(mod, ParamEdge) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
+        if isinstance(mod, (ParamEdge, LocalSplit)) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
                 or node.meta.get("autopar_local") or (node.target is operator.getitem and node.args[0] in local):
             local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
                                     # gather's member handed on local: layer_gather.py)
