@@ -91,6 +91,10 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
     plans = [autopar.plan(model, inputs, cluster, time_limit=None, progress=False) for _ in range(2)]
     plan = plans[0]
     assert plans[0].to_json() == plans[1].to_json()
+    # a limit too short for any solve: the first mesh is planned to the solver's floor (its first plans, the
+    # LP relaxation's layouts rounded, found whatever the limit), the optimum on this model, however loaded the machine
+    rushed = autopar.plan(model, inputs, cluster, time_limit=1e-3, progress=False)
+    assert rushed.mesh == plans[0].mesh and rushed.estimate.step_time_s == plans[0].estimate.step_time_s
     assert math.prod(plan.mesh["shape"]) == 2 and plan.mesh["devices_per_node"] == 2
     chosen, *others = plan.mesh_search
     assert chosen.status == "chosen" and list(chosen.shape) == list(plan.mesh["shape"])
