@@ -21,7 +21,8 @@ time limit from the capture on): the candidates share one deadline, each planned
 it as its own `time_limit` (`_time_slice`: the SHARED first ones equal shares of the time left, so
 that runners-up are planned however slow the machine; the later ones what is left, started only
 while that is at least what the last one took and MIN_SLICE_S); until a plan is found a candidate
-is planned whatever the time left, so that there is a plan.
+is planned whatever the time left, so that there is a plan, and each candidate planned gets its
+solver's first plans whatever its slice (`floor`: a mesh's price is at least those on a loaded machine).
 Without a time limit the result depends on the inputs alone; with one, on how far the search got
 (the report says how many were planned).
 """
