@@ -63,6 +63,23 @@ def test_a_cluster_lays_inner_axes_inside_a_node():
         c.mesh((4, 4), ("dp", "tp"))
 
 
+def test_a_mesh_of_four_split_axes_is_searched_in_subspaces_of_two():
+    """A candidate without a pipeline may split four axes, (dp, cp, ep, tp): its layout model is too large to
+    solve whole, and each subspace searched merges axes until two are left (`prune.axis_merges`), the first
+    keeping the fast intra-node axes together and the inter-node ones together."""
+    from types import SimpleNamespace
+    from autopar.solver.prune import axis_merges
+    mesh = Cluster(nodes=8, devices_per_node=8, device="h100").mesh((4, 2, 2, 4), ("dp", "cp", "ep", "tp"))
+    merges = axis_merges(SimpleNamespace(mesh=mesh))
+    assert merges[0] == ((0, 1), (2, 3))
+    for groups in merges:
+        merged = {a for g in groups for a in g}
+        assert len(merged) - sum(len(g) - 1 for g in groups) + (4 - len(merged)) == 2   # two axes left
+    assert len(set(merges)) == len(merges) == 3
+    assert [len(m) for m in axis_merges(SimpleNamespace(mesh=mesh.__class__((8, 2, 4), ("dp", "cp", "tp"),
+                                                                           mesh.profile)))] == [1, 1, 1]
+
+
 def _tiny():
     torch.manual_seed(0)
     return GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2), gpt_inputs(batch=8, seq=16, vocab=64)
@@ -74,6 +91,10 @@ def test_the_chosen_mesh_is_the_fastest_planned_recorded_and_reproducible():
     plans = [autopar.plan(model, inputs, cluster, time_limit=None, progress=False) for _ in range(2)]
     plan = plans[0]
     assert plans[0].to_json() == plans[1].to_json()
+    # a limit too short for any solve: the first mesh is planned to the solver's floor (its first plans, the
+    # LP relaxation's layouts rounded, found whatever the limit), the optimum on this model, however loaded the machine
+    rushed = autopar.plan(model, inputs, cluster, time_limit=1e-3, progress=False)
+    assert rushed.mesh == plans[0].mesh and rushed.estimate.step_time_s == plans[0].estimate.step_time_s
     assert math.prod(plan.mesh["shape"]) == 2 and plan.mesh["devices_per_node"] == 2
     chosen, *others = plan.mesh_search
     assert chosen.status == "chosen" and list(chosen.shape) == list(plan.mesh["shape"])

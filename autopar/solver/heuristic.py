@@ -8,8 +8,10 @@ fixed, every gated term is linear in the layouts (no products: the model is the 
 size); with the layouts fixed, only the options are left (a few dozen binaries). So:
 
 1. layouts: every decision at its smallest-memory strategy (the most sharded plan), and the
-   best options for it; if no options make it fit (a budget near the minimum), the plan that
-   needs least memory (`ilp.least_memory`) is the answer when it fits;
+   best options for it; if no options make it fit (a budget near the minimum, or edges whose
+   copies the most sharded layouts ignore: Llama-3-8B at 131,072 tokens over (8, 2, 4)), the plan
+   that needs least memory (`ilp.least_memory`) when it fits, a start steps 2 and 3 improve on
+   with its options;
 2. layouts from the LP relaxation (memory rows added lazily), each decision at its largest
    fraction, with the default options and with step 1's, and the best options for them: on
    Llama-3-8B over 64 H100 a plan within 0.4% of the best known, in a tenth of the time HiGHS
@@ -55,8 +57,6 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     their end whatever the deadline (their plan is the same on every run)."""
     models = _Models(problem, budget, allowed)
     best = _first(problem, budget, None if floor else deadline, models)
-    if best.status == LEAST_STATUS:
-        return best
     return improve(problem, budget, best, deadline, progress, models)
 
 
@@ -81,13 +81,15 @@ def _first(problem, budget: float, deadline: float | None, models: _Models) -> H
     relaxation's layouts rounded, the better."""
     choice = most_sharded(problem, models.allowed)
     options = models.options_for(choice)
-    if options is None:     # a budget near the minimum: the plan that needs least, if it fits
+    if options is None:     # no options fit the most sharded layouts: the plan that needs least, if it fits
         plan, need = least_memory(problem, models.allowed)
         if need > budget:
             raise infeasible(problem, budget, need)
-        return Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
-    best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
-                     "Feasible (the most sharded plan)", "HiGHS", 1.0)
+        options = plan[1]
+        best = Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
+    else:
+        best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
+                         "Feasible (the most sharded plan)", "HiGHS", 1.0)
     defaults = problem.families.defaults()
     for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
@@ -127,21 +129,21 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
     time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
-    subspace of `prune.axis_pairs` (`prune.merged_axes`), solved whatever the time limit: the floor,
+    subspace of `prune.axis_merges` (`prune.merged_axes`), solved whatever the time limit: the floor,
     the same on every run; then, while time remains, step 3 there, the alternation in the other
-    pairs' subspaces, and local search: the layouts within one mesh axis of the plan's
+    mergers' subspaces, and local search: the layouts within one mesh axis of the plan's
     (`prune.near`) re-solved from it, round after round while the plan improves."""
-    pairs = prune.axis_pairs(problem)
+    merges = prune.axis_merges(problem)
     best, solved = None, 0
-    for k, (i, j) in enumerate(pairs):
+    for k, groups in enumerate(merges):
         if k and _past(deadline):
             break
-        h = start_plan(problem, budget, deadline, progress, prune.merged_axes(problem, i, j), floor=k == 0)
+        h = start_plan(problem, budget, deadline, progress, prune.merged_axes(problem, *groups), floor=k == 0)
         solved += 1
         if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
-            best = replace(h, status=f"{h.status}; mesh axes {problem.mesh.axis_names[i]!r} and "
-                                     f"{problem.mesh.axis_names[j]!r} merged")
-    best = replace(best, status=f"{best.status} (best of {solved} of {len(pairs)} merged pairs)")
+            names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
+            best = replace(h, status=f"{h.status}; mesh axes {names} merged")
+    best = replace(best, status=f"{best.status} (best of {solved} of {len(merges)} mergers of mesh axes)")
     while not _past(deadline):
         h = improve(problem, budget, best, deadline, progress,
                     _Models(problem, budget, prune.near(problem, best.plan[0])))

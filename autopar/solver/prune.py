@@ -5,10 +5,11 @@ square of that in pair columns (Hugging Face Llama-3-8B on (4, 4, 4): 1.24 milli
 solved in minutes). A subspace leaves the problem's indices as they are (an `allowed` set of
 strategy indices per representative leader, `StrategyILP(allowed=)`):
 
-* `merged_axes(problem, i, j)`: the strategies that do the same on mesh axes i and j (the same
-  label and placement of every tensor), i.e. the plans of the mesh with axes i and j merged into
-  one of their product. Its model is the size of one with an axis fewer (Llama-3-8B on (4, 4, 4):
-  a (4, 16)-sized model). A heuristic restriction: a plan found there is a plan of the full
+* `merged_axes(problem, (i, j), ...)`: the strategies that do the same on mesh axes i and j (the
+  same label and placement of every tensor), i.e. the plans of the mesh with axes i and j merged
+  into one of their product (and so for each group given). Its model is the size of one with an
+  axis fewer per merged axis (Llama-3-8B on (4, 4, 4): a (4, 16)-sized model); `axis_merges` merges
+  down to two axes. A heuristic restriction: a plan found there is a plan of the full
   problem, priced by the full problem's tables, but the full optimum may lie outside it.
 * `near(problem, choice)`: the strategies within one mesh axis of a plan's, where local search
   looks for a better one.
@@ -34,12 +35,13 @@ def _groups(problem: Problem) -> dict[str, list]:
     return groups
 
 
-def merged_axes(problem: Problem, i: int, j: int) -> Allowed:
+def merged_axes(problem: Problem, *groups: tuple[int, ...]) -> Allowed:
     """Per representative, the strategies whose every member has the same label and placements on
-    mesh axes i and j; a representative with none (pinned otherwise) keeps all."""
+    the mesh axes of each group (a group: two axes or more, merged into one of their product); a
+    representative with none (pinned otherwise) keeps all."""
     def same(s) -> bool:
-        return (s.output[i] == s.output[j] and all(L[i] == L[j] for L in s.inputs)
-                and (not s.labels or s.labels[i] == s.labels[j]))
+        return all(s.output[i] == s.output[g[0]] and all(L[i] == L[g[0]] for L in s.inputs)
+                   and (not s.labels or s.labels[i] == s.labels[g[0]]) for g in groups for i in g[1:])
 
     out: Allowed = {}
     for r, members in _groups(problem).items():
@@ -50,23 +52,44 @@ def merged_axes(problem: Problem, i: int, j: int) -> Allowed:
     return out
 
 
-def axis_pairs(problem: Problem) -> list[tuple[int, int]]:
-    """The pairs of mesh axes (each of more than one device) whose merged subspaces a plan is sought
-    in: every pair on a mesh of three or more such axes, none on fewer (their model is small enough
-    as it is). The pair whose slower link is fastest first (then the faster link, then the axes'
-    order): the first is always solved (the floor), the rest while time remains
-    (`heuristic.subspace_plan`). On Hugging Face Llama-3-8B over (4, 4, 4) H100 the first, the two
-    axes inside nodes, gave the best plan of the three: the layers' tensor parallelism, the heaviest
-    traffic, on the fast links."""
+def axis_merges(problem: Problem) -> list[tuple[tuple[int, ...], ...]]:
+    """The groups of mesh axes (each of more than one device) merged in the subspaces a plan is sought
+    in (`merged_axes`), so that two split axes are left (each subspace's model the size of a 2-D
+    mesh's): none on a mesh of fewer than three such axes (its model is small enough as it is); on
+    three or more, one subspace per pair of axes, that pair merged first, then, while more than two
+    groups are left, the two groups whose links are most alike (the least ratio of fastest to
+    slowest: axes of one level, inside nodes or across them), then fastest (a mesh of four split
+    axes, (dp, cp, ep, tp) with no pipeline: a pair and then the other two, or three axes together;
+    merging one pair alone left a model of three axes, as large as the one it replaces). Pairs whose
+    slower link is fastest first (then the faster link, then the axes' order): the first subspace is
+    always solved (the floor), the rest while time remains (`heuristic.subspace_plan`). On Hugging
+    Face Llama-3-8B over (4, 4, 4) H100 the first, the two axes inside nodes, gave the best plan of
+    the three: the layers' tensor parallelism, the heaviest traffic, on the fast links."""
     axes = [a for a, n in enumerate(problem.mesh.shape) if n > 1]
     if len(axes) < 3:
         return []
     bw = [link.bandwidth for link in problem.mesh.links]
 
-    def speed(pair: tuple[int, int]) -> tuple:
-        slow, fast = sorted(bw[a] for a in pair)
-        return -slow, -fast, pair
-    return sorted(((a, b) for k, a in enumerate(axes) for b in axes[k + 1:]), key=speed)
+    def speed(group: tuple[int, ...]) -> tuple:
+        links = [bw[a] for a in group]
+        return -min(links), -max(links), len(group), group
+
+    def alike(group: tuple[int, ...]) -> tuple:      # links most alike first (the same level), then fastest
+        links = [bw[a] for a in group]
+        return max(links) / min(links), -min(links), len(group), group
+
+    pairs = sorted(((a, b) for k, a in enumerate(axes) for b in axes[k + 1:]), key=speed)
+    merges: list[tuple[tuple[int, ...], ...]] = []
+    for pair in pairs:
+        groups = [pair] + [(a,) for a in axes if a not in pair]
+        while len(groups) > 2:
+            x, y = min(((x, y) for k, x in enumerate(groups) for y in groups[k + 1:]),
+                       key=lambda xy: alike(tuple(sorted(xy[0] + xy[1]))))
+            groups = [g for g in groups if g not in (x, y)] + [tuple(sorted(x + y))]
+        merged = tuple(sorted(g for g in groups if len(g) > 1))
+        if merged not in merges:
+            merges.append(merged)
+    return merges
 
 
 def near(problem: Problem, choice: dict[str, int], axes: int = 1) -> Allowed:
@@ -114,13 +137,13 @@ def layout_columns(problem: Problem) -> int:
 
 def too_large(problem: Problem) -> bool:
     """Is the layout model solved in subspaces (`SUBSPACE_FROM`)? Only on three or more split axes."""
-    return bool(axis_pairs(problem)) and layout_columns(problem) > SUBSPACE_FROM
+    return bool(axis_merges(problem)) and layout_columns(problem) > SUBSPACE_FROM
 
 
 def floor_subspace(problem: Problem) -> Allowed | None:
-    """Where a model too large to solve (`too_large`) is searched first: the first pair's merged-axes
+    """Where a model too large to solve (`too_large`) is searched first: the first merger's
     subspace (`heuristic.subspace_plan`'s floor); None (the whole model) where it is not too large.
     The plan that needs least memory is sought there too (`solve.min_memory`): the whole min-max
     model is the size of the layout model and more (Llama-3-8B at 131,072 tokens on (8, 2, 4) H100
     grew past 6 GiB in minutes)."""
-    return merged_axes(problem, *axis_pairs(problem)[0]) if too_large(problem) else None
+    return merged_axes(problem, *axis_merges(problem)[0]) if too_large(problem) else None
