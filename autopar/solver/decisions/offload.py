@@ -125,8 +125,7 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
                                    until, f"activation {o} of {layer}", f"act:{o}"))
         # a copy, saved by its consumer alone: fetched back when that consumer's backward needs it
         kept[layer] = activation_copies(problem, groups.nodes[layer], *copies)
-        fam.freed += [replace(f, gates=gates, until=live.backward_of(problem.edges[k].dst_pos) - 1)
-                      for k, f in kept[layer]]
+        fam.freed += [replace(f, gates=gates) for _, f in kept[layer]]
     items = saved.get(rep, [])
     held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
     held = sum((f.expr for _, f in kept[rep]), held)
