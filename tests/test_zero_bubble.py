@@ -4,6 +4,7 @@ on real ranks; virtual stages are priced (time and memory in flight), and plan, 
 take the same schedules."""
 from __future__ import annotations
 
+from collections import Counter
 from unittest import mock
 
 import pytest
@@ -54,12 +55,12 @@ class _Collectives(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.issued = 0
+        self.issued = Counter()     # collective name -> how many
         self._patches = [mock.patch.object(dist, name, self._counted(getattr(dist, name))) for name in C10D]
 
     def _counted(self, fn):
         def run(*args, **kwargs):
-            self.issued += 1
+            self.issued[fn.__name__] += 1
             return fn(*args, **kwargs)
         return run
 
@@ -75,13 +76,13 @@ class _Collectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "_c10d_functional" and not func.__name__.startswith("wait"):
-            self.issued += 1
+            self.issued[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
 
 
 def _count_reductions(rank, world_size):
-    """Per rank: the collectives a training step issues beyond a forward-only call (the gradients'),
-    the parameters it holds, and the plan."""
+    """Per rank: the collectives a training step issues beyond a forward-only call (the gradients' and
+    those of the activations' gradients), by name, the parameters it holds, and the plan."""
     model, inputs, mesh, kw = _setup()
     dmodel = autopar.autoparallelize(model, mesh, inputs, **kw)
     local = mesh.local_batch(inputs, ("dp",))
@@ -97,9 +98,19 @@ def _count_reductions(rank, world_size):
 def test_zero_bubble_gradient_sync_is_priced_as_the_collectives_it_issues(rank_pool):
     results = rank_pool(4).run(_count_reductions, timeout=300)
     plan = autopar.Plan.from_json(results[0][2])
-    stage_mesh = _setup()[2].stage_mesh("pp")          # the mesh a stage's layouts are priced on
-    for reductions, held, _ in results:      # every rank holds two of the four equal layers
-        assert reductions == M * len(held) > 0               # each gradient reduced alone, every microbatch
+    mesh = _setup()[2]
+    stage_mesh = mesh.stage_mesh("pp")          # the mesh a stage's layouts are priced on
+    backward = [c for n in plan.nodes for c in n.collectives if c.phase == "backward"]
+    params = {f"p_{k.replace('.', '_')}" for k, _ in Stack().named_parameters()}
+    # the plan's gradient collectives: one all-reduce over dp per parameter (pinned replicated)
+    assert sorted(c.tensor for c in backward if c.tensor in params) == sorted(params)
+    assert {c.kind for c in backward if c.tensor in params} == {"all_reduce@dp"}
+    # every backward collective the plan lists (the activations' gradients' too, wherever the
+    # solver placed them) runs once per microbatch on each rank of its stage, and no other runs
+    dp = mesh.shape[mesh.axis_names.index("dp")]
+    assert sum(sum(issued.values()) for issued, _, _ in results) == dp * M * len(backward)
+    for issued, held, _ in results:      # every rank holds two of the four equal layers
+        assert issued["all_reduce"] == M * len(held) > 0      # each gradient reduced alone, every microbatch
         counted = sum(M * stage_mesh.reshard_cost(shape, 4, (Partial(),), (Replicate(),)).seconds for shape in held.values())
         assert plan.estimate.grad_sync_s == pytest.approx(counted, rel=1e-9)
 

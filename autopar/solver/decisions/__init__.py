@@ -29,25 +29,28 @@ def add_families(problem: Problem, *, recompute_mode: str = "auto", residency_mo
 
 def merge_freed(fam: Families) -> Families:
     """One `Freed` per item and window: families that free the same bytes (an activation recomputed or
-    offloaded, a gathered copy re-gathered or recomputed) add their gates to one item, so its bytes
-    are freed once. Where they bring it back at different points (a recomputed layer's tensors all at
-    its backward's start, an offloaded one when its op's backward needs it), the item is split: up to
-    the earlier point under any gate, after it under the later family's gates unless the earlier's
-    are on."""
-    by_key: dict[str, list[Freed]] = {}
+    offloaded, a gathered copy re-gathered, recomputed or offloaded) add their gates to one item, so its
+    bytes are freed once. Where they bring it back at different points (a recomputed layer's tensors all
+    at its backward's start, an offloaded or re-gathered one when its op's backward needs it), the item is
+    split: up to the earliest point under any gate, after it under the later families' gates unless the
+    earlier's are on."""
+    by_key: dict[str, dict[int, list[Freed]]] = {}
     for f in fam.freed:
-        by_key.setdefault(f.key, []).append(f)
+        by_key.setdefault(f.key, {}).setdefault(f.until, []).append(f)
     out = []
-    for items in by_key.values():
-        items.sort(key=lambda f: f.until)
-        first = items[0]
-        out.append(replace(first, gates=tuple(g for f in items for g in f.gates)))
-        for k in range(1, len(items)):
-            f = items[k]
-            if f.until > items[k - 1].until:
-                if len({g for e in items[:k] for g, _ in e.gates}) > 1:     # (K') needs them exclusive
-                    raise ValueError(f"{f.key}: brought back at different points by more than two families")
-                out.append(replace(f, after=max(f.after, items[k - 1].until), key=f"{f.key}@{items[k - 1].until}",
-                                   unless=tuple(g for e in items[:k] for g in e.gates)))
+    for bands in by_key.values():
+        untils = sorted(bands)
+        gates = [tuple(g for f in bands[u] for g in f.gates) for u in untils]
+        for i, until in enumerate(untils):
+            first, later = bands[until][0], tuple(g for gs in gates[i:] for g in gs)   # who frees this window
+            if i == 0:
+                out.append(replace(first, gates=later))
+                continue
+            earlier = tuple(g for gs in gates[:i] for g in gs)
+            if len({g for g, _ in earlier}) > 1:     # (K') needs them exclusive
+                raise ValueError(f"{first.key}: brought back at different points by more than two families")
+            prev = untils[i - 1]
+            out.append(replace(first, gates=later, after=max(first.after, prev), key=f"{first.key}@{prev}",
+                               unless=earlier))
     fam.freed = out
     return fam

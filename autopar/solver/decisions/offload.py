@@ -2,7 +2,11 @@
 
 * "activations:<layer>": the tensors the layer saves for its backward are copied out as they
   are saved and freed on the device after their last forward use, then fetched back when an op's
-  backward first needs one (saved-tensor hooks). The copies are priced as the runtime makes them
+  backward first needs one (saved-tensor hooks). Those are the activations only the layer saves
+  and the resharded copies of activations its ops keep (an input gathered or all-to-all'd for an
+  op: the runtime's hooks move every saved tensor that is not a parameter's storage or a gathered
+  copy that residency governs; a copy residency re-gathers is priced as freed once, and still as
+  held and moved: an over-estimate of that combination). The copies are priced as the runtime makes them
   (`runtime/offload.py`): synchronously, each way, with each copy's latency (copies on a side
   stream overlapping compute are not built yet, so no overlap is assumed).
 * "optimizer:<layer or parameter>": optimizer state and, in mixed precision, the fp32 master
@@ -29,11 +33,14 @@ a tier with none is not offered.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...cost_model.offload import host_step_seconds, transfer_terms
 from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
-from .common import allowed_options, edges_by, layer_groups, saved_only_in
+from .common import Masked, allowed_options, edges_by, layer_groups, saved_only_in
+from .recompute import activation_copies
 
 HOST, DISK = 1, 2
 # the host step takes each gradient in its master's dtype on the host (runtime/optimizer.py), whatever
@@ -58,11 +65,12 @@ def build(problem: Problem, setting: str, gradients: bool = True) -> Families:
     fam = Families()
     groups = layer_groups(problem)
     saved = saved_only_in(problem)
+    into, masks = edges_by(problem, "dst"), Masked()
     for rep, layers in groups.members.items():
         key = f"offload:activations:{rep}"
         fam.groups.append(Group(key, "offload", TIERS, tuple(f"activations:{L}" for L in layers), allowed))
         if allowed != (0,):
-            activations(problem, fam, key, rep, layers, groups, allowed, saved)
+            activations(problem, fam, key, rep, layers, groups, allowed, saved, (into, masks))
     params: dict[str, list[str]] = {}
     out_of = edges_by(problem, "src")
     for name, d in problem.decisions.items():
@@ -103,25 +111,32 @@ def _link(problem: Problem, tier: int):
     return prof.host_link if tier == HOST else prof.disk_link
 
 
-def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed, saved) -> None:
+def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed, saved, copies) -> None:
+    """`copies`: (`edges_by(problem, "dst")`, a `Masked`) to find the resharded copies the layer's ops keep."""
     live = problem.live
+    gates = tuple((key, t) for t in allowed if t)
+    kept = {}
     for layer in layers:
         items = saved.get(layer, [])
-        gates = tuple((key, t) for t in allowed if t)
         for o in items:
             # fetched back when the first of its savers to run its backward needs it
             until = live.backward_of(max(live.op_pos[s] for s in live.savers[o])) - 1
             fam.freed.append(Freed(Expr(((o, tuple(problem.decisions[o].act_bytes)),)), gates, live.fwd_end[o],
                                    until, f"activation {o} of {layer}", f"act:{o}"))
-        if layer != rep:
-            continue
-        held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
-        for t in allowed:
-            if t:
-                per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
-                moves = held.scaled(per_byte) + Expr(const=per_tensor * len(items))
-                fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
-                fam.held.append(Held(held, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
+        # a copy, saved by its consumer alone: fetched back when that consumer's backward needs it
+        kept[layer] = activation_copies(problem, groups.nodes[layer], *copies)
+        fam.freed += [replace(f, gates=gates) for _, f in kept[layer]]
+    items = saved.get(rep, [])
+    held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
+    held = sum((f.expr for _, f in kept[rep]), held)
+    count = Expr((), tuple((k, tuple(tuple(1.0 if v else 0.0 for v in row) for row in t))
+                           for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
+    for t in allowed:
+        if t:
+            per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
+            moves = held.scaled(per_byte) + Expr(const=per_tensor * len(items)) + count.scaled(per_tensor)
+            fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
+            fam.held.append(Held(held, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
 
 
 def optimizer(problem: Problem, fam: Families, key: str, names, allowed) -> None:

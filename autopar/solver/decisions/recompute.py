@@ -75,17 +75,32 @@ def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int,
         gates = ((key, FULL),) + (() if saved_under_selective(d.facts.op) else ((key, SELECTIVE),))
         out.append(Freed(Expr(((o, tuple(d.act_bytes)),)), gates, live.fwd_end[o], until,
                          f"activation {o} of {layer}", f"act:{o}"))
+    gates = ((key, FULL), (key, SELECTIVE))
     for k in _edges_into(into, names):
         e = problem.edges[k]
         if e.keeps_copy and problem.decisions[e.src].kind == "param":
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masks(e.saved)))
+            out.append(copy_freed(problem, k, gates, until, masks(e.saved)))
         elif e.keeps_copy and problem.decisions[e.src].kind == "op":
-            # as two items: the gathered pairs, which residency may free too (one item, `merge_freed`), and the rest
-            mask = e.gathers
-            out.append(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until, masks(e.saved, mask)))
-            out.append(replace(copy_freed(problem, k, ((key, FULL), (key, SELECTIVE)), until,
-                                          masks(e.saved, mask, keep=False)), key=f"copy:{k}:other"))
+            out += [replace(f, gates=gates, until=until) for f in activation_copy(problem, k, masks)]
     return out
+
+
+def activation_copies(problem: Problem, names, into: dict[str, list[int]], masks: Masked) -> list[tuple[int, Freed]]:
+    """(edge, item) for each resharded copy of an activation that the ops `names` keep for their
+    backward (`activation_copy`), in the problem's edge order."""
+    return [(k, f) for k in _edges_into(into, names)
+            if problem.edges[k].keeps_copy and problem.decisions[problem.edges[k].src].kind == "op"
+            for f in activation_copy(problem, k, masks)]
+
+
+def activation_copy(problem: Problem, k: int, masks: Masked) -> tuple[Freed, Freed]:
+    """The resharded copy of an activation edge k keeps for its consumer's backward, as two items: the
+    gathered pairs, which residency may free too (one item, `merge_freed`), and the rest; no gates, freed
+    until the consumer's backward (callers set both)."""
+    e = problem.edges[k]
+    until = problem.live.backward_of(e.dst_pos) - 1
+    return (copy_freed(problem, k, (), until, masks(e.saved, e.gathers)),
+            replace(copy_freed(problem, k, (), until, masks(e.saved, e.gathers, keep=False)), key=f"copy:{k}:other"))
 
 
 def copy_freed(problem: Problem, k: int, gates, until: int, table) -> Freed:
