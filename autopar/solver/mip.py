@@ -35,7 +35,9 @@ MIP_GAP = 1e-3
 # layout MIP after a rounding outside the gap, 98k columns, 25 CPU s without presolve, 6.3 s with it
 # (the same start; the plans' objectives within MIP_GAP of each other); Llama-3-8B on (8,) at
 # 8 x 8192 with memory decisions: the joint model from the alternation's plan, 14k columns and 31k
-# rows, 91 CPU s without, 22 s with, the same plan.
+# rows, 91 CPU s without, 22 s with, the same plan. Since an offloaded layer's kept activation copies
+# are priced as moved (solver/decisions/offload.py) that model is 17.8k columns and 41.6k rows: 54 CPU s
+# with presolve at load 1.1-1.4, the same plan.
 
 
 @dataclass(frozen=True, slots=True)
