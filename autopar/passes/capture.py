@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from ..compat import HigherOrderOperator, OpOverload, fake_tensor_cache, is_mutable, pytree, sym_hint
 from ..errors import CaptureError
+from .causal_mask import causal_masks_as_flags
 from .captured import Captured, InputSlot
 from .lowering import DECOMPOSITIONS, drop_assertions, drop_identity_dropouts, exact_mean_losses, experts_as_one_op
 from .repeated_blocks import TRACED, deep_stack, expand, traced_blocks
@@ -116,6 +117,7 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_sha
                 ep = ep.run_decompositions(dict(DECOMPOSITIONS))
         drop_assertions(ep.graph_module)
         exact_mean_losses(ep.graph_module)
+        causal_masks_as_flags(ep.graph_module)
     except Exception as e:  # noqa: BLE001 - every capture failure becomes one actionable error
         raise _capture_error(model, e) from e
     finally:

@@ -63,10 +63,14 @@ def tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:
     return tuple(a for a in leaves if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val")))
 
 
-def _sdpa_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta) -> float:
-    # QK^T and PV: two batched matmuls of (..., Sq, D) x (..., D, Sk); softmax is negligible.
+def _sdpa_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta, is_causal: bool = False) -> float:
+    # QK^T and PV: two batched matmuls of (..., Sq, D) x (..., D, Sk); softmax is negligible. Under
+    # is_causal the fused kernels compute only the (query, key) pairs the mask keeps: query i sees keys
+    # 0..i (torch's top-left aligned causal mask), sum of min(i + 1, Sk) over the Sq queries
     batch = math.prod(q.shape[:-2])
-    return 2.0 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    sq, sk = q.shape[-2], k.shape[-2]
+    pairs = sq * sk if not is_causal else min(sq, sk) * (min(sq, sk) + 1) // 2 + max(sq - sk, 0) * sk
+    return 2.0 * batch * pairs * (q.shape[-1] + v.shape[-1])
 
 
 def _to_meta(x, shapes=None):
@@ -93,7 +97,7 @@ def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]]
     args, kwargs = pytree.tree_map(lambda x: _to_meta(x, shapes), (node.args, node.kwargs))
     if node.target is aten.scaled_dot_product_attention.default:
         q, k, v = (TensorMeta(tuple(t.shape), t.dtype) for t in args[:3])
-        return _sdpa_flops(q, k, v)
+        return _sdpa_flops(q, k, v, bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)))
     try:
         with FlopCounterMode(display=False) as fc:
             node.target(*args, **kwargs)
