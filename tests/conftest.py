@@ -31,7 +31,13 @@ def _warm_autopar():
                  symbolic=False, progress=False)
 
 
-before_first_fork.append(_warm_autopar)
+def _import_inductor():
+    """Import inductor's compiler in the parent (no thread or worker pool starts on import): a rank that
+    compiles (the docs' torch.compile snippets, test_backend) otherwise imports it itself, 3-4 CPU s a rank."""
+    import torch._inductor.compile_fx  # noqa: F401
+
+
+before_first_fork += [_warm_autopar, _import_inductor]
 
 
 @pytest.fixture

@@ -84,10 +84,8 @@ def test_plan_fixed_pipeline_layouts_replicate_the_pipeline_axis():
     interleaved = autopar.plan(model, inputs, mesh, symbolic=False, **LAYOUTS_ONLY, pipeline=dict(
         axis="pp", stages=2, microbatches=4, schedule="interleaved", virtual_stages=2))
     assert interleaved.pipeline.boundaries == ("", "blocks.1", "blocks.2", "blocks.3")
-    flat = autopar.plan(model, inputs, mesh, pipeline=False, symbolic=False, **LAYOUTS_ONLY)
-    assert flat.pipeline.stages == 1                     # False: no pipeline
-    chosen = autopar.plan(model, inputs, mesh, symbolic=False, **LAYOUTS_ONLY)     # the default chooses ...
-    assert chosen.estimate.step_time_s <= flat.estimate.step_time_s       # ... never slower than no pipeline
+    # pipeline=False (no pipeline) and the default's choice (never slower than no pipeline, nor than a
+    # given pipeline): test_pipeline_planning.py::test_fixed_keys_are_respected_and_false_forbids
 
 
 @pytest.mark.parametrize("spec,key", [
@@ -117,6 +115,10 @@ SCHEDULES = (("gpipe", 1, {}), ("interleaved", 2, {}))
 OTHERS = (("zb", 2, {"saved": True, "batch_axes": ("dp",)}),
           ("1f1b", 1, {"recompute": "full", "residency": "regather"}))
 STEPS = 2       # the second step starts from the first's optimizer state
+# two microbatches a step still sum gradients over more than one microbatch, reduced once per step
+# (_check counts the buckets), with both stages working at once in every schedule; 4 checked nothing
+# more and cost about twice the CPU (8 ranks on 2 cores)
+MICROBATCHES = 2
 
 
 def _train_pipelined(rank, world_size, cases):
@@ -138,7 +140,7 @@ def _train_pipelined(rank, world_size, cases):
         options = dict(options)
         saved = options.pop("saved", False)
         kwargs = dict(symbolic=False, cache_dir=cache, **{**LAYOUTS_ONLY, **options}, pipeline=dict(
-            axis="pp", stages=2, microbatches=4, schedule=schedule, virtual_stages=virtual))
+            axis="pp", stages=2, microbatches=MICROBATCHES, schedule=schedule, virtual_stages=virtual))
         local = mesh.local_batch(inputs, options["batch_axes"]) if "batch_axes" in options else inputs
         if saved:
             import torch.distributed as dist
@@ -224,7 +226,7 @@ def _check(results, cases):
             assert worst["loss"] < 1e-4 and worst["grad"] < 1e-4 and worst["param"] < 1e-4, (case, worst)
             assert worst["no_grad"] < 1e-4, (case, worst)
             assert worst["sharded"] > 0 and worst["state_dict"]       # dp / tp split parameters inside the stages
-            if case[0] != "zb":     # summed over the 4 microbatches, reduced once per step: a bucket per kind
+            if case[0] != "zb":     # summed over the microbatches, reduced once per step: a bucket per kind
                 assert 0 < worst["buckets"] <= STEPS * worst["kinds"], (case, worst["buckets"], worst["kinds"])
         first, last = set(per_rank[0]["held"]), set(per_rank[-1]["held"])
         assert "blocks.0.fc.weight" in first and "blocks.0.fc.weight" not in last   # parameters live with their chunk
