@@ -40,7 +40,7 @@ from .grad_offload import GradOffload
 from .layer_gather import flatten_gathers
 from .param_offload import FetchParam, insert_fetches
 from .offload import DiskStore, HostPool, OffloadedTensor
-from .regather import GatherCopy, GatheredCopies, RegatheredCopy
+from .regather import GatherCopy, GatheredCopies, RegatheredCopy, RegatheredDTensor
 from .regions import LayerRegion, group_layers, node_layers
 from .reshard import Reshard
 
@@ -82,8 +82,8 @@ class SavedTensors:
         return saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, DTensor):      # a DTensor (checkpoint saving a region's inputs): alive anyway
-            return t
+        if isinstance(t, DTensor):      # checkpoint saving a recomputed region's inputs: alive anyway, but a
+            return self.rt.copies.pack_dtensor(t)       # view of a layer's re-gathered parameters (gathered again)
         hit = self.rt.copies.pack(t)
         if hit is not None:
             return hit
@@ -101,7 +101,7 @@ class SavedTensors:
 
     @staticmethod
     def unpack(x):
-        return x.load() if isinstance(x, (RegatheredCopy, OffloadedTensor)) else x
+        return x.load() if isinstance(x, (RegatheredCopy, RegatheredDTensor, OffloadedTensor)) else x
 
 
 def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> fx.GraphModule:
@@ -114,11 +114,9 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     if rt.regathers or any(v != "device" for v in activations.values()):
         _gather_copies(gm, plan, param_of, rt)
     if rt.regathers:
-        regions = frozenset(k for k in node_layers(gm).values() if k is not None
-                            and plan.recompute.get(k, "none") != "none")
         whole = ("R",) * len(plan.mesh["shape"])
         flatten_gathers(gm, param_of, lambda fqn: parse_layout(plan.placements.get(fqn, whole)),
-                        tuple(plan.mesh["shape"]), rt.copies, regions)
+                        tuple(plan.mesh["shape"]), rt.copies)
     routers = {tier: SavedTensors(rt, tier) for tier in TIERS}
 
     def make_region(layer: str, body: fx.GraphModule) -> LayerRegion | None:

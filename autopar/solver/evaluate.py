@@ -132,7 +132,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     state, points = memory_points(problem, choice)
     family_s: dict[str, float] = {}
     for c in fam.costs:
-        if on.get(c.gate[0]) == c.gate[1]:
+        if c.applies(on):
             fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
     freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
@@ -483,7 +483,7 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
     shares: dict = {}           # group key -> its `_shares` (many costs gate on one group)
     per_step = [dict() for _ in bwd]
     for c in problem.families.costs:
-        if on.get(c.gate[0]) != c.gate[1]:
+        if not c.applies(on):
             continue
         g = groups[c.gate[0]]
         total = c.count * smax(0.0, c.expr.value(problem, choice))

@@ -6,7 +6,12 @@
 * selective: as full, but the outputs of matrix multiplications are kept
   (`cost_model.recompute.SELECTIVE_SAVED_OPS`), so only the other ops run again;
 * from the layer's backward on, its freed tensors exist again (the `Freed` window ends there).
-The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`).
+The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`). A gathered copy the
+residency family re-gathers ("regather") is not gathered a third time: the recomputation takes the
+backward's re-gather (a layer's parameters: its one flat gather, `runtime/layer_gather.py`; they reach
+the checkpointed region as its inputs, which checkpoint saves through the re-gathering hooks; an
+activation's: the gather re-run inside the region is the re-gather), so the forward's gathers again
+are priced here only where that copy is kept (`Cost.unless`).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan_records import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import Masked, allowed_options, before_backward, edges_by, layer_groups, saved_only_in
+from .common import REGATHER, Masked, allowed_options, before_backward, edges_by, layer_groups, residency_of, \
+    saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -32,9 +38,12 @@ def build(problem: Problem, setting: str) -> Families:
         fam.groups.append(Group(key, "recompute", RECOMPUTE_MODES, layers, allowed))
         if allowed == (0,):
             continue
-        full, sel = forward_expr(problem, groups.nodes[rep], into, masks)
+        full, sel, again = forward_expr(problem, groups.nodes[rep], into, masks, groups)
         fam.costs += [Cost(full, (key, FULL), len(layers), f"recompute {rep} (full)"),
                       Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
+        fam.costs += [Cost(expr, (key, mode), len(layers), f"recompute {rep}: the copies of {residency} gathered again",
+                           unless=((residency, REGATHER),))
+                      for residency, expr in again.items() for mode in (FULL, SELECTIVE)]
         for layer in layers:
             fam.freed += freed_in(problem, layer, groups.nodes[layer], saved.get(layer, ()), key,
                                   before_backward(problem, groups, layer), into, masks)
@@ -46,9 +55,11 @@ def _edges_into(into: dict[str, list[int]], names) -> list[int]:
     return sorted(k for n in dict.fromkeys(names) for k in into.get(n, ()))
 
 
-def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked) -> tuple[Expr, Expr]:
-    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps);
-    `into`: `edges_by(problem, "dst")`."""
+def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked,
+                 groups) -> tuple[Expr, Expr, dict[str, Expr]]:
+    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps,
+    both without the gathers of copies a residency decision governs; those gathers by that decision's
+    group); `into`: `edges_by(problem, "dst")`; `groups`: `layer_groups(problem)`."""
     full, sel = [], []
     for n in names:
         d = problem.decisions[n]
@@ -56,8 +67,18 @@ def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Mas
             full.append((n, tuple(d.fwd_s)))
             if not saved_under_selective(d.facts.op):
                 sel.append((n, tuple(d.fwd_s)))
-    comm = tuple((k, masks(problem.edges[k].fwd)) for k in _edges_into(into, names))
-    return Expr(tuple(full), comm), Expr(tuple(sel), comm)
+    comm, again = [], {}
+    for k in _edges_into(into, names):
+        fwd, decided = problem.edges[k].fwd, residency_of(problem, groups, k)
+        if decided is None:
+            comm.append((k, masks(fwd)))
+            continue
+        residency, _, mask = decided
+        again[residency] = again.get(residency, Expr()) + Expr((), ((k, masks(fwd, mask)),))
+        if mask is not None:        # the pairs that do not gather: no residency decision, gathered again
+            comm.append((k, masks(fwd, mask, keep=False)))
+    comm = tuple(comm)
+    return Expr(tuple(full), comm), Expr(tuple(sel), comm), again
 
 
 def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int,
