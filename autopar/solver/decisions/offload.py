@@ -40,7 +40,7 @@ from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
 from .common import Masked, allowed_options, edges_by, layer_groups, saved_only_in
-from .recompute import activation_copies
+from .recompute import activation_copies, source_replaced
 
 HOST, DISK = 1, 2
 # the host step takes each gradient in its master's dtype on the host (runtime/optimizer.py), whatever
@@ -131,6 +131,13 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
     held = sum((f.expr for _, f in kept[rep]), held)
     count = Expr((), tuple((k, tuple(tuple(1.0 if v else 0.0 for v in row) for row in t))
                            for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
+    # an activation whose one saver keeps a resharded copy instead: the copy alone is moved
+    for k in dict.fromkeys(k for k, _ in kept[rep]):
+        replaced = source_replaced(problem, k)
+        if replaced is not None and replaced[0] in items:
+            table = replaced[1]
+            held = held + Expr((), ((k, table),)).scaled(-1.0)
+            count = count + Expr((), ((k, tuple(tuple(-1.0 if v else 0.0 for v in row) for row in table)),))
     for t in allowed:
         if t:
             per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
