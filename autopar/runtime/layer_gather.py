@@ -23,10 +23,14 @@ other axes as stored, one dtype) become one `LayerGather`:
   run its backward (autograd's order), then released. Its backward hands each member's gradient to
   the gradient buckets (grad_sync.py) as the `Reshard` would, one after the other.
 
-Parameters of a layer that cannot join its flat gather (another kind of gather, a layer that is
-recomputed: checkpoint re-runs its region's gathers) are gathered one by one (`GatherCopy`), and
-logged. A layer whose activations are offloaded gathers flat as any other: its region's saved-tensor
-router finds a saved view of the flat buffer in the registry first and keeps its `RegatheredCopy`.
+Parameters of a layer that cannot join its flat gather (another kind of gather) are gathered one by
+one (`GatherCopy`), and logged. A layer whose activations are offloaded gathers flat as any other: its
+region's saved-tensor router finds a saved view of the flat buffer in the registry first and keeps its
+`RegatheredCopy`. A recomputed layer too (FSDP2 with activation checkpointing): its `LayerGather` runs
+before its checkpointed region (`_anchors`), whose inputs the gathered views are; checkpoint saves its
+inputs through the saved-tensor hooks around it, which keep a `RegatheredCopy` (`RegatheredDTensor`),
+so the buffer is freed after the forward and the recomputation unpacks the backward's flat re-gather
+(prefetched as any layer's): one flat gather per pass, none in the recomputation of its own.
 Parameters outside the layers group by their run between two layers (the embeddings;
 the final norm and head).
 
@@ -222,7 +226,7 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     """Replace the "regather" `GatherCopy` nodes of `gm` taking a parameter placeholder by one
     `LayerGather` per (layer, mesh axis, dtype) (module docstring), each launched one group ahead.
     Parameters outside the layers group by their run between layers. `stored_of(fqn)`: the stored
-    layout; `skip_layers`: layers left as they are (recomputed: regions checkpoint re-runs). Returns how
+    layout. Returns how
     many `LayerGather`s were made."""
     groups = _groups(gm, param_of, stored_of, mesh_shape)
     made = _layer_gathers(gm, groups, copies)

@@ -4,8 +4,9 @@
   plan re-gathers ("activations:<layer>", Megatron sequence parallelism), becomes a `GatherCopy`;
   a layer's re-gathered parameters then become one flat gather per mesh axis and dtype
   (layer_gather.py), also in a layer whose activations are offloaded (its region routes what its ops
-  save; a saved view of the flat buffer is gathered again as anywhere), but not in a recomputed
-  layer (checkpoint re-runs its region, gathers included, one by one);
+  save; a saved view of the flat buffer is gathered again as anywhere) and in a recomputed layer (its
+  gather runs before its region, and checkpoint saves the gathered views, its inputs, through the
+  router around the forward: the recomputation takes the backward's re-gather);
 * recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
@@ -15,8 +16,9 @@
     2. a parameter's or buffer's own storage -> kept (it lives anyway);
     3. otherwise -> kept on "device", or moved to the host pool or a file ("host", "disk").
   A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
-  keeps (almost) nothing, and its gathers are run again by the recomputation itself, so neither
-  residency nor offload has anything left to act on there.
+  keeps (almost) nothing, and the gathers inside it (the copies residency keeps, activations' gathers)
+  are run again by the recomputation itself, so neither residency nor offload has anything left to
+  act on there but its re-gathered parameters (above).
 Optimizer offload and master weights are the optimizer's (optimizer.py); gradients on the host are
 grad_offload.py's (wired by the module, which owns the parameters).
 """
