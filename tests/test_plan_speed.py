@@ -108,3 +108,23 @@ def test_rounded_lp_relaxation_is_within_the_mip_gap(monkeypatch, unbounded_2x4)
     assert rounded.solver.objective_s == pytest.approx(by_mip.solver.objective_s, rel=mip.MIP_GAP)
     for p in (by_mip, rounded):
         assert p.estimate.peak_memory_bytes <= tight * (1 + 1e-9)
+
+
+def test_branching_on_the_lp_relaxation_proves_a_knapsack_optimum():
+    """A MIP whose LP relaxation takes an item in part (a family option taken in part to meet the
+    budget exactly) is proven by fixing that column both ways (`solver/branch.py`), not left to the MIP
+    solver: the best plan found, within MIP_GAP of a proven bound, in a few LPs."""
+    from autopar.solver.branch import branch
+    m = mip.Mip()
+    value, weight = [6.0, 5.0, 4.0], [5.0, 4.0, 3.0]
+    cols = [m.add_col(0, 1, integral=True) for _ in value]
+    for j, v in zip(cols, value):
+        m.cost[j] = -v                                   # maximise the value taken
+    m.add_row(dict(zip(cols, weight)), -mip.INF, 8.0)    # capacity 8: the LP takes 1/5 of the first item
+
+    def rounded(values):
+        out = [float(round(v)) for v in values]
+        return out if m.violation(out) <= 1e-9 else None
+    b = branch(m, [0.0, 0.0, 0.0], rounded, None)
+    assert rounded([0.2, 1.0, 1.0]) == [0.0, 1.0, 1.0]         # the LP's plan rounded: value 9, not 10
+    assert b.proven and b.values == [1.0, 0.0, 1.0] and b.objective == -10.0 and 3 <= b.lps <= 12

@@ -178,6 +178,7 @@ class _Models:
         self.problem, self.budget, self.allowed = problem, budget, allowed
         self.built: dict[tuple, object] = {}
         self.shared: dict = {}           # what the models' common layout columns determine (`StrategyILP`)
+        self.memo: dict = {}             # what the problem alone determines, for every model (`StrategyILP`)
         self.binding: dict[int, int] = {}
         self.n_cols = self.n_rows = 0
         self.options: dict[tuple, dict[str, int] | None] = {}     # layout choice -> `families_for` it
@@ -186,13 +187,14 @@ class _Models:
         """`families_for(choice)`, once per choice (the LP roundings of steps 2 and 3 may meet again)."""
         key = tuple(sorted(choice.items()))
         if key not in self.options:
-            self.options[key] = families_for(self.problem, self.budget, choice)
+            self.options[key] = families_for(self.problem, self.budget, choice, self.memo)
         return self.options[key]
 
     def get(self, options: dict[str, int]):
         key = tuple(sorted(options.items()))
         if key not in self.built:
-            model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared, allowed=self.allowed)
+            model = StrategyILP(self.problem, self.budget, options=options, shared=self.shared, allowed=self.allowed,
+                                memo=self.memo)
             model.build()
             model.add_memory_rows(self.binding)
             self.built[key] = model
@@ -214,9 +216,10 @@ def _better(problem, models: _Models, best: Heuristic, choice: dict[str, int], s
     return Heuristic((choice, options), objective, status, solver, gap)
 
 
-def families_for(problem, budget: float, choice: dict[str, int]) -> dict[str, int] | None:
-    """The best family options for a fixed layout choice, or None if no options make it fit."""
-    model = StrategyILP(problem, budget, choice=choice)
+def families_for(problem, budget: float, choice: dict[str, int], memo: dict | None = None) -> dict[str, int] | None:
+    """The best family options for a fixed layout choice, or None if no options make it fit; `memo`:
+    `StrategyILP`'s."""
+    model = StrategyILP(problem, budget, choice=choice, memo=memo)
     model.build()
     r = model.solve_lazy(None)
     return None if r.values is None else model.assignment(r.values)[1]

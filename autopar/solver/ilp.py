@@ -57,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
+from .branch import branch
 from .evaluate import evaluate
 from .ilp_terms import FamilyTerms
 from .memory_rows import GIB, MemoryRows
@@ -97,16 +98,18 @@ class StrategyILP:
 
     def __init__(self, problem: Problem, memory_budget: float, *, choice: Mapping[str, int] | None = None,
                  options: Mapping[str, int] | None = None, shared: dict | None = None,
-                 allowed: Mapping[str, tuple[int, ...]] | None = None):
+                 allowed: Mapping[str, tuple[int, ...]] | None = None, memo: dict | None = None):
         """`choice` (leader -> strategy): the layouts are fixed, only family options are decided (a
         small model); `options` (group -> option): the family options are fixed, only layouts are
         decided (no products of layout and option variables). Neither: the joint model. `allowed`
         (representative leader -> strategy indices; `prune.py`): x columns for those choices only (a
         leader it leaves out keeps all). `shared`: a dict the caller keeps for every model of this
         problem with the same `choice` and `allowed` (their layout columns are the same): what depends
-        on those columns alone is worked out once."""
+        on those columns alone is worked out once. `memo`: a dict the caller keeps for every model of this
+        problem: what depends on the problem alone (`FamilyTerms._alike`)."""
         p = self.p = problem
         self.shared = {} if shared is None else shared
+        self.memo = {} if memo is None else memo
         self.budget = memory_budget
         self.m = Mip()
         self.defs: dict[int, Defined] = {}       # auxiliary columns -> how an assignment sets them
@@ -270,6 +273,7 @@ class StrategyILP:
     def build(self) -> None:
         self.add_memory()
         self.set_objective()
+        self.terms.tighten([*self.x.values(), *self.y.values()])
 
     def solve_lazy(self, deadline: float | None, start: list[float] | None = None, progress: bool = False,
                    relax: bool = False) -> MipResult:
@@ -287,15 +291,27 @@ class StrategyILP:
         lp = self._solve_rows(deadline, None, progress, True)
         if lp.values is None:
             return lp if lp.status == "Infeasible" else self._solve_rows(deadline, start, progress, False)
-        values = self.values_of(*self.assignment(lp.values))
-        if self.m.violation(values) <= ROW_TOLERANCE and not self.violated(values):
+        values = self.rounded(lp.values)
+        if values is not None:
             obj = self.m.objective(values)
             gap = max(obj - lp.objective, 0.0) / max(abs(obj), 1e-12)
             if gap <= MIP_GAP:
                 return MipResult(values, obj, f"Optimal (the LP relaxation rounded, gap {gap:.2%})", lp.solver, gap)
             if start is None or obj < self.m.objective(start):
                 start = values
+        if lp.solver == "HiGHS":      # a few LPs branching on the relaxation's fractional columns (`branch.py`)
+            b = branch(self.m, start, self.rounded, deadline)
+            if b.proven:
+                return MipResult(b.values, b.objective, f"Optimal (branched on the LP relaxation: {b.lps} LPs, gap "
+                                                        f"{b.gap:.2%})", lp.solver, b.gap)
+            start = b.values
         return self._solve_rows(deadline, start, progress, False)
+
+    def rounded(self, values: list[float]) -> list[float] | None:
+        """The plan of an LP solution, each decision at its largest fraction (`assignment`), as column
+        values; None where it breaks a row (a memory row left out of the model included)."""
+        out = self.values_of(*self.assignment(values))
+        return out if self.m.violation(out) <= ROW_TOLERANCE and not self.violated(out) else None
 
     def violated(self, values: list[float]) -> list[int]:
         """The memory points (D) not in the model whose rows `values` break, the most violated first."""

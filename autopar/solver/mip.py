@@ -37,7 +37,8 @@ MIP_GAP = 1e-3
 # 8 x 8192 with memory decisions: the joint model from the alternation's plan, 14k columns and 31k
 # rows, 91 CPU s without, 22 s with, the same plan. Since an offloaded layer's kept activation copies
 # are priced as moved (solver/decisions/offload.py) that model is 17.8k columns and 41.6k rows: 54 CPU s
-# with presolve at load 1.1-1.4, the same plan.
+# with presolve at load 1.1-1.4, the same plan. With the RLT rows (`ilp_terms.FamilyTerms.tighten`) and
+# branching on the LP's fractional columns first (`branch.py`) it is proven in three LPs (7.7 CPU s in all).
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +152,16 @@ def solver_seconds() -> float:
     return _solver_seconds
 
 
+def timed(run):
+    """run(), its wall seconds counted as time inside the solvers (`solver_seconds`)."""
+    global _solver_seconds
+    t0 = time.perf_counter()
+    try:
+        return run()
+    finally:
+        _solver_seconds += time.perf_counter() - t0
+
+
 def highs_available() -> bool:
     try:
         import highspy  # noqa: F401
@@ -159,7 +170,9 @@ def highs_available() -> bool:
     return True
 
 
-def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None, relax: bool = False) -> MipResult:
+def highs_model(m: Mip, relax: bool = False, presolve: bool | None = None):
+    """A highspy.Highs holding `m` (every column continuous where `relax`), with this module's options;
+    `presolve`: None as `m.presolve` says."""
     import highspy
     import numpy as np
     h = highspy.Highs()
@@ -170,9 +183,7 @@ def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None, re
     h.setOptionValue("primal_feasibility_tolerance", 1e-9)
     h.setOptionValue("mip_feasibility_tolerance", 1e-9)
     h.setOptionValue("mip_rel_gap", MIP_GAP)
-    h.setOptionValue("presolve", "on" if m.presolve or (start is not None and not relax) else "off")
-    if time_limit is not None:
-        h.setOptionValue("time_limit", float(max(time_limit, 1e-3)))
+    h.setOptionValue("presolve", "on" if (m.presolve if presolve is None else presolve) else "off")
     n = m.n_cols
     h.addVars(n, np.array(m.col_lo, dtype=np.float64), np.array(m.col_hi, dtype=np.float64))
     h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(m.cost, dtype=np.float64))
@@ -183,6 +194,14 @@ def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None, re
         h.addRows(m.n_rows, np.array(m.row_lo, dtype=np.float64), np.array(m.row_hi, dtype=np.float64),
                   len(m.row_index), np.array(m.row_start[:-1], dtype=np.int32),
                   np.array(m.row_index, dtype=np.int32), np.array(m.row_value, dtype=np.float64))
+    return h
+
+
+def _solve_highs(m: Mip, time_limit: float | None, start: list[float] | None, relax: bool = False) -> MipResult:
+    import highspy
+    h = highs_model(m, relax, m.presolve or (start is not None and not relax))
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(max(time_limit, 1e-3)))
     if start is not None:
         sol = highspy.HighsSolution()
         sol.col_value = list(start)
