@@ -139,10 +139,10 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
     time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
-    subspace of `prune.axis_merges` (`prune.merged_axes`) and one round of local search from their plan
-    (the layouts within one mesh axis of the plan's, `prune.near`, re-solved from it), solved whatever
-    the time limit: the floor, the same on every run; then, while time remains, step 3 there, more
-    rounds of local search while the plan improves, the alternation in the other mergers' subspaces
+    subspace of `prune.axis_merges` (`prune.merged_axes`), step 3 there while time remains, and one
+    round of local search from that plan (the layouts within one mesh axis of the plan's, `prune.near`,
+    re-solved from it): all but step 3 solved whatever the time limit, the floor; then, while time
+    remains, more rounds of local search while the plan improves, the alternation in the other mergers' subspaces
     (from the best plan's options where no options fit their most sharded layouts: their own plan that
     needs least memory took Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and
     local search again after a merger that improved the plan.
