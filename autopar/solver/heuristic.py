@@ -140,8 +140,8 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
     time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
     subspace of `prune.axis_merges` (`prune.merged_axes`), step 3 there while time remains, and one
-    round of local search from that plan (the layouts within one mesh axis of the plan's, `prune.near`,
-    re-solved from it): all but step 3 solved whatever the time limit, the floor; then, while time
+    round of local search from that plan (the layouts within one mesh axis of the plan's, `prune.near`:
+    their LP relaxation rounded): all but step 3 solved whatever the time limit, the floor; then, while time
     remains, more rounds of local search while the plan improves, the alternation in the other mergers' subspaces
     (from the best plan's options where no options fit their most sharded layouts: their own plan that
     needs least memory took Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and
@@ -154,7 +154,7 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     (9.38 s a step -> 8.76 s; 72 CPU s for the subspace, 4.7 for the step)."""
     merges = prune.axis_merges(problem)
     best = _merged(problem, budget, deadline, progress, merges[0], None, floor=True)
-    best = _local(problem, budget, best, deadline, progress, rounds=1)
+    best = _local(problem, budget, best, deadline, progress, floor=True)
     best = _local(problem, budget, best, deadline, progress)
     solved = 1
     for groups in merges[1:]:
@@ -179,15 +179,20 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
 
 
 def _local(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool,
-           rounds: int | None = None) -> Heuristic:
+           floor: bool = False) -> Heuristic:
     """Local search from `best`: the layouts within one mesh axis of its own (`prune.near`) re-solved from
-    it with the alternation's step 3, round after round while the plan improves and time remains; `rounds`:
-    at most that many, whatever the time (the floor's round)."""
-    done = 0
-    while (done < rounds) if rounds is not None else not _past(deadline):
-        done += 1
-        h = improve(problem, budget, best, None if rounds is not None else deadline, progress,
-                    _Models(problem, budget, prune.near(problem, best.plan[0])))
+    it with the alternation's step 3, round after round while the plan improves and time remains. `floor`:
+    one round whatever the time, as step 2 solves (the LP relaxation's layouts, rounded, with `best`'s
+    options, then the best options for them: no MIP, whose time has no bound)."""
+    if floor:
+        models = _Models(problem, budget, prune.near(problem, best.plan[0]))
+        model = models.get(best.plan[1])
+        r = model.solve_lazy(None, relax=True)
+        h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
+                                                  "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+        return best if h is best else replace(h, status=f"{h.status}; local search")
+    while not _past(deadline):
+        h = improve(problem, budget, best, deadline, progress, _Models(problem, budget, prune.near(problem, best.plan[0])))
         if h.objective_s >= best.objective_s * (1 - 1e-9):
             return replace(best, n_variables=h.n_variables, n_constraints=h.n_constraints)
         best = replace(h, status=f"{h.status}; local search")
