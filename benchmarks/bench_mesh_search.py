@@ -1,6 +1,6 @@
 """The planner choosing the mesh (issue 38): a `Cluster` in, the best mesh shape, axis roles and plan out.
 
-    python benchmarks/bench_mesh_search.py gpt3|mixtral|llama-cp|llama-node [--time-limit S] [--baseline]
+    python benchmarks/bench_mesh_search.py gpt3|mixtral|llama-cp|llama-node|qwen3-cp [--time-limit S] [--baseline]
 
 * gpt3: GPT-3 175B (examples/models.py GPT: 96 layers, hidden 12,288, 96 heads, vocabulary 51,200,
   sequence 2,048, bf16, AdamW) at global batch 1,536 on `Cluster(nodes=128, devices_per_node=8,
@@ -11,7 +11,9 @@
   (bench_context_parallel's sizes), outputs left sharded as there (`sharded_outputs=True`: the logits,
   256 GiB at that size, are never gathered whole on a device);
 * llama-node: Llama-3-8B at 8 x 8192 on one node of 8 H100; --baseline also plans the (8,) FSDP-style
-  mesh (one "dp" axis) for comparison.
+  mesh (one "dp" axis) for comparison;
+* qwen3-cp: Hugging Face Qwen3-8B (bench_plan_speed's held-out configuration) at llama-cp's sizes, so that
+  the long-context search is not tuned to Llama.
 Prints one JSON line per search: the chosen mesh, its step and peak memory and why it won, the
 runners-up (each mesh planned, with its predicted step and peak, or why no plan fits), how many meshes
 were weighed by status and the first ones not planned with why, the search's wall and CPU seconds, and the
@@ -59,6 +61,18 @@ def _llama(batch, seq, nodes, fsdp_mesh=None, **opts):
         fsdp_mesh, opts, opts
 
 
+def qwen3_cp():
+    import transformers
+    from bench_plan_speed import HELD_OUT
+    family, cfg = HELD_OUT["qwen3-8b"]
+    config = getattr(transformers, f"{family}Config")(**{**cfg, "max_position_embeddings": 131072})
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}ForCausalLM")(config).to(torch.bfloat16)
+        ids = torch.zeros(8, 131072, dtype=torch.long)
+    opts = dict(sharded_outputs=True)
+    return model, (ids,), {"labels": ids}, autopar.Cluster(nodes=8, devices_per_node=8, device="h100"), None, opts, opts
+
+
 def mixtral():
     from zoo import build
     model, args, kwargs, _ = build("mixtral", full=True, batch=8, seq=4096)
@@ -67,7 +81,7 @@ def mixtral():
 
 
 CASES = {"gpt3": gpt3, "mixtral": mixtral, "llama-cp": lambda: _llama(8, 131072, 8, sharded_outputs=True),
-         "llama-node": lambda: _llama(8, 8192, 1, autopar.Mesh((8,), ("dp",), "h100"))}
+         "llama-node": lambda: _llama(8, 8192, 1, autopar.Mesh((8,), ("dp",), "h100")), "qwen3-cp": qwen3_cp}
 
 
 def _mesh(m) -> str:

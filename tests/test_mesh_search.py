@@ -13,6 +13,7 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.errors import MeshError, PlanFileError, PlanOptionError
 from autopar.planner.mesh_screen import ModelFacts, mesh_candidates
+from autopar.strategies.attention import CONTEXT_LABELS
 from dist_checks import grad_gap, param_gap, rel, step_both
 from models import GPT, gpt_inputs
 
@@ -78,6 +79,24 @@ def test_a_mesh_of_four_split_axes_is_searched_in_subspaces_of_two():
     assert len(set(merges)) == len(merges) == 3
     assert [len(m) for m in axis_merges(SimpleNamespace(mesh=mesh.__class__((8, 2, 4), ("dp", "cp", "tp"),
                                                                            mesh.profile)))] == [1, 1, 1]
+
+
+def test_a_three_axis_mesh_reaches_roles_its_merged_subspaces_leave_out():
+    """A mesh of three split axes is searched in subspaces that merge two axes (they do the same); a plan whose
+    two intra-node axes do different things, the sequence split over one (context-parallel attention) and heads
+    over the other, is in none of them. The floor, found whatever the time limit, takes one local-search step
+    across one axis from the first subspace's plan and reaches it; the other subspaces wait for time left."""
+    from models import Llama
+    with torch.device("meta"):
+        model = Llama(vocab=1024, hidden=1024, heads=8, kv_heads=2, ffn=2048, layers=2, seq=65536)
+        idx = torch.zeros(2, 65536, dtype=torch.long)
+    mesh = Cluster(nodes=2, devices_per_node=4, device="h100").mesh((2, 2, 2), ("dp", "cp", "tp"))
+    plan = autopar.plan(model, (idx, idx), mesh, time_limit=1e-3, sharded_outputs=True, symbolic=False,
+                        pipeline=False, progress=False)
+    assert plan.solver.status == "best found at the time limit (subspaces of merged mesh axes searched)"
+    attention = {tuple(n.labels) for n in plan.nodes if "scaled_dot_product" in n.op}
+    assert attention and all(sum(lab in CONTEXT_LABELS for lab in labels[1:]) == 1 and "heads" in labels[1:]
+                             for labels in attention), attention
 
 
 def _tiny():

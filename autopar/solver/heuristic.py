@@ -50,14 +50,18 @@ class Heuristic:
 
 
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
-               allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False) -> Heuristic:
+               allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False,
+               options: dict[str, int] | None = None) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
     searched among these strategies only (`StrategyILP`'s argument). `floor`: steps 1 and 2 run to
-    their end whatever the deadline (their plan is the same on every run)."""
+    their end whatever the deadline (their plan is the same on every run). `options`: family options
+    a plan of the same problem fits with (another subspace's): where no options fit the most sharded
+    layouts, step 2 starts from them instead of the plan that needs least memory, and None is
+    returned where that finds no plan (a search that has a plan already then has nothing to gain)."""
     models = _Models(problem, budget, allowed)
-    best = _first(problem, budget, None if floor else deadline, models)
-    return improve(problem, budget, best, deadline, progress, models)
+    best = _first(problem, budget, None if floor else deadline, models, options)
+    return None if best is None else improve(problem, budget, best, deadline, progress, models)
 
 
 CARRIED = "Feasible (a neighbouring problem's plan, carried over)"
@@ -76,22 +80,28 @@ def resume_plan(problem, budget: float, plan: Assignment, deadline: float | None
                    models)
 
 
-def _first(problem, budget: float, deadline: float | None, models: _Models) -> Heuristic:
+def _first(problem, budget: float, deadline: float | None, models: _Models,
+           known: dict[str, int] | None = None) -> Heuristic | None:
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
-    relaxation's layouts rounded, the better."""
+    relaxation's layouts rounded, the better; `known`: `start_plan`'s `options`."""
     choice = most_sharded(problem, models.allowed)
     options = models.options_for(choice)
-    if options is None:     # no options fit the most sharded layouts: the plan that needs least, if it fits
+    best = None
+    if options is not None:
+        best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
+                         "Feasible (the most sharded plan)", "HiGHS", 1.0)
+    elif known is not None:     # no options fit the most sharded layouts: step 2 from options that fit elsewhere
+        options = known
+    else:                       # the plan that needs least, if it fits
         plan, need = least_memory(problem, models.allowed)
         if need > budget:
             raise infeasible(problem, budget, need)
         options = plan[1]
         best = Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
-    else:
-        best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
-                         "Feasible (the most sharded plan)", "HiGHS", 1.0)
     defaults = problem.families.defaults()
     for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
+        if best is None and _past(deadline):
+            break
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
         r = model.solve_lazy(deadline, relax=True)
         if r.values is not None:
@@ -129,30 +139,64 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
     time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
-    subspace of `prune.axis_merges` (`prune.merged_axes`), solved whatever the time limit: the floor,
-    the same on every run; then, while time remains, step 3 there, the alternation in the other
-    mergers' subspaces, and local search: the layouts within one mesh axis of the plan's
-    (`prune.near`) re-solved from it, round after round while the plan improves."""
+    subspace of `prune.axis_merges` (`prune.merged_axes`), step 3 there while time remains, and one
+    round of local search from that plan (the layouts within one mesh axis of the plan's, `prune.near`:
+    their LP relaxation rounded): all but step 3 solved whatever the time limit, the floor; then, while time
+    remains, more rounds of local search while the plan improves, the alternation in the other mergers' subspaces
+    (from the best plan's options where no options fit their most sharded layouts: their own plan that
+    needs least memory took Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and
+    local search again after a merger that improved the plan.
+
+    The local search is in the floor because a merged subspace makes the merged axes do the same: a
+    plan whose axes of one link level do different things (on Llama-3-8B at 131,072 tokens over
+    (8, 2, 4) H100, the sequence split over the second axis and heads over the third) is in no
+    subspace, and one step across one axis reaches it from the first subspace's plan, heads over both
+    (9.38 s a step -> 8.76 s; 72 CPU s for the subspace, 4.7 for the step)."""
     merges = prune.axis_merges(problem)
-    best, solved = None, 0
-    for k, groups in enumerate(merges):
-        if k and _past(deadline):
+    best = _merged(problem, budget, deadline, progress, merges[0], None, floor=True)
+    best = _local(problem, budget, best, deadline, progress, floor=True)
+    best = _local(problem, budget, best, deadline, progress)
+    solved = 1
+    for groups in merges[1:]:
+        if _past(deadline):
             break
-        h = start_plan(problem, budget, deadline, progress, prune.merged_axes(problem, *groups), floor=k == 0)
         solved += 1
-        if best is None or h.objective_s < best.objective_s * (1 - 1e-9):
-            names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
-            best = replace(h, status=f"{h.status}; mesh axes {names} merged")
+        h = _merged(problem, budget, deadline, progress, groups, best.plan[1])
+        if h is not None and h.objective_s < best.objective_s * (1 - 1e-9):
+            best = _local(problem, budget, h, deadline, progress)
     best = replace(best, status=f"{best.status} (best of {solved} of {len(merges)} mergers of mesh axes)")
-    while not _past(deadline):
-        h = improve(problem, budget, best, deadline, progress,
-                    _Models(problem, budget, prune.near(problem, best.plan[0])))
-        better = h.objective_s < best.objective_s * (1 - 1e-9)
-        if not better:
-            return replace(best, status=f"{best.status}; local search ended: {h.status}",
-                           n_variables=h.n_variables, n_constraints=h.n_constraints)
-        best = replace(h, status=f"{h.status}; local search")
     return _timed_out(best, deadline)
+
+
+def _merged(problem, budget: float, deadline: float | None, progress: bool, groups: tuple[tuple[int, ...], ...],
+            options: dict[str, int] | None, floor: bool = False) -> Heuristic | None:
+    """The alternation's plan in the subspace of merged axes `groups` (`start_plan`'s `options`, `floor`)."""
+    h = start_plan(problem, budget, deadline, progress, prune.merged_axes(problem, *groups), floor, options)
+    if h is None:
+        return None
+    names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
+    return replace(h, status=f"{h.status}; mesh axes {names} merged")
+
+
+def _local(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool,
+           floor: bool = False) -> Heuristic:
+    """Local search from `best`: the layouts within one mesh axis of its own (`prune.near`) re-solved from
+    it with the alternation's step 3, round after round while the plan improves and time remains. `floor`:
+    one round whatever the time, as step 2 solves (the LP relaxation's layouts, rounded, with `best`'s
+    options, then the best options for them: no MIP, whose time has no bound)."""
+    if floor:
+        models = _Models(problem, budget, prune.near(problem, best.plan[0]))
+        model = models.get(best.plan[1])
+        r = model.solve_lazy(None, relax=True)
+        h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
+                                                  "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+        return best if h is best else replace(h, status=f"{h.status}; local search")
+    while not _past(deadline):
+        h = improve(problem, budget, best, deadline, progress, _Models(problem, budget, prune.near(problem, best.plan[0])))
+        if h.objective_s >= best.objective_s * (1 - 1e-9):
+            return replace(best, n_variables=h.n_variables, n_constraints=h.n_constraints)
+        best = replace(h, status=f"{h.status}; local search")
+    return best
 
 
 def _past(deadline: float | None) -> bool:
@@ -204,14 +248,14 @@ class _Models:
         return model
 
 
-def _better(problem, models: _Models, best: Heuristic, choice: dict[str, int], status: str, solver: str,
+def _better(problem, models: _Models, best: Heuristic | None, choice: dict[str, int], status: str, solver: str,
             gap: float) -> Heuristic:
     """`best`, or the plan of `choice` with its best options where that is faster."""
     options = models.options_for(choice)
     if options is None:
         return best
     objective = evaluate(problem, choice, options).objective_s
-    if objective >= best.objective_s * (1 - 1e-9):
+    if best is not None and objective >= best.objective_s * (1 - 1e-9):
         return best
     return Heuristic((choice, options), objective, status, solver, gap)
 
