@@ -64,7 +64,10 @@ def _is_causal(mask: fx.Node) -> bool:
     if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.ndim < 2:
         return False
     while mask.op == "call_function" and mask.target in _BROADCASTS:
-        mask = mask.args[0]
+        inner = mask.args[0]
+        if not isinstance(inner, fx.Node) or _last_two(inner) != _last_two(mask):   # (query, key) dims kept
+            return False
+        mask = inner
     if mask.op != "call_function" or mask.target not in _COMPARISONS:
         return False
     left, right = mask.args[:2]
@@ -90,6 +93,11 @@ def _is_causal(mask: fx.Node) -> bool:
     # keys visible to query i: a prefix of the increasing keys, of this length; causal iff it is i + 1
     visible = torch.searchsorted(kpos, qpos, right=rel == "le")
     return bool((visible == torch.arange(1, qpos.numel() + 1)).all())
+
+
+def _last_two(node: fx.Node) -> tuple | None:
+    shape = getattr(node.meta.get("val"), "shape", None)
+    return tuple(shape[-2:]) if shape is not None and len(shape) >= 2 else None
 
 
 def _only_dim(shape) -> int | None:
