@@ -75,8 +75,10 @@ RUNS = [
 ]
 
 
-# issue 15 on a GPU machine: the same comparisons under NCCL, one rank per GPU (torchrun)
-CUDA_RUNS = [["bench_wrappers.py", "--device", "cuda"], ["bench_wrappers.py", "--device", "cuda", "--model", "gpt2"]]
+# issue 15 on a GPU machine: the same comparisons under NCCL, one rank per GPU (torchrun); issue 35's
+# checks on one GPU (ring block and grouped experts against torch's kernels, the memory reserve, a step)
+CUDA_RUNS = [["bench_wrappers.py", "--device", "cuda"], ["bench_wrappers.py", "--device", "cuda", "--model", "gpt2"],
+             ["bench_gpu.py"]]
 
 
 def main() -> int:
