@@ -42,10 +42,11 @@ def test_gradients_on_the_host_leave_the_device_as_predicted(dp):
             # device bytes after the backward (what the family changes), measured and as the evaluator prices it
             measured, predicted = r[name]["before_step"], r[name]["predicted_state"]
             assert abs(measured - predicted) <= 0.02 * measured, (name, measured, predicted)
-        # the step's peak falls where measured; as priced it never rises: on some of the tied layouts the
-        # priced peak is the loss's backward, before any gradient is made (priced 9-17% above the measured
-        # peak there: an over-estimate of that point, not of the gradients), and it stays
-        assert out["peak_device"] < none["peak_device"] and out["predicted_peak"] <= none["predicted_peak"]
+        # the step's peak never rises, measured or priced: on some of the tied layouts the peak is the
+        # loss's backward, before any gradient is made, where moving gradients cannot lower it (priced
+        # 9-17% above the measured peak there: an over-estimate of that point, not of the gradients); the
+        # gradients leaving the device are checked above, after the backward
+        assert out["peak_device"] <= none["peak_device"] and out["predicted_peak"] <= none["predicted_peak"]
 
 
 def test_the_planner_moves_gradients_to_the_host_when_the_budget_needs_it():
