@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..strategies.attention import CONTEXT_LABELS
@@ -430,7 +430,8 @@ class TensorParallelism:
     * `sequence`: axes of a 1D family over which most layer norms' ops are split on the sequence, as
       the residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
       reduce-scatter after the row product);
-    * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it; also
+    * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it, as at
+      least half the attention ops run it; also
       "ulysses" where attention splits heads over an axis that is not a tensor-parallel one while most
       layer norms are split on the sequence over it: the sequence split outside attention, moved to
       heads and back around it by the plan's own all-to-alls (DeepSpeed-Ulysses, as edges).
@@ -460,7 +461,10 @@ def tensor_parallel_family(plan) -> TensorParallelism:
     axes, sizes = plan.mesh["axis_names"], plan.mesh["shape"]
     batch = set(plan.options.get("batch_axes") or ())
     params = {n.name for n in plan.nodes if n.executor == "param"}
-    context = {axes[a]: lab for n in plan.nodes for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS}
+    attention = [n for n in plan.nodes if "scaled_dot_product" in n.op]
+    uses = Counter((a, lab) for n in attention for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS)
+    # an axis's context-parallel attention as most attention ops run it (an odd layer does not name the plan)
+    context = {axes[a]: lab for (a, lab), k in sorted(uses.items()) if 2 * k >= len(attention)}
     found: list[tuple[str, frozenset, frozenset]] = []       # per product: (family, its axes, its depth axes)
     for n in plan.nodes:
         if n.op not in WEIGHT_PRODUCTS:
