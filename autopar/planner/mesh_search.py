@@ -154,9 +154,8 @@ def _time_slice(deadline: float | None, n_planned: int) -> float | None:
     """The time limit of the next mesh's plan: of the time left, an equal share among the SHARED first
     meshes planned still to come (the first gets 1/SHARED, the second 1/(SHARED - 1) of what is left, ...),
     all of it after them; None without a deadline."""
-    if deadline is None:
-        return None
-    return max(deadline - time.perf_counter(), 0.0) / max(SHARED - n_planned, 1)
+    left = _left(deadline)
+    return None if left is None else left / max(SHARED - n_planned, 1)
 
 
 def _left(deadline: float | None) -> float | None:
