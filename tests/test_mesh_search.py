@@ -158,6 +158,21 @@ def test_a_time_limit_is_shared_among_the_first_meshes_planned(monkeypatch):
     assert mesh_search._time_slice(deadline, 1) == 0.0
 
 
+def test_once_a_plan_is_found_a_mesh_is_started_only_in_the_time_the_slowest_took():
+    """The time limit bounds the whole search: each mesh gets its solver's first plans whatever its slice, so
+    after the first plan a mesh is started only while the time left is at least what the slowest mesh's plan
+    took; the others are not planned, for the time limit, saying how much was left."""
+    from types import SimpleNamespace
+    from autopar.planner import mesh_search
+    s = SimpleNamespace(bound_s=0.0, estimate_s=1.0)
+    found = dict(best_s=2.0, n_planned=1, top=1.0, scale=1.0)
+    assert mesh_search._skipped(s, left=30.0, slowest_s=20.0, **found) is None
+    status, why = mesh_search._skipped(s, left=10.0, slowest_s=20.0, **found)
+    assert status == "not planned" and why.startswith("the time limit") and "10.0 s left" in why and "20.0 s" in why
+    assert mesh_search._skipped(s, left=0.5, slowest_s=0.1, **found)[0] == "not planned"    # MIN_SLICE_S
+    assert mesh_search._skipped(s, left=None, slowest_s=1e9, **found) is None               # no time limit
+
+
 def test_the_cli_takes_a_cluster_for_the_mesh():
     from autopar.cli import CliError, _mesh, build_parser
     a = build_parser().parse_args(["plan", "my_models:small", "--cluster", "4x8", "--device", "a100"])

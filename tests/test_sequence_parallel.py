@@ -115,6 +115,17 @@ def test_report_names_the_tensor_parallel_family():
         in sp.report(symbolic=False)
     cp = _plan((2,), ("cp",), {"idx": ("S(1)",), "targets": ("S(1)",), "scaled_dot_product_attention*": ("ring",)})
     assert tp_family(cp).context == {"cp": "ring"} and tp_family(cp).sequence == ()
+    # heads over cp inside attention, the sequence over cp outside it: Ulysses by the plan's own all-to-alls
+    def ulysses(n):      # as data: the layers split on the sequence (norms and products), attention on heads
+        if "scaled_dot_product" in n.op:
+            return dataclasses.replace(n, labels=("heads",), output=("S(1)",))
+        if n.op == "aten.linear":
+            return dataclasses.replace(n, labels=("dim1",), output=("S(1)",))
+        return dataclasses.replace(n, output=("S(1)",)) if n.op == "aten.layer_norm" else n
+    heads = dataclasses.replace(cp, nodes=[ulysses(n) for n in cp.nodes])
+    assert tp_family(heads).context == {"cp": "ulysses"} and tp_family(heads).family == "none"
+    assert "context parallelism (ulysses: the sequence split outside attention, heads inside) over cp" in \
+        heads.report(symbolic=False)
     assert tp_family(_relabelled(tp, (2, 2), ("x", "y"), ("column", "row"))).family == "2D"
     depth = _relabelled(tp, (2, 2, 2), ("x", "y", "z"), ("column", "row", "batch"))
     assert (tp_family(depth).family, tp_family(depth).depth) == ("2.5D", ("z",))

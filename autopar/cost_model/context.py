@@ -7,10 +7,12 @@ on every device: the chunks are in the causal-balanced order), q_b the bytes of 
 queries (as many as of its output) and kv_b of its keys and values together:
 
     ring          forward   c_f/n + (n-1) max(c_f/n, hop(kv_b))          each hop is issued before the
-                  backward  c_b/n + (n-1) max(c_b/n, hop(2 kv_b))        block in hand is computed, so it
-                            + hop(kv_b)                                  overlaps; in the backward K/V and
-                                                                         their gradients travel together,
-                                                                         and a last hop brings dK/dV home
+                  backward  c_b/n + (n-1) max(c_b/n, hop(kv_b + g_b))    block in hand is computed, so it
+                            + hop(g_b)                                   overlaps; in the backward K/V and
+                                                                         their gradients travel together
+                                                                         (a block's dK/dV are waited for
+                                                                         after its kernels), and a last hop
+                                                                         brings dK/dV home
     allgather_kv  forward   c_f + all_gather(n kv_b)                     not overlapped (Llama 3 gathers
                   backward  c_b + all_gather(n kv_b) + reduce_scatter(n kv_b)   first; small next to
                                                                          attention at long context)
@@ -30,8 +32,8 @@ output's fp32 log-sum-exp (lse_b) and, in the balanced order, the output's copy 
 (Ulysses: the heads-split output its inner attention keeps); and working buffers, largest in the
 backward, while one block is differentiated:
 
-    ring          dq in fp32 + dK/dV in hand (g_b) + the next K/V block (kv_b) + the block's gradients
-                  (q_b + kv_b)
+    ring          dq in fp32 + dK/dV sent and arriving (2 g_b) + the next K/V block (kv_b) + the block's
+                  gradients (q_b + kv_b)
     allgather_kv  dq in fp32 + every K/V block (n kv_b) and its gradients (n g_b) + the block's (q_b + kv_b)
 
 (the forward's, an fp32 output, its block's output and the next K/V block, are fewer). The fused
@@ -100,4 +102,4 @@ def context_work_bytes(c: ContextComm) -> float:
     dq, block = c.q_b * c.fp32, c.q_b + c.kv_b
     if c.label == "allgather_kv":
         return dq + c.n * (c.kv_b + c.grad_b) + block
-    return dq + c.grad_b + c.kv_b + block
+    return dq + 2 * c.grad_b + c.kv_b + block

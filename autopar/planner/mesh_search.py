@@ -19,10 +19,13 @@
 `time_limit` bounds the whole search after the model's capture (as `plan()` on a Mesh counts its
 time limit from the capture on): the candidates share one deadline, each planned with its slice of
 it as its own `time_limit` (`_time_slice`: the SHARED first ones equal shares of the time left, so
-that runners-up are planned however slow the machine; the later ones what is left, started only
-while that is at least what the last one took and MIN_SLICE_S); until a plan is found a candidate
-is planned whatever the time left, so that there is a plan, and each candidate planned gets its
-solver's first plans whatever its slice (`floor`: a mesh's price is at least those on a loaded machine).
+that runners-up are planned however slow the machine; the later ones what is left). Each candidate
+planned gets its solver's first plans whatever its slice (`floor`: a mesh's price is at least those on
+a loaded machine), so a plan may take longer than its slice: until a plan is found a candidate is
+planned whatever the time left, so that there is a plan; after that one is started only while the
+time left is at least MIN_SLICE_S and what the slowest mesh planned so far took (its floor, the best
+guess of the next one's), so that the search ends by the deadline unless the first plan alone takes
+longer; the others are "not planned" for the time limit, the report saying how much was left.
 Without a time limit the result depends on the inputs alone; with one, on how far the search got
 (the report says how many were planned).
 """
@@ -110,7 +113,7 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
     best: tuple[Plan, MeshCandidate] | None = None
     rows: list[MeshCandidate] = []
     priced: dict[tuple, object] = {}    # (shape, names) -> the Estimate of a mesh planned
-    last_s, n_planned = 0.0, 0
+    slowest_s, n_planned = 0.0, 0        # the longest a mesh's plan took, and how many were planned
     top = screened[0].estimate_s if screened else math.inf
     scale = math.inf        # the least (price / screen estimate) of the meshes planned
     first_of: dict[tuple, Screened] = {}     # (shape, pipeline axis index) -> the first candidate of that mesh
@@ -123,8 +126,8 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
                                           f"does on each axis)"))
             continue
         limit = _time_slice(deadline, n_planned)
-        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale, limit,
-                                                  last_s)
+        skip = None if best is None else _skipped(s, best[0].estimate.step_time_s, n_planned, top, scale,
+                                                  _left(deadline), slowest_s)
         if skip is not None:
             rows.append(replace(row, status=skip[0], note=skip[1]))
             continue
@@ -132,7 +135,7 @@ def _plan_in_order(model, args, kwargs, cap, infos, screened: list[Screened], op
         log.info("mesh search: planning %s (screen %.4g s, bound %.4g s, time limit %s)", _label(s.mesh),
                  s.estimate_s, s.bound_s, "none" if limit is None else f"{limit:.1f} s")
         plan = _plan_one(model, args, kwargs, captured, s, opts, limit)
-        last_s, n_planned = time.perf_counter() - t, n_planned + 1
+        slowest_s, n_planned = max(slowest_s, time.perf_counter() - t), n_planned + 1
         if isinstance(plan, str):
             rows.append(replace(row, status="infeasible", note=plan))
             continue
@@ -151,16 +154,20 @@ def _time_slice(deadline: float | None, n_planned: int) -> float | None:
     """The time limit of the next mesh's plan: of the time left, an equal share among the SHARED first
     meshes planned still to come (the first gets 1/SHARED, the second 1/(SHARED - 1) of what is left, ...),
     all of it after them; None without a deadline."""
-    if deadline is None:
-        return None
-    return max(deadline - time.perf_counter(), 0.0) / max(SHARED - n_planned, 1)
+    left = _left(deadline)
+    return None if left is None else left / max(SHARED - n_planned, 1)
 
 
-def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, limit: float | None,
-             last_s: float) -> tuple[str, str] | None:
+def _left(deadline: float | None) -> float | None:
+    """Seconds left to the search's deadline (None: no limit)."""
+    return None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+
+
+def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: float, left: float | None,
+             slowest_s: float) -> tuple[str, str] | None:
     """(status, why) where candidate `s` is not planned (a plan of `best_s` seconds found already;
-    `scale`: the least price over screen estimate of the meshes planned; `limit`: its time slice;
-    `last_s`: what the last mesh's plan took)."""
+    `scale`: the least price over screen estimate of the meshes planned; `left`: the seconds left to the
+    search's deadline; `slowest_s`: the longest a mesh's plan took so far)."""
     if s.bound_s >= best_s:
         return "pruned", f"its lower bound {s.bound_s:.4g} s is above the best plan's step"
     if n_planned >= MAX_PLANNED:
@@ -170,8 +177,10 @@ def _skipped(s: Screened, best_s: float, n_planned: int, top: float, scale: floa
     if s.estimate_s * scale > best_s * (1 + SCREEN_MARGIN):
         return "not planned", (f"its screen estimate scaled as the planned meshes' prices (x{scale:.3g}) is "
                                f"{s.estimate_s * scale / best_s - 1:.1%} over the best plan's step")
-    if limit is not None and (limit < MIN_SLICE_S or (n_planned >= SHARED and limit < last_s)):
-        return "not planned", "the time limit"
+    if left is not None and left < max(MIN_SLICE_S, slowest_s):
+        need = (f"the {slowest_s:.1f} s the slowest mesh's plan took" if slowest_s > MIN_SLICE_S else
+                f"the {MIN_SLICE_S:g} s a mesh's plan takes at least")
+        return "not planned", f"the time limit: {left:.1f} s left, less than {need}"
     return None
 
 

@@ -23,7 +23,10 @@ device i holding the i-th contiguous chunk; the output leaves the same way.
   The backward runs the fused backward kernel per block with the merged output and log-sum-exp,
   as FlashAttention's backward does (the kernels' own autograd would keep every block's K/V for
   the backward: O(n) blocks; this keeps one or two). In the ring each block's dK/dV (fp32) travel
-  with it and reach their owner after n hops; allgather_kv gathers K/V again and reduce-scatters
+  with it and reach their owner after n hops: a device computes its block's gradients before it
+  waits for that block's dK/dV from its neighbour, so each hop overlaps a block's kernels (torch's
+  ring backward's order), and while it computes, the hop in flight holds two fp32 dK/dV buffers,
+  the one sent and the one arriving; allgather_kv gathers K/V again and reduce-scatters
   dK/dV. A user's boolean mask becomes an additive mask per block (its columns for the block's
   keys); a row it masks wholly within a block gets log-sum-exp -inf (the kernels return 0).
 * ulysses: DTensor moves q, k, v from the sequence split to a heads split (an all-to-all),
@@ -222,17 +225,24 @@ def _attend(a: _Attn, q, kv, mask, origin: int, blk: _Block, acc, lse) -> tuple:
     return state
 
 
-def _attend_backward(a: _Attn, state, saved, kv, mask, origin: int, blk: _Block, dq, dkv) -> None:
-    """Add one K/V block's share of the gradients into dq and the block's packed dK/dV, dkv;
-    saved: this device's (q, attention output, its log-sum-exp, the output's gradient)."""
+def _attend_backward(a: _Attn, state, saved, kv, mask, origin: int, blk: _Block, dq) -> tuple:
+    """Add one K/V block's share of the query gradient into dq; its (dK, dV) for the block's first
+    blk.k_len keys (`_add_kv_grads` adds them where they accumulate); saved: this device's (q,
+    attention output, its log-sum-exp, the output's gradient)."""
     q, out, lse, dout = saved
     kb, vb = _unpack(a, kv, blk.k_len)
     bias, _ = _mask_block(a, mask, origin, blk, q.dtype)
     gq, gk, gv = attention_block_backward(_rows(dout, blk), _rows(q, blk), kb, vb, _rows(out, blk),
                                           _rows(lse, blk).contiguous(), bias, blk.causal, a.scale, state)
     _rows(dq, blk).add_(gq)
-    for acc, g in zip(_unpacked(dkv, a.shapes[1:]), (gk, gv)):
-        acc.narrow(_SEQ, 0, blk.k_len).add_(g)
+    return gk, gv
+
+
+def _add_kv_grads(a: _Attn, dkv, grads: tuple | None) -> None:
+    """Add a block's (dK, dV) (None: it computed nothing) into its packed fp32 dK/dV, dkv."""
+    if grads is not None:
+        for acc, g in zip(_unpacked(dkv, a.shapes[1:]), grads):
+            acc.narrow(_SEQ, 0, g.shape[_SEQ]).add_(g)
 
 
 class _ContextAttention(torch.autograd.Function):
@@ -272,9 +282,12 @@ class _ContextAttention(torch.autograd.Function):
         travelling = torch.zeros(kv_numel, device=q.device) if grads is None else None
         for origin, kv in _kv_blocks(a, qkv[q.numel():]):
             blk = _block(a, origin)
+            g = None if blk is None else _attend_backward(a, ctx.state, (q, out, lse, dout), kv, mask, origin,
+                                                          blk, dq)
+            # ring: the block's dK/dV so far, sent on by the previous device after its own block, is waited
+            # for only now, so that its hop overlaps this block's kernels (as torch's ring backward does)
             dkv = _ready(travelling) if grads is None else grads[origin]
-            if blk is not None:
-                _attend_backward(a, ctx.state, (q, out, lse, dout), kv, mask, origin, blk, dq, dkv)
+            _add_kv_grads(a, dkv, g)
             if grads is None:
                 travelling = funcol.permute_tensor(dkv, nxt, sp.group)
                 del dkv

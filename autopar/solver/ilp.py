@@ -464,8 +464,7 @@ def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
     if not free:
         return _least_peak(problem, allowed=allowed)
-    choice = most_sharded(problem, allowed)
-    (_, options), _ = _least_peak(problem, choice=choice)
+    options = least_memory_options(problem, most_sharded(problem, allowed))
     best = None
     for _ in range(LEAST_ROUNDS):
         (choice, _), _ = _least_peak(problem, options=options, allowed=allowed)
@@ -474,6 +473,12 @@ def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None
             break
         best = (choice, options), need
     return best
+
+
+def least_memory_options(problem: Problem, choice: dict[str, int]) -> dict[str, int]:
+    """The family options of least peak memory for the layout choice `choice` (`least_memory`'s first step:
+    a model of the options alone, small however large the layout model)."""
+    return _least_peak(problem, choice=choice)[0][1]
 
 
 def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[str, int]], float]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..strategies.attention import CONTEXT_LABELS
@@ -413,6 +413,7 @@ NORM_OPS = ("aten.layer_norm", "aten.rms_norm")
 NORM_MODULE_SUFFIX = ("norm", "ln_1", "ln_2", "ln_f")   # a norm written out in ops (HF Llama's RMSNorm), by module
 SEQUENCE_SPLIT = "S(1)"                     # [batch, sequence, hidden] activations split on the sequence
 FAMILY_RANK = ("none", "1D", "2D", "2.5D", "3D")
+ULYSSES_NOTE = ": the sequence split outside attention, heads inside"
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +430,11 @@ class TensorParallelism:
     * `sequence`: axes of a 1D family over which most layer norms' ops are split on the sequence, as
       the residual stream between them (Megatron-SP, Korthikanti et al. 2022: all-gather before the column product,
       reduce-scatter after the row product);
-    * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it.
+    * `context`: axis -> context-parallel attention ("ring", "ulysses", "allgather_kv") over it, as at
+      least half the attention ops run it; also
+      "ulysses" where attention splits heads over an axis that is not a tensor-parallel one while most
+      layer norms are split on the sequence over it: the sequence split outside attention, moved to
+      heads and back around it by the plan's own all-to-alls (DeepSpeed-Ulysses, as edges).
     `tensor_parallel_family` says how a plan's products are counted."""
     family: str = "none"
     axes: tuple[str, ...] = ()
@@ -444,7 +449,8 @@ class TensorParallelism:
                                                   + (f", depth {', '.join(self.depth)}" if self.depth else "")]
         if self.sequence:
             parts.append(f"sequence parallelism (Megatron-SP) over {', '.join(self.sequence)}")
-        parts += [f"context parallelism ({how}) over {ax}" for ax, how in self.context.items()]
+        parts += [f"context parallelism ({how}{ULYSSES_NOTE if how == 'ulysses' else ''}) over {ax}"
+                  for ax, how in self.context.items()]
         return "; ".join(parts) or "no tensor, sequence or context parallelism"
 
 
@@ -455,7 +461,10 @@ def tensor_parallel_family(plan) -> TensorParallelism:
     axes, sizes = plan.mesh["axis_names"], plan.mesh["shape"]
     batch = set(plan.options.get("batch_axes") or ())
     params = {n.name for n in plan.nodes if n.executor == "param"}
-    context = {axes[a]: lab for n in plan.nodes for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS}
+    attention = [n for n in plan.nodes if "scaled_dot_product" in n.op]
+    uses = Counter((a, lab) for n in attention for a, lab in enumerate(n.labels) if lab in CONTEXT_LABELS)
+    # an axis's context-parallel attention as most attention ops run it (an odd layer does not name the plan)
+    context = {axes[a]: lab for (a, lab), k in sorted(uses.items()) if 2 * k >= len(attention)}
     found: list[tuple[str, frozenset, frozenset]] = []       # per product: (family, its axes, its depth axes)
     for n in plan.nodes:
         if n.op not in WEIGHT_PRODUCTS:
@@ -477,16 +486,25 @@ def tensor_parallel_family(plan) -> TensorParallelism:
             elif split and len({sizes[a] for a in cols | rows}) == 1:
                 mine, third = "2.5D", split
         found.append((mine, frozenset(cols | rows), frozenset(third)))
+    norms = [n for n in plan.nodes if n.op in NORM_OPS or n.module.rsplit(".", 1)[-1].endswith(NORM_MODULE_SUFFIX)]
+    on_sequence = {a for a in range(len(axes)) if 2 * sum(n.output[a] == SEQUENCE_SPLIT for n in norms) > len(norms) > 0}
     if not found:
-        return TensorParallelism(context=context)
+        return TensorParallelism(context={**context, **_ulysses_by_edges(plan, on_sequence, set(), context)})
     counts = {f: sum(1 for g, _, _ in found if g == f) for f in FAMILY_RANK}
     family = max(FAMILY_RANK, key=lambda f: (counts[f], FAMILY_RANK.index(f)))
     mine = [(a, d) for f, a, d in found if f == family]
     tp_axes = [x for x in range(len(axes)) if 2 * sum(x in a for a, _ in mine) >= len(mine)]
     depth = [x for x in range(len(axes)) if 2 * sum(x in d for _, d in mine) >= len(mine)]
-    norms = [n for n in plan.nodes if n.op in NORM_OPS or n.module.rsplit(".", 1)[-1].endswith(NORM_MODULE_SUFFIX)]
-    sequence = () if family != "1D" else tuple(
-        axes[a] for a in tp_axes
-        if axes[a] not in context and 2 * sum(n.output[a] == SEQUENCE_SPLIT for n in norms) > len(norms) > 0)
+    sequence = () if family != "1D" else tuple(axes[a] for a in tp_axes if axes[a] not in context and a in on_sequence)
+    context = {**context, **_ulysses_by_edges(plan, on_sequence, set(tp_axes), context)}
     return TensorParallelism(family, tuple(axes[a] for a in tp_axes), tuple(axes[a] for a in depth), sequence,
                              context)
+
+
+def _ulysses_by_edges(plan, on_sequence: set[int], tensor: set[int], context: dict[str, str]) -> dict[str, str]:
+    """Axis name -> "ulysses" for the axes outside `tensor` (the tensor-parallel axes) and `context` over which
+    most norms split the sequence (`on_sequence`) and attention splits heads: context parallelism whose
+    all-to-alls are the plan's edges into and out of attention (`TensorParallelism.context`)."""
+    axes = plan.mesh["axis_names"]
+    heads = {a for n in plan.nodes if "scaled_dot_product" in n.op for a, lab in enumerate(n.labels) if lab == "heads"}
+    return {axes[a]: "ulysses" for a in sorted((on_sequence & heads) - tensor) if axes[a] not in context}
