@@ -46,7 +46,7 @@ def test_gradients_on_the_host_leave_the_device_as_predicted(dp):
             measured, predicted = r[name]["before_step"], r[name]["predicted_state"]
             assert abs(measured - predicted) <= 0.02 * measured, (name, measured, predicted)
             # the step's peak, measured and priced (the gradient buckets' buffers from their first gradient
-            # on, without the gradients reduced alone: memory_timeline.buckets_from, offload.gradients_out)
+            # on, without the gradients reduced alone: Problem.buckets_from, offload.gradients_out)
             measured, predicted = r[name]["peak_device"], r[name]["predicted_peak"]
             assert abs(predicted / measured - 1) < PEAK_TOLERANCE, (name, measured, predicted)
         # the step's peak never rises, measured or priced: on some of the tied layouts the peak is the

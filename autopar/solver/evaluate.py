@@ -38,8 +38,8 @@ from ..passes.layers import layer_key
 from ..plan_records import OFFLOAD_CLASSES
 from ..passes.reshard_edges import output_modules, reshards_edge
 from .families import Families
-from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, buckets_from, grouped_member_sums,
-                              memory_points, prefix_sums, window_sums)
+from .memory_timeline import (act_bytes, backward_temps, bucket_buffers, grouped_member_sums, memory_points, prefix_sums,
+                              window_sums)
 from .problem import Problem, picked_edges
 
 # Zero-bubble schedules split each backward into the input gradient and the weight gradient; for a
@@ -549,7 +549,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     shares: dict = {}           # group key -> its `_shares`
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
-    since = buckets_from(problem)
+    since = problem.buckets_from
     back = [[0.0] * n_pts for _ in range(p)]
     for t, name, nbytes in backward_temps(problem, choice):
         back[rank_of(name)][t] += nbytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from ..cost_model.memory import buckets_in_flight_bytes
-from .memory_timeline import backward_point_at, buckets_from
+from .memory_timeline import backward_point_at
 
 GIB = float(2**30)
 DROP_BYTES = 1e-6         # coefficients this small (in bytes) are left out of a row (rounding residue)
@@ -40,7 +40,7 @@ class MemoryRows:
         # events (part, sign, ((column, bytes), ...)) in order, the (column, bytes) of copies alive only
         # there, and the bytes no column moves (the gradient buckets' buffers in the backward, where constant)
         self.state, self.events, self.temps, self.buckets, self.fixed = ilp.shared["memory_rows"]
-        self.since = buckets_from(ilp.p)         # the buckets' buffers exist from here on
+        self.since = ilp.p.buckets_from         # the buckets' buffers exist from here on
 
     def _layout_part(self, params) -> tuple:
         live, ilp = self.ilp.p.live, self.ilp
@@ -49,7 +49,7 @@ class MemoryRows:
         ilp._node_terms(state, "grad_bytes", params, -1.0)
         buckets, fixed = self._buckets()
         events, temps = self._sweep(params)
-        since = buckets_from(self.ilp.p)
+        since = self.ilp.p.buckets_from
         return state, events, temps, buckets, [fixed if where >= since else 0.0 for where in live.positions] + [0.0]
 
     def __len__(self) -> int:

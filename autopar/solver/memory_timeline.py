@@ -23,7 +23,7 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
     forward's points count the state less them, a backward point the parameter gradients made so
     far, the activation gradients in flight and, from the first gradient a bucket can take on
-    (`buckets_from`), the gradient buckets' buffers (`bucket_buffers`); the state in full is the memory
+    (`Problem.buckets_from`), the gradient buckets' buffers (`bucket_buffers`); the state in full is the memory
     after the backward."""
     live = p.live
     picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
@@ -38,7 +38,7 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     for pos, _, t in picked:
         temps[pos] = temps.get(pos, 0.0) + t
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
-    buckets, since = bucket_buffers(p, choice), buckets_from(p)
+    buckets, since = bucket_buffers(p, choice), p.buckets_from
     acts = member_sums(live.point_changes, size)
     flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
     back = [0.0] * len(live.points)
@@ -84,15 +84,6 @@ def bucket_buffers(p: Problem, choice: Mapping[str, int]) -> float:
     bucketed = sum(e.sync[a][b][1] for e, a, b in picked_edges(p, choice)
                    if e.sync is not None and e.sync[a][b] is not None)
     return buckets_in_flight_bytes(bucketed, p.mesh.profile.grad_bucket_bytes)
-
-
-def buckets_from(p: Problem) -> int:
-    """The timeline position from which the gradient buckets hold buffers: the backward of the first
-    parameter gradient some layout puts in a bucket (a bucket's buffer is made at its first gradient,
-    runtime/grad_sync.py; before it, at the loss's backward, there is none). Whatever the chosen layouts,
-    so that the ILP's rows (`memory_rows`) and the evaluator agree."""
-    return min((p.grad_since(e.src) for e in p.edges
-                if e.sync is not None and any(s is not None for row in e.sync for s in row)), default=p.live.step_end)
 
 
 def member_sums(changes: Sequence[tuple[Sequence[str], Sequence[str]]], value: Callable[[str], object]) -> list:

@@ -41,7 +41,6 @@ from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
 from .common import Masked, allowed_options, edges_by, layer_groups, saved_only_in
-from ..memory_timeline import buckets_from
 from .recompute import activation_copies, source_replaced
 
 HOST, DISK = 1, 2
@@ -216,7 +215,7 @@ def gradients_out(problem: Problem, fam: Families, key: str, names, out_of: dict
     the bucketed bytes where no layouts bucket more than the buffers' cap: then their sum is the buffers')."""
     per_byte, per_tensor = transfer_terms(problem.mesh.profile.host_link, 2.0)
     uncapped = problem.bucketable <= buckets_in_flight_bytes(float("inf"), problem.mesh.profile.grad_bucket_bytes)
-    since = buckets_from(problem)
+    since = problem.buckets_from
     for n in names:
         d = problem.decisions[n]
         grad = Expr(((n, tuple(d.grad_bytes)),))
