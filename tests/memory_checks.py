@@ -75,7 +75,8 @@ def saved_plan(model, inputs, mesh, pins, untight=None):
 def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, model_kw=None, compare=True,
                  bucket_bytes=None, predict=True):
     """bucket_bytes: the profile's `grad_bucket_bytes` (the runtime's gradient buckets and their price);
-    predict: the planner's prices of each variant too (`predictions`: a capture and an estimate each)."""
+    predict: the planner's prices of each variant too (`predictions`: a capture and an estimate each), or of
+    the variants it names."""
     model, inputs = gpt(dropout, **(model_kw or {}))
     profile = shard_happy_profile()
     if bucket_bytes is not None:
@@ -88,7 +89,7 @@ def run_variants(rank, world, mesh_shape, axes, pins, variants, dropout=0.0, mod
     # made under a budget the plan without decisions exceeds
     return {name: train_variant(copy.deepcopy(model), inputs, mesh,
                                 tight if dec is None else dataclasses.replace(plan, **{**NO_MEMORY_DECISIONS, **dec}),
-                                compare, problems if predict else None)
+                                compare, problems if predict is True or name in (predict or ()) else None)
             for name, dec in variants.items()}
 
 

@@ -10,6 +10,9 @@ from rank_pool import get_pool
 from memory_checks import run_variants
 
 TOL = 1e-4
+# measured 2.4% over to 5.5% under on this GPT (before the buckets' buffers were priced from their first
+# gradient on and without the gradients on the host: 12-17% over)
+PEAK_TOLERANCE = 0.08
 BLOCKS = ("blocks.0", "blocks.1")
 VARIANTS = {
     "none": {},
@@ -42,9 +45,12 @@ def test_gradients_on_the_host_leave_the_device_as_predicted(dp):
             # device bytes after the backward (what the family changes), measured and as the evaluator prices it
             measured, predicted = r[name]["before_step"], r[name]["predicted_state"]
             assert abs(measured - predicted) <= 0.02 * measured, (name, measured, predicted)
+            # the step's peak, measured and priced (the gradient buckets' buffers from their first gradient
+            # on, without the gradients reduced alone: Problem.buckets_from, offload.gradients_out)
+            measured, predicted = r[name]["peak_device"], r[name]["predicted_peak"]
+            assert abs(predicted / measured - 1) < PEAK_TOLERANCE, (name, measured, predicted)
         # the step's peak never rises, measured or priced: on some of the tied layouts the peak is the
-        # loss's backward, before any gradient is made, where moving gradients cannot lower it (priced
-        # 9-17% above the measured peak there: an over-estimate of that point, not of the gradients); the
+        # loss's backward, before any gradient is made, where moving gradients cannot lower it; the
         # gradients leaving the device are checked above, after the backward
         assert out["peak_device"] <= none["peak_device"] and out["predicted_peak"] <= none["predicted_peak"]
 

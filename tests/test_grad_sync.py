@@ -149,13 +149,13 @@ def test_data_parallel_step_reduces_early_in_the_backward(rank_pool):
     assert early >= 1, early
 
 
-def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), stored=("S(0)",)):
+def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), stored=("S(0)",), recompute="none"):
     """Per pass (forward, backward): the all-gathers of each flat layer gather, and all the
     all-gathers of the step; the worst relative gap to one process's loss, gradients and parameters
     over two SGD steps (linear in the gradient: no rounding noise blown up, as Adam's normalisation
     does to analytically-zero gradients); the parameter gathers left one by one in the program. A
     GPT of `layers` blocks, every parameter stored as `stored` (sharded over "dp") and re-gathered
-    (FSDP-style), the batch split over "dp"."""
+    (FSDP-style), the batch split over "dp", every block recomputed as `recompute` says."""
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
@@ -163,7 +163,7 @@ def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), s
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
     plan = autopar.plan(model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), residency="regather", recompute="none", offload="none",
+                        batch_axes=("dp",), residency="regather", recompute=recompute, offload="none",
                         memory_budget=float("inf"), pipeline=False)     # the gathers of one unpipelined step
     assert set(plan.residency.values()) == {"regather"}
     # the parameters re-gathered, the activations kept (their re-gather is one by one: not counted here)
@@ -205,12 +205,17 @@ def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), s
     return counts[0], worst, alone, members, plan
 
 
-def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_pool):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_pool, recompute):
     """FSDP-style storage (every parameter sharded, re-gathered in the backward): each block's
     parameters are gathered by one flat all-gather in the forward and one in the backward
-    (runtime/layer_gather.py), none of them one by one; training is exact."""
+    (runtime/layer_gather.py), none of them one by one; training is exact. Recomputed blocks
+    (activation checkpointing) too: the recomputation takes the backward's gather, as FSDP2 with
+    activation checkpointing does."""
     layers = 3
-    ((fwd, fwd_all), (bwd, bwd_all)), worst, alone, members, plan = rank_pool(2).run(_gathers_per_pass, layers)[0]
+    ((fwd, fwd_all), (bwd, bwd_all)), worst, alone, members, plan = rank_pool(2).run(
+        _gathers_per_pass, layers, (2,), ("dp",), ("S(0)",), recompute)[0]
+    assert set(plan.recompute.values()) == {recompute}
     assert worst < 1e-4, worst
     assert not [k for k in alone if k.startswith("blocks.")], alone
     blocks = {f"blocks.{i}": 1 for i in range(layers)}
@@ -221,8 +226,9 @@ def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_p
 
     # priced as it runs (solver/decisions/residency.py): per unit of launch overhead, re-gathering
     # rather than keeping costs each flat group one gather in the backward and saves n - 1 of its
-    # n in the forward; the price is per layer, with n the layer's parameters that can gather flat,
-    # and outside the layers per parameter: within one per such parameter and a layer's share
+    # n in the forward (and, recomputed, the n the recomputation gathers one by one where the copies are
+    # kept: solver/decisions/recompute.py); the price is per layer, with n the layer's parameters that
+    # can gather flat, and outside the layers per parameter: within one per such parameter and a layer's share
     torch.manual_seed(0)
     model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=layers)
     slow = Link(1e6, 0.0)         # transfers dominate: no layer's price is clipped at zero
@@ -233,7 +239,8 @@ def test_regathered_layer_gathers_once_per_pass_and_trains_as_one_process(rank_p
         fam[launch] = (autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh, plan).step_time_s
                        - autopar.estimate(model, gpt_inputs(batch=4, seq=16, vocab=64), mesh,
                                           replace(plan, residency=dict.fromkeys(plan.residency, "keep"))).step_time_s)
-    ran = sum(2 - n for n in members.values()) + len(alone)
+    again = 2 if recompute != "none" else 1         # kept: gathered one by one, and again when recomputed
+    ran = sum(2 - n * (again if k.startswith("blocks.") else 1) for k, n in members.items()) + len(alone)
     outside = sum(n for k, n in members.items() if not k.startswith("blocks.")) + len(alone)
     priced = (fam[2e-4] - fam[1e-4]) / 1e-4
     assert abs(priced - ran) <= outside + 1, (priced, ran, members, alone)   # one by one: +39

@@ -3,7 +3,8 @@
 The chosen layouts are priced once more with the graph's sizes as sympy expressions in `B` and
 `S` (`passes/symbolic_shapes.py`): `build_problem(..., only=chosen)` prices the one chosen
 strategy per node through the planner's own code, the plan's memory decisions are added back
-(`solver.decisions`), and `solver.evaluate` sums it all, so
+(`solver.decisions`) with what the planning problem worked out over every layout it weighs
+(`Planned`), and `solver.evaluate` sums it all, so
 at the captured sizes the expressions give exactly the plan's estimate. The results are saved in
 the plan (`Plan.scaling`) as text:
 
@@ -21,32 +22,49 @@ that keep every split even for the largest whose peak fits the budget.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Shard
 
 from ..symbolic import Poly2, ssum
 from ..plan_records import Scaling
 from ..solver.decisions import add_families
-from ..solver.decisions.residency import FlatGathers
+from ..solver.decisions.residency import FlatGathers, flat_gathers
 from ..solver.families import Expr
 from ..solver.evaluate import evaluate, recorded_options
 from ..solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
 
-__all__ = ["build_scaling"]
+__all__ = ["build_scaling", "Planned"]
 
 
-def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict, flat: FlatGathers) -> Scaling:
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What the planning problem works out over every layout it weighs, which a problem of one plan's
+    layouts (`build_problem(only=)`) cannot: the flat parameter gathers (`residency.flat_gathers`: a
+    layer the plan gathers in part), the most bytes the gradient buckets can take and the position from
+    which they hold buffers (`Problem.bucketable`, `Problem.buckets_from`: the buffers' sizes and the
+    gradients offload takes out of them). None of them varies with batch or sequence."""
+    flat: FlatGathers
+    bucketable: float
+    buckets_from: int
+
+    @classmethod
+    def of(cls, problem: Problem) -> Planned:
+        return cls(flat_gathers(problem), problem.bucketable, problem.buckets_from)
+
+
+def build_scaling(cap, mesh, only, sym, opts, budget: float, decided: dict, planned: Planned) -> Scaling:
     """Scaling of the plan that picks the strategies `only` (node -> Strategy) on `mesh`, from the
     symbolic graph `sym` (SymbolicGraph), with the memory decisions `decided` (family -> {plan key ->
-    option}, as the plan records them) and the planning problem's flat parameter gathers `flat`
-    (`residency.flat_gathers`: a layer the plan gathers in part is priced as the planner priced it)."""
+    option}, as the plan records them) and what its planning problem worked out over every layout
+    (`planned`), so that the plan is priced as the planner priced it."""
     sp = build_problem(cap, sym.infos, mesh, only=only, optimizer=opts.optimizer,
                        batch_axes=opts.batch_axes, sharded_outputs=opts.sharded_outputs, precision=opts.precision,
                        saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
+    sp.bucketable, sp.buckets_from = planned.bucketable, planned.buckets_from
     one = {name: 0 for name in sp.decisions}
     add_families(sp, recompute_mode=opts.recompute, residency_mode=opts.residency, offload_mode=opts.offload,
-                 flat=flat)
+                 flat=planned.flat)
     # memory is polynomial: priced on coefficient arrays, the same liveness sums as the planner's
     poly = functools.lru_cache(maxsize=None)(Poly2.of)
     for d in sp.decisions.values():

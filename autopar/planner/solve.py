@@ -20,9 +20,8 @@ from ..placement import layout_str, parse_pin
 from ..passes.symbolic_shapes import SymbolicUnavailable, symbolic_graph
 from ..plan import Collective, Estimate, NodePlan, Plan, Scaling, SolverInfo, Timings
 from .cache import PlanCache
-from .scaling import build_scaling
+from .scaling import Planned, build_scaling
 from ..solver.decisions import add_families
-from ..solver.decisions.residency import flat_gathers
 from ..solver.evaluate import Evaluation, Staging, chosen_options, effective_options, evaluate, recorded_options
 from ..solver.solve import min_memory, solve
 from ..solver.problem import Problem, build_problem, chosen_edges, edge_legs, op_exchanges
@@ -392,11 +391,11 @@ def lazy_scaling(cap, infos, problem, choice, opts: PlanOptions, budget: float, 
     only = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     mesh = problem.mesh
     decided = {"recompute": plan.recompute, "residency": plan.residency, "offload": plan.offload}
-    flat = flat_gathers(problem)
+    planned = Planned.of(problem)
 
     def price() -> Scaling:
         try:
-            return build_scaling(cap, mesh, only, symbolic_graph(*source, cap, infos), opts, budget, decided, flat)
+            return build_scaling(cap, mesh, only, symbolic_graph(*source, cap, infos), opts, budget, decided, planned)
         except SymbolicUnavailable as e:
             return Scaling(unavailable=str(e))
         except Exception as e:  # noqa: BLE001 - the plan stands without its scaling; the report and the log say why

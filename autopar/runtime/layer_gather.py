@@ -23,10 +23,14 @@ other axes as stored, one dtype) become one `LayerGather`:
   run its backward (autograd's order), then released. Its backward hands each member's gradient to
   the gradient buckets (grad_sync.py) as the `Reshard` would, one after the other.
 
-Parameters of a layer that cannot join its flat gather (another kind of gather, a layer that is
-recomputed: checkpoint re-runs its region's gathers) are gathered one by one (`GatherCopy`), and
-logged. A layer whose activations are offloaded gathers flat as any other: its region's saved-tensor
-router finds a saved view of the flat buffer in the registry first and keeps its `RegatheredCopy`.
+Parameters of a layer that cannot join its flat gather (another kind of gather) are gathered one by
+one (`GatherCopy`), and logged. A layer whose activations are offloaded gathers flat as any other: its
+region's saved-tensor router finds a saved view of the flat buffer in the registry first and keeps its
+`RegatheredCopy`. A recomputed layer too (FSDP2 with activation checkpointing): its `LayerGather` runs
+before its checkpointed region (`_anchors`), whose inputs the gathered views are; checkpoint saves its
+inputs through the saved-tensor hooks around it, which keep a `RegatheredCopy` (`RegatheredDTensor`),
+so the buffer is freed after the forward and the recomputation unpacks the backward's flat re-gather
+(prefetched as any layer's): one flat gather per pass, none in the recomputation of its own.
 Parameters outside the layers group by their run between two layers (the embeddings;
 the final norm and head).
 
@@ -55,6 +59,7 @@ from .faults import watched
 from .trim_wrappers import tensor_args
 from .ops import LocalOp
 from .regather import GatherCopy, GatheredCopies
+from .regions import node_layers
 from .reshard import reduce_grad, reduce_local_grad
 
 log = logging.getLogger("autopar")
@@ -217,13 +222,13 @@ class _LayerGather(torch.autograd.Function):
 
 
 def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
-                    copies: GatheredCopies, skip_layers: frozenset[str]) -> int:
+                    copies: GatheredCopies) -> int:
     """Replace the "regather" `GatherCopy` nodes of `gm` taking a parameter placeholder by one
     `LayerGather` per (layer, mesh axis, dtype) (module docstring), each launched one group ahead.
     Parameters outside the layers group by their run between layers. `stored_of(fqn)`: the stored
-    layout; `skip_layers`: layers left as they are (recomputed: regions checkpoint re-runs). Returns how
+    layout. Returns how
     many `LayerGather`s were made."""
-    groups = _groups(gm, param_of, stored_of, mesh_shape, skip_layers)
+    groups = _groups(gm, param_of, stored_of, mesh_shape)
     made = _layer_gathers(gm, groups, copies)
     _wire(gm, made)
     if made:
@@ -232,8 +237,7 @@ def flatten_gathers(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mes
     return len(made)
 
 
-def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
-            skip_layers: frozenset[str]) -> dict[tuple, list[fx.Node]]:
+def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape) -> dict[tuple, list[fx.Node]]:
     """The "regather" `GatherCopy` nodes of parameter placeholders by (layer, or run between layers;
     mesh axis; dtype), in graph order; those gathered one by one are logged."""
     groups: dict[tuple, list[fx.Node]] = {}
@@ -253,9 +257,8 @@ def _groups(gm: fx.GraphModule, param_of: dict[str, str], stored_of, mesh_shape,
         val = src.meta.get("val")
         layer = layer_key(fqn)
         axis = flat_gather_axis(stored_of(fqn), mod.layout, tuple(val.shape) if val is not None else (), mesh_shape)
-        if axis is None or layer in skip_layers:
-            why = "its layer is recomputed" if axis is not None else "not an even dim-0 gather"
-            alone.append(f"{fqn} ({why})")
+        if axis is None:
+            alone.append(f"{fqn} (not an even dim-0 gather)")
             continue
         where = layer if layer is not None else f"@{segment}"
         groups.setdefault((where, axis, val.dtype), []).append(node)
@@ -285,25 +288,42 @@ def _layer_gathers(gm: fx.GraphModule, groups: dict[tuple, list[fx.Node]],
 
 def _wire(gm: fx.GraphModule, made: list[tuple[list[fx.Node], str]]) -> None:
     """Each group's `GatherCopy` nodes replaced by its gather's items, the gather launched as the
-    group before is waited (the first: where it is used)."""
+    group before is waited (the first: where it is used). A layer's gather waits before the layer's
+    first op (`_anchors`)."""
     prev = None
-    for i, (nodes, name) in enumerate(made):
+    for i, ((nodes, name), anchor) in enumerate(zip(made, _anchors(gm, made))):
         shards = tuple(n.args[0] for n in nodes)
         # launched as the group before is waited (the first: where it is used)
-        with gm.graph.inserting_after(prev) if prev is not None else gm.graph.inserting_before(nodes[0]):
+        with gm.graph.inserting_after(prev) if prev is not None else gm.graph.inserting_before(anchor):
             pending = gm.graph.call_module("launch_" + name, shards)
-        with gm.graph.inserting_before(nodes[0]):
+        with gm.graph.inserting_before(anchor):
             prev = gm.graph.call_module("gather_" + name, (pending, *shards))
         op = gm.get_submodule("gather_" + name)
         op.first = i == 0
         for k, n in enumerate(nodes):
-            with gm.graph.inserting_before(nodes[0]):
+            with gm.graph.inserting_before(anchor):
                 item = gm.graph.call_function(_item, (prev, k))
             item.meta = dict(n.meta)
             item.meta["autopar_local"] = op.local[k] is not None
             n.replace_all_uses_with(item)
         for n in nodes:
             gm.graph.erase_node(n)
+
+
+def _anchors(gm: fx.GraphModule, made: list[tuple[list[fx.Node], str]]) -> list[fx.Node]:
+    """Per group, the node its gather goes before: the first node of its layer (`regions.node_layers`),
+    so that the gather does not cut the layer's ops in two regions (a recomputed layer would then keep
+    the activations between them: regions.py), else its first use; never before the group before's."""
+    first: dict[str, fx.Node] = {}
+    for node, layer in node_layers(gm).items():
+        if layer is not None:
+            first[layer] = node               # node_layers goes from the graph's end: the last one is first
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out: list[fx.Node] = []
+    for nodes, name in made:
+        at = min((nodes[0], first.get(gm.get_submodule("gather_" + name).key, nodes[0])), key=order.__getitem__)
+        out.append(at if not out or order[at] >= order[out[-1]] else out[-1])
+    return out
 
 
 def local_consumer(gm: fx.GraphModule, node: fx.Node) -> tuple | None:

@@ -4,8 +4,9 @@
   plan re-gathers ("activations:<layer>", Megatron sequence parallelism), becomes a `GatherCopy`;
   a layer's re-gathered parameters then become one flat gather per mesh axis and dtype
   (layer_gather.py), also in a layer whose activations are offloaded (its region routes what its ops
-  save; a saved view of the flat buffer is gathered again as anywhere), but not in a recomputed
-  layer (checkpoint re-runs its region, gathers included, one by one);
+  save; a saved view of the flat buffer is gathered again as anywhere) and in a recomputed layer (its
+  gather runs before its region, and checkpoint saves the gathered views, its inputs, through the
+  router around the forward: the recomputation takes the backward's re-gather);
 * recompute (checkpoint.py) and activation offload (offload.py): each layer with a decision
   becomes a `LayerRegion` (regions.py);
 * every tensor an op saves for its backward passes one `SavedTensors` router, with the tier of
@@ -15,8 +16,9 @@
     2. a parameter's or buffer's own storage -> kept (it lives anyway);
     3. otherwise -> kept on "device", or moved to the host pool or a file ("host", "disk").
   A recomputed layer saves through checkpoint's own hooks, which take precedence inside it: it
-  keeps (almost) nothing, and its gathers are run again by the recomputation itself, so neither
-  residency nor offload has anything left to act on there.
+  keeps (almost) nothing, and the gathers inside it (the copies residency keeps, activations' gathers)
+  are run again by the recomputation itself, so neither residency nor offload has anything left to
+  act on there but its re-gathered parameters (above).
 Optimizer offload and master weights are the optimizer's (optimizer.py); gradients on the host are
 grad_offload.py's (wired by the module, which owns the parameters).
 """
@@ -40,7 +42,7 @@ from .grad_offload import GradOffload
 from .layer_gather import flatten_gathers
 from .param_offload import FetchParam, insert_fetches
 from .offload import DiskStore, HostPool, OffloadedTensor
-from .regather import GatherCopy, GatheredCopies, RegatheredCopy
+from .regather import GatherCopy, GatheredCopies, RegatheredCopy, RegatheredDTensor
 from .regions import LayerRegion, group_layers, node_layers
 from .reshard import Reshard
 
@@ -82,8 +84,8 @@ class SavedTensors:
         return saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, DTensor):      # a DTensor (checkpoint saving a region's inputs): alive anyway
-            return t
+        if isinstance(t, DTensor):      # checkpoint saving a recomputed region's inputs: alive anyway, but a
+            return self.rt.copies.pack_dtensor(t)       # view of a layer's re-gathered parameters (gathered again)
         hit = self.rt.copies.pack(t)
         if hit is not None:
             return hit
@@ -101,7 +103,7 @@ class SavedTensors:
 
     @staticmethod
     def unpack(x):
-        return x.load() if isinstance(x, (RegatheredCopy, OffloadedTensor)) else x
+        return x.load() if isinstance(x, (RegatheredCopy, RegatheredDTensor, OffloadedTensor)) else x
 
 
 def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], rt: MemoryRuntime) -> fx.GraphModule:
@@ -114,11 +116,9 @@ def apply_memory_plan(gm: fx.GraphModule, plan: Plan, param_of: dict[str, str], 
     if rt.regathers or any(v != "device" for v in activations.values()):
         _gather_copies(gm, plan, param_of, rt)
     if rt.regathers:
-        regions = frozenset(k for k in node_layers(gm).values() if k is not None
-                            and plan.recompute.get(k, "none") != "none")
         whole = ("R",) * len(plan.mesh["shape"])
         flatten_gathers(gm, param_of, lambda fqn: parse_layout(plan.placements.get(fqn, whole)),
-                        tuple(plan.mesh["shape"]), rt.copies, regions)
+                        tuple(plan.mesh["shape"]), rt.copies)
     routers = {tier: SavedTensors(rt, tier) for tier in TIERS}
 
     def make_region(layer: str, body: fx.GraphModule) -> LayerRegion | None:

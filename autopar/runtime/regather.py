@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from ..compat import dtensor_from, local_tensor
 from ..placement import layout_str
 from .reshard import reshard, to_layout
 
@@ -59,6 +60,21 @@ class RegatheredCopy:
 
     def load(self) -> torch.Tensor:
         return self.source.load().as_strided(self.size, self.stride, self.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class RegatheredDTensor:
+    """A DTensor view of a freed gathered copy (a recomputed layer's input that checkpoint saves: the
+    layer's gathered parameters, `runtime/checkpoint.py`): its local `RegatheredCopy` gathered again on
+    unpack, as the same DTensor."""
+    local: RegatheredCopy
+    mesh: object
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def load(self) -> torch.Tensor:
+        return dtensor_from(self.local.load(), self.mesh, self.placements, shape=self.shape, stride=self.stride)
 
 
 class GatheredCopies:
@@ -100,6 +116,14 @@ class GatheredCopies:
         if residency == "keep":
             return t
         return RegatheredCopy(source, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def pack_dtensor(self, t: DTensor) -> RegatheredDTensor | DTensor:
+        """A DTensor whose local tensor is in a re-gathered copy: a `RegatheredDTensor`; else itself (a
+        parameter, or a DTensor that lives anyway)."""
+        hit = self.pack(local_tensor(t))
+        if not isinstance(hit, RegatheredCopy):
+            return t
+        return RegatheredDTensor(hit, t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride()))
 
     def __len__(self) -> int:
         return len(self._live)

@@ -132,7 +132,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
     state, points = memory_points(problem, choice)
     family_s: dict[str, float] = {}
     for c in fam.costs:
-        if on.get(c.gate[0]) == c.gate[1]:
+        if c.applies(on):
             fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
     freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
@@ -483,7 +483,7 @@ def _family_seconds(problem: Problem, choice, on, chunks, bwd: list, once: list,
     shares: dict = {}           # group key -> its `_shares` (many costs gate on one group)
     per_step = [dict() for _ in bwd]
     for c in problem.families.costs:
-        if on.get(c.gate[0]) != c.gate[1]:
+        if not c.applies(on):
             continue
         g = groups[c.gate[0]]
         total = c.count * smax(0.0, c.expr.value(problem, choice))
@@ -549,6 +549,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     shares: dict = {}           # group key -> its `_shares`
     out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
+    since = problem.buckets_from
     back = [[0.0] * n_pts for _ in range(p)]
     for t, name, nbytes in backward_temps(problem, choice):
         back[rank_of(name)][t] += nbytes
@@ -565,7 +566,8 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         for t, where in enumerate(positions):
             x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
             x -= gone[t]
-            one.append(x + grown[bisect_right(grown_at, where)] + buckets + back[r][t] if where > live.last else x)
+            one.append(x + grown[bisect_right(grown_at, where)] + back[r][t] + (buckets if where >= since else 0.0)
+                       if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]

@@ -6,7 +6,9 @@ other family (`solver/decisions/*.py`) is a list of `Group`s, each one choice am
 linear in the layout choice:
 
 * `Cost`: seconds added to the step when a group takes an option, clamped at 0 (a transfer
-  hidden behind compute costs nothing), times `count` (the linked layers it stands for);
+  hidden behind compute costs nothing), times `count` (the linked layers it stands for); not when
+  one of its `unless` gates is on (another family's option does that work instead: a recomputed
+  layer's re-gathered parameters are gathered by the residency family's flat gather, not again);
 * `Freed`: bytes the device stops holding at the points of the step's timeline in (after, until]
   (`cost_model.memory`: forward positions, then each op's backward) when any of its `gates` is
   on: a saved activation recomputed or offloaded (held again from its layer's backward on), a
@@ -78,6 +80,11 @@ class Cost:
     gate: Gate
     count: float = 1.0
     what: str = ""
+    unless: tuple[Gate, ...] = ()  # not paid when one of these is on
+
+    def applies(self, on: Mapping[str, int]) -> bool:
+        """Is it paid under the options `on` (group key -> option)?"""
+        return on.get(self.gate[0]) == self.gate[1] and not any(on.get(g) == i for g, i in self.unless)
 
 
 @dataclass(frozen=True, slots=True)

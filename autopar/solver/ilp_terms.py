@@ -9,7 +9,9 @@ Variables, beside the layout family's x and y (`ilp.py`):
 E is linear in the layout variables (Expr) and E(p) is E with every variable v replaced by p[v,g] and
 its constant by constant * g: E when the option is on, 0 when off. Objective: + sum_c count_c E_c(p).
 Memory rows (D) at point t (forward or backward): - sum_{f: after_f < t <= until_f} z[f]; (L) tier[T]: sum_h count_h E_h(p) <= capacity_T. A cost term
-that could be negative is clamped at 0 through a variable (H) w >= E(p), w >= 0. A group with one
+that could be negative is clamped at 0 through a variable (H) w >= E(p), w >= 0; a cost with `unless`
+gates (not paid when one is on) is w >= E(p_gate) - sum_{unless} E(p_unless), w >= 0: E when its gate
+alone is on, 0 when an unless gate is on too (the same E), and 0 when its gate is off. A group with one
 allowed option has no variables: its gates are constants. The products keep the LP relaxation
 tight (a big-M form, z <= M g, left the solver to branch over thousands of nodes on small models). Terms that are the same function of the
 same variables (a term of each copy of a linked layer) share one w, z or v, counted as often as
@@ -164,13 +166,20 @@ class FamilyTerms:
             out[g] = out.get(g, 0.0) + expr.const * scale
         return out, 0.0
 
-    def _gated_lower(self, name: str, expr: Expr, gate: Gate, scale: float):
-        """A variable u >= scale * expr when the gate is on, >= 0 always: (H) and (K). A term that
-        cannot be negative needs no u: its gated coefficients are returned as they are."""
+    def _gated_lower(self, name: str, expr: Expr, gate: Gate, scale: float, unless: tuple[Gate, ...] = ()):
+        """A variable u >= scale * expr when the gate is on and no `unless` gate is, >= 0 always: (H) and
+        (K). A term that cannot be negative needs no u: its gated coefficients are returned as they are."""
         terms = self.gated(expr, gate, scale)
-        if terms is None:
+        if terms is None or any(self.gate(g)[0] == "on" for g in unless):
             return None
         coef, const = terms
+        for g in unless:
+            off = self.gated(expr, g, scale)
+            if off is not None:
+                coef = {**coef}
+                for v, c in off[0].items():
+                    coef[v] = coef.get(v, 0.0) - c
+                const -= off[1]
         if all(c >= 0 for c in coef.values()) and const >= 0 and expr.const >= 0:
             return coef, const
         u = self.ilp.add_aux(Defined(coef, const, clamp=True))
@@ -212,8 +221,8 @@ class FamilyTerms:
             for o, g in self.g.get(grp.key, {}).items():
                 if o != grp.allowed[0]:
                     coef[g] = coef.get(g, 0.0) + TIE_S
-        for k, (c, count) in enumerate(self._merged(self.fam.costs, lambda c: (c.gate,))):
-            terms = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0)
+        for k, (c, count) in enumerate(self._merged(self.fam.costs, lambda c: (c.gate, *c.unless))):
+            terms = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0, c.unless)
             if terms is not None:        # the constant of an always-on option is the same in every plan
                 for v, x in terms[0].items():
                     coef[v] = coef.get(v, 0.0) + count * x

@@ -40,6 +40,7 @@ class MemoryRows:
         # events (part, sign, ((column, bytes), ...)) in order, the (column, bytes) of copies alive only
         # there, and the bytes no column moves (the gradient buckets' buffers in the backward, where constant)
         self.state, self.events, self.temps, self.buckets, self.fixed = ilp.shared["memory_rows"]
+        self.since = ilp.p.buckets_from         # the buckets' buffers exist from here on
 
     def _layout_part(self, params) -> tuple:
         live, ilp = self.ilp.p.live, self.ilp
@@ -48,7 +49,8 @@ class MemoryRows:
         ilp._node_terms(state, "grad_bytes", params, -1.0)
         buckets, fixed = self._buckets()
         events, temps = self._sweep(params)
-        return state, events, temps, buckets, [fixed if where > live.last else 0.0 for where in live.positions] + [0.0]
+        since = self.ilp.p.buckets_from
+        return state, events, temps, buckets, [fixed if where >= since else 0.0 for where in live.positions] + [0.0]
 
     def __len__(self) -> int:
         return self.n + 1
@@ -158,7 +160,7 @@ class MemoryRows:
         for v, c in self.temps[t]:
             temps[v] = temps.get(v, 0.0) + c
         total = dict(self.state)
-        backward = dict(self.buckets) if self.ilp.p.live.positions[t] > self.ilp.p.live.last else {}
+        backward = dict(self.buckets) if self.ilp.p.live.positions[t] >= self.since else {}
         for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS], backward):
             for v, c in part.items():
                 total[v] = total.get(v, 0.0) + c
@@ -193,7 +195,7 @@ class MemoryRows:
                                                 _flat((t, v, c) for t, tm in enumerate(self.temps) for v, c in tm))
         events, temps = self.ilp.shared["memory_arrays"]
         frees = _flat(self.ilp.terms.freed_changes(live.positions) if self.n else ())
-        backward = np.asarray([where > live.last for where in live.positions[:self.n]], dtype=np.float64)
+        backward = np.asarray([where >= self.since for where in live.positions[:self.n]], dtype=np.float64)
         extra = (np.asarray(self.fixed[:self.n], dtype=np.float64), backward)
         return events, temps, frees, _pairs(self.state.items()), _pairs(self.buckets), _pairs(self.whole.items()), extra
 

@@ -22,8 +22,9 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     choice, before any family frees anything (`cost_model.memory`: forward and backward points).
     No gradient exists before the backward (the optimizer's zero_grad sets them to None): the
     forward's points count the state less them, a backward point the parameter gradients made so
-    far, the activation gradients in flight and the gradient buckets' buffers (`bucket_buffers`);
-    the state in full is the memory after the backward."""
+    far, the activation gradients in flight and, from the first gradient a bucket can take on
+    (`Problem.buckets_from`), the gradient buckets' buffers (`bucket_buffers`); the state in full is the memory
+    after the backward."""
     live = p.live
     picked = sorted(((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0) for e, a, b in picked_edges(p, choice)),
                     key=lambda x: x[0])
@@ -37,7 +38,7 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     for pos, _, t in picked:
         temps[pos] = temps.get(pos, 0.0) + t
     size = lambda n: act_bytes(p, n, choice)  # noqa: E731
-    buckets = bucket_buffers(p, choice)
+    buckets, since = bucket_buffers(p, choice), p.buckets_from
     acts = member_sums(live.point_changes, size)
     flight = member_sums(live.grad_changes, size) if live.grads else [0.0] * len(live.points)
     back = [0.0] * len(live.points)
@@ -46,7 +47,8 @@ def memory_points(p: Problem, choice: Mapping[str, int]):
     points = []
     for t, (owned, moving, where) in enumerate(zip(acts, flight, live.positions)):
         total = fwd_state + (owned + moving) + copies[bisect_right(copy_at, live.mirror(where))] + temps.get(where, 0.0)
-        points.append(total + made[bisect_right(made_at, where)] + buckets + back[t] if where > live.last else total)
+        points.append(total + made[bisect_right(made_at, where)] + back[t] + (buckets if where >= since else 0.0)
+                      if where > live.last else total)
     return state, points
 
 

@@ -61,6 +61,9 @@ class Problem:
     # the most gradient bytes the runtime's buckets can take, whatever the layouts (`bucketable_bytes`):
     # how the ILP bounds the buckets' buffers (`memory_rows.MemoryRows`)
     bucketable: float = 0.0
+    # the timeline position from which the gradient buckets hold buffers, whatever the layouts
+    # (`first_bucketed`): where the ILP's rows (`memory_rows`) and the evaluator add them
+    buckets_from: int = 0
     # ops whose gradient flows into parameters alone, run by a rule (passes/parameter_side.py): their
     # gradients stay partial sums where they are replicated (strategies/gradients.py)
     parameter_side: frozenset[str] = frozenset()
@@ -169,10 +172,22 @@ def build_problem(cap: Captured, infos: Mapping[str, NodeInfo], mesh: Mesh, *,
     order = [n.name for n in nodes]
     rep = repeated_layers(cap, {n: d.leader for n, d in decisions.items()}) if link_layers else {}
     layer = {n.name: k for n in nodes if (k := layer_key(module_path(n, cap)))}
-    return Problem(mesh, order, decisions, [n for n in order if decisions[n].leader == n], edges, live,
-                   found.fallbacks, rep, found.needs_grad, layer=layer, optimizer=optimizer,
-                   grad_from=_grad_from(edges, decisions, op_nodes), load=load,
-                   bucketable=bucketable_bytes(edges), parameter_side=side)
+    problem = Problem(mesh, order, decisions, [n for n in order if decisions[n].leader == n], edges, live,
+                      found.fallbacks, rep, found.needs_grad, layer=layer, optimizer=optimizer,
+                      grad_from=_grad_from(edges, decisions, op_nodes), load=load,
+                      bucketable=bucketable_bytes(edges), parameter_side=side)
+    problem.buckets_from = first_bucketed(problem)
+    return problem
+
+
+def first_bucketed(p: Problem) -> int:
+    """The timeline position from which the gradient buckets hold buffers: the backward of the first
+    parameter gradient some layout puts in a bucket (a bucket's buffer is made at its first gradient,
+    runtime/grad_sync.py; before it, at the loss's backward, there is none). Whatever the chosen layouts,
+    so that the ILP's rows (`memory_rows`) and the evaluator agree; a problem of one plan's layouts
+    (`only`) takes it from its planning problem (`planner/scaling.py`)."""
+    return min((p.grad_since(e.src) for e in p.edges
+                if e.sync is not None and any(s is not None for row in e.sync for s in row)), default=p.live.step_end)
 
 
 def _grad_from(edges: list[EdgeTable], decisions: Mapping[str, Decision], op_nodes: list[fx.Node]) -> dict[str, int]:

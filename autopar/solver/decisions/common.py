@@ -4,7 +4,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ...plan_records import ACTIVATIONS, RESIDENCY_MODES
 from ..problem import Problem
+
+REGATHER = RESIDENCY_MODES.index("regather")
 
 CHOICES = {
     "recompute": ("auto", "none", "selective", "full"),
@@ -46,6 +49,25 @@ def layer_groups(problem: Problem) -> LayerGroups:
     for layer in nodes:
         members.setdefault(rep[layer], []).append(layer)
     return LayerGroups({k: tuple(v) for k, v in nodes.items()}, rep, {k: tuple(v) for k, v in members.items()})
+
+
+def residency_of(problem: Problem, groups: LayerGroups, k: int) -> tuple[str, str, tuple | None] | None:
+    """The residency decision over edge k's gathered copy, if any: (its group's key, the plan key it
+    decides, the [a][b] layout pairs that gather or None for all of them). A parameter's copy is decided
+    with its layer's (or alone outside the layers); an activation's where its consumer's reshard gathers
+    some axis, with the consumer's layer (`solver/decisions/residency.py`)."""
+    e = problem.edges[k]
+    if not e.keeps_copy:
+        return None
+    src = problem.decisions[e.src]
+    if src.kind == "param":
+        layer = problem.layer.get(e.src)
+        return f"residency:{groups.rep[layer] if layer in groups.rep else src.fqn}", src.fqn, None
+    if src.kind == "op" and any(map(any, e.gathers)):
+        layer = problem.layer.get(e.dst)
+        rep = ACTIVATIONS + (groups.rep[layer] if layer in groups.rep else e.dst)
+        return f"residency:{rep}", ACTIVATIONS + (layer or e.dst), e.gathers
+    return None
 
 
 def before_backward(problem: Problem, groups: LayerGroups, layer: str) -> int:

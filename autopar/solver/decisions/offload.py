@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ...cost_model.memory import buckets_in_flight_bytes
 from ...cost_model.offload import host_step_seconds, transfer_terms
 from ...plan_records import TIERS
 from ..families import Cost, Expr, Families, Freed, Group, Held
 from ..problem import Problem
 from .common import Masked, allowed_options, edges_by, layer_groups, saved_only_in
-from .recompute import activation_copies
+from .recompute import activation_copies, source_replaced
 
 HOST, DISK = 1, 2
 # the host step takes each gradient in its master's dtype on the host (runtime/optimizer.py), whatever
@@ -131,6 +132,13 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
     held = sum((f.expr for _, f in kept[rep]), held)
     count = Expr((), tuple((k, tuple(tuple(1.0 if v else 0.0 for v in row) for row in t))
                            for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
+    # an activation whose one saver keeps a resharded copy instead: the copy alone is moved
+    for k in dict.fromkeys(k for k, _ in kept[rep]):
+        replaced = source_replaced(problem, k)
+        if replaced is not None and replaced[0] in items:
+            table = replaced[1]
+            held = held + Expr((), ((k, table),)).scaled(-1.0)
+            count = count + Expr((), ((k, tuple(tuple(-1.0 if v else 0.0 for v in row) for row in table)),))
     for t in allowed:
         if t:
             per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
@@ -202,15 +210,25 @@ def parameters_out(problem: Problem, fam: Families, key: str, names, tiers, out_
 
 
 def gradients_out(problem: Problem, fam: Families, key: str, names, out_of: dict[str, list[int]]) -> None:
-    """A parameter's gradient moved to the host as it is made (`out_of`: `edges_by(problem, "src")`)."""
+    """A parameter's gradient moved to the host as it is made (`out_of`: `edges_by(problem, "src")`).
+    Reduced alone, it takes no place in the gradient buckets' buffers either (`memory_timeline.bucket_buffers`,
+    the bucketed bytes where no layouts bucket more than the buffers' cap: then their sum is the buffers')."""
     per_byte, per_tensor = transfer_terms(problem.mesh.profile.host_link, 2.0)
+    uncapped = problem.bucketable <= buckets_in_flight_bytes(float("inf"), problem.mesh.profile.grad_bucket_bytes)
+    since = problem.buckets_from
     for n in names:
         d = problem.decisions[n]
         grad = Expr(((n, tuple(d.grad_bytes)),))
         fam.freed.append(Freed(grad, ((key, HOST),), problem.grad_since(n) - 1, problem.live.step_end,
                                f"gradient of {d.fqn}", f"grad:{n}"))
+        synced = [k for k in out_of.get(n, ()) if problem.edges[k].sync is not None]
         alone = tuple((k, tuple(tuple(0.0 if s is None else s[2] for s in row) for row in problem.edges[k].sync))
-                      for k in out_of.get(n, ()) if problem.edges[k].sync is not None)
+                      for k in synced)
+        if uncapped and synced:     # out of the buckets' buffers from their making to the backward's end
+            bucketed = Expr((), tuple((k, tuple(tuple(0.0 if s is None else s[1] for s in row)
+                                                 for row in problem.edges[k].sync)) for k in synced))
+            fam.freed.append(Freed(bucketed, ((key, HOST),), since - 1, 2 * problem.live.last,
+                                   f"bucket buffer of the gradient of {d.fqn}", f"bucket:{n}"))
         moves = grad.scaled(per_byte) + Expr(const=per_tensor)
         fam.costs.append(Cost(moves + Expr((), alone), (key, HOST), 1.0, f"gradient of {d.fqn} to the host and back"))
         fam.held.append(Held(grad, (key, HOST), "host", 1.0, f"gradient of {d.fqn}"))

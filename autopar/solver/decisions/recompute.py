@@ -6,7 +6,12 @@
 * selective: as full, but the outputs of matrix multiplications are kept
   (`cost_model.recompute.SELECTIVE_SAVED_OPS`), so only the other ops run again;
 * from the layer's backward on, its freed tensors exist again (the `Freed` window ends there).
-The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`).
+The runtime runs it with `torch.utils.checkpoint` (`runtime/checkpoint.py`). A gathered copy the
+residency family re-gathers ("regather") is not gathered a third time: the recomputation takes the
+backward's re-gather (a layer's parameters: its one flat gather, `runtime/layer_gather.py`; they reach
+the checkpointed region as its inputs, which checkpoint saves through the re-gathering hooks; an
+activation's: the gather re-run inside the region is the re-gather), so the forward's gathers again
+are priced here only where that copy is kept (`Cost.unless`).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from ...cost_model.recompute import saved_under_selective
 from ...plan_records import RECOMPUTE_MODES
 from ..families import Cost, Expr, Families, Freed, Group
 from ..problem import Problem
-from .common import Masked, allowed_options, before_backward, edges_by, layer_groups, saved_only_in
+from .common import REGATHER, Masked, allowed_options, before_backward, edges_by, layer_groups, residency_of, \
+    saved_only_in
 
 SELECTIVE, FULL = 1, 2
 
@@ -32,9 +38,12 @@ def build(problem: Problem, setting: str) -> Families:
         fam.groups.append(Group(key, "recompute", RECOMPUTE_MODES, layers, allowed))
         if allowed == (0,):
             continue
-        full, sel = forward_expr(problem, groups.nodes[rep], into, masks)
+        full, sel, again = forward_expr(problem, groups.nodes[rep], into, masks, groups)
         fam.costs += [Cost(full, (key, FULL), len(layers), f"recompute {rep} (full)"),
                       Cost(sel, (key, SELECTIVE), len(layers), f"recompute {rep} (selective)")]
+        fam.costs += [Cost(expr, (key, mode), len(layers), f"recompute {rep}: the copies of {residency} gathered again",
+                           unless=((residency, REGATHER),))
+                      for residency, expr in again.items() for mode in (FULL, SELECTIVE)]
         for layer in layers:
             fam.freed += freed_in(problem, layer, groups.nodes[layer], saved.get(layer, ()), key,
                                   before_backward(problem, groups, layer), into, masks)
@@ -46,9 +55,11 @@ def _edges_into(into: dict[str, list[int]], names) -> list[int]:
     return sorted(k for n in dict.fromkeys(names) for k in into.get(n, ()))
 
 
-def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked) -> tuple[Expr, Expr]:
-    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps);
-    `into`: `edges_by(problem, "dst")`."""
+def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Masked,
+                 groups) -> tuple[Expr, Expr, dict[str, Expr]]:
+    """Seconds of a layer's forward run again: (all of it, all but the ops selective recomputation keeps,
+    both without the gathers of copies a residency decision governs; those gathers by that decision's
+    group); `into`: `edges_by(problem, "dst")`; `groups`: `layer_groups(problem)`."""
     full, sel = [], []
     for n in names:
         d = problem.decisions[n]
@@ -56,8 +67,18 @@ def forward_expr(problem: Problem, names, into: dict[str, list[int]], masks: Mas
             full.append((n, tuple(d.fwd_s)))
             if not saved_under_selective(d.facts.op):
                 sel.append((n, tuple(d.fwd_s)))
-    comm = tuple((k, masks(problem.edges[k].fwd)) for k in _edges_into(into, names))
-    return Expr(tuple(full), comm), Expr(tuple(sel), comm)
+    comm, again = [], {}
+    for k in _edges_into(into, names):
+        fwd, decided = problem.edges[k].fwd, residency_of(problem, groups, k)
+        if decided is None:
+            comm.append((k, masks(fwd)))
+            continue
+        residency, _, mask = decided
+        again[residency] = again.get(residency, Expr()) + Expr((), ((k, masks(fwd, mask)),))
+        if mask is not None:        # the pairs that do not gather: no residency decision, gathered again
+            comm.append((k, masks(fwd, mask, keep=False)))
+    comm = tuple(comm)
+    return Expr(tuple(full), comm), Expr(tuple(sel), comm), again
 
 
 def freed_in(problem: Problem, layer: str, names, saved, key: str, until: int,
@@ -91,6 +112,36 @@ def activation_copies(problem: Problem, names, into: dict[str, list[int]], masks
     return [(k, f) for k in _edges_into(into, names)
             if problem.edges[k].keeps_copy and problem.decisions[problem.edges[k].src].kind == "op"
             for f in activation_copy(problem, k, masks)]
+
+
+def source_replaced(problem: Problem, k: int) -> tuple[str, tuple[tuple[float, ...], ...]] | None:
+    """Where the one op that saves an activation saves resharded copies of it instead (edge k the first
+    of its edges from the activation or its views into that op): (the activation, an [a][b] table on k of
+    its bytes where every such edge keeps a copy, else 0). The liveness model keeps the activation saved
+    for that op as well (docs/architecture.md, Known limits), but what the op saves at run time, and what
+    activation offload moves, is the copies alone. None where the activation has other savers, or the
+    table is not a function of k's pair."""
+    e, live = problem.edges[k], problem.live
+    lead = problem.decisions[e.src].leader
+    # the activation: the edge's source, or the one whose view it is (a view follows its source's leader)
+    found = [o for o in ((e.src,) if e.src in live.defined else live.owners)
+             if live.savers.get(o) == (e.dst,) and problem.decisions[o].kind == "op"
+             and problem.decisions[o].leader == lead]
+    if len(found) != 1:
+        return None
+    o = found[0]
+    ks = [j for j, x in enumerate(problem.edges) if x.dst == e.dst and problem.decisions[x.src].kind == "op"
+          and problem.decisions[x.src].leader == lead and (x.src == o or x.src not in live.defined)]
+    if ks[0] != k:
+        return None
+    table: dict[tuple[int, int], float] = {}
+    for i, a in enumerate(e.a_of):
+        for j, b in enumerate(e.b_of):
+            copied = all(problem.edges[x].saved[problem.edges[x].a_of[i]][problem.edges[x].b_of[j]] > 0 for x in ks)
+            v = problem.decisions[o].act_bytes[i] if copied else 0.0
+            if table.setdefault((a, b), v) != v:
+                return None
+    return o, tuple(tuple(table.get((a, b), 0.0) for b in range(len(row))) for a, row in enumerate(e.saved))
 
 
 def activation_copy(problem: Problem, k: int, masks: Masked) -> tuple[Freed, Freed]:

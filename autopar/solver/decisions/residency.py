@@ -33,13 +33,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ...cost_model.comm import regather_seconds
-from ...plan_records import ACTIVATIONS, RESIDENCY_MODES
+from ...plan_records import RESIDENCY_MODES
 from ..families import Cost, Expr, Families, Group
 from ..problem import Problem
-from .common import Masked, allowed_options, layer_groups
+from .common import REGATHER, Masked, allowed_options, layer_groups, residency_of
 from .recompute import copy_freed
-
-REGATHER = 1
 
 FlatGathers = Mapping[tuple[str, str, int], tuple[str, int, int]]   # (src, dst, slot) -> (layer, n, at)
 
@@ -52,29 +50,20 @@ def build(problem: Problem, setting: str, flat: FlatGathers | None = None) -> Fa
     fam = Families()
     edges: dict[str, list[tuple[int, tuple | None]]] = {}   # group -> (edge, [a][b] gathers? or None: all)
     names: dict[str, list[str]] = {}                        # group -> the plan keys it decides
-    for k, e in enumerate(problem.edges):
-        if not e.keeps_copy:
+    for k in range(len(problem.edges)):
+        decided = residency_of(problem, groups, k)
+        if decided is None:
             continue
-        src, mask = problem.decisions[e.src], None
-        if src.kind == "param":
-            layer = problem.layer.get(e.src)
-            rep, member = (groups.rep[layer] if layer in groups.rep else src.fqn), src.fqn
-        elif src.kind == "op" and any(map(any, mask := e.gathers)):
-            layer = problem.layer.get(e.dst)
-            rep = ACTIVATIONS + (groups.rep[layer] if layer in groups.rep else e.dst)
-            member = ACTIVATIONS + (layer or e.dst)
-        else:
-            continue
-        edges.setdefault(rep, []).append((k, mask))
-        if member not in names.setdefault(rep, []):
-            names[rep].append(member)
+        key, member, mask = decided
+        edges.setdefault(key, []).append((k, mask))
+        if member not in names.setdefault(key, []):
+            names[key].append(member)
     flat = flat_gathers(problem) if flat is None else flat
     back = {k: flat[key][2] for k, e in enumerate(problem.edges) if (key := (e.src, e.dst, e.slot)) in flat}
     n_of = {layer: n for layer, n, _ in flat.values()}
     masks = Masked()
-    for rep, items in edges.items():
-        key = f"residency:{rep}"
-        fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[rep]), allowed))
+    for key, items in edges.items():
+        fam.groups.append(Group(key, "residency", RESIDENCY_MODES, tuple(names[key]), allowed))
         if REGATHER not in allowed:
             continue
         layers: dict[str, list[int]] = {}          # a layer's parameter edges (all gathered at once)
