@@ -7,8 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -102,12 +100,20 @@ def test_mixed_precision_state_and_optimizer_step():
     assert optimizer_step_time(1e9, a100) == pytest.approx(28e9 / (2.039e12 * 0.9) + 5e-6)
 
 
-def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
+def _calibrate(capsys, *args: str) -> str:
+    """`autopar calibrate ARGS` run in this process (its ranks forked from it, as from the shell's; a fresh
+    interpreter would only add its 4 CPU s of imports: tests/test_cli.py runs the command as a process);
+    its stdout."""
+    from autopar.cli import main
+    rc = main(["calibrate", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path, capsys):
     out = tmp_path / "me.json"
-    r = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(out), "--world-size", "2",
-                        "--quick", "--name", "test-machine"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "wrote" in r.stdout
+    assert "wrote" in _calibrate(capsys, "--out", str(out), "--world-size", "2", "--quick", "--name", "test-machine")
     mesh = autopar.Mesh((2,), ("dp",), device=str(out))
     p = mesh.profile
     assert p.name == "test-machine" and p.device_type == "cpu" and p.backend == "gloo"
@@ -142,13 +148,11 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path):
         assert max(rates) < 4 * min(rates), (k, rates)
 
 
-def test_calibrate_on_a_world_of_one(tmp_path):
+def test_calibrate_on_a_world_of_one(tmp_path, capsys):
     """One device (a single-GPU box): compute and runtime measured, no collective to time, the links
     taken from the base profile."""
     out = tmp_path / "one.json"
-    r = subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(out), "--world-size", "1",
-                        "--quick"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    _calibrate(capsys, "--out", str(out), "--world-size", "1", "--quick")
     p = autopar.Mesh((1,), ("dp",), device=str(out)).profile
     assert p.peak_flops["float32"] > 1e8 and 0 < p.attention_efficiency <= 1 and p.collective_overhead == 0
     assert p.intra_node == load_profile("cpu").intra_node
