@@ -30,13 +30,15 @@
 Memory families are on ("auto"). Prints one JSON line: wall and CPU seconds per phase (capture,
 strategies, build: the solve phase less the time inside the MIP solver, solve: that time; then
 scaling_on_first_read: the symbolic costs, priced lazily when the plan's `scaling` is first read,
-outside the planning call), end to end, peak RSS, ILP size, solver status and the plan's step time.
+outside the planning call), end to end, peak RSS, ILP size, solver status, the plan's step time and
+a hash of its decisions (`plan_hash`).
 The machine is shared: CPU seconds are the steadier measure when others load it (both are printed).
 `--all` runs every model, each in its own process (so that peak RSS is that run's own).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -171,6 +173,13 @@ class Phases:
         self._mark()
 
 
+def plan_hash(plan) -> str:
+    """The plan's decisions, hashed: its JSON but the solver's record (status words, sizes) and the
+    symbolic costs (priced when first read); equal hashes, byte-identical decisions."""
+    d = {k: v for k, v in plan.to_dict().items() if k not in ("solver", "scaling")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
@@ -204,7 +213,7 @@ def main(argv=None) -> dict:
            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "ilp_variables": plan.solver.n_variables, "ilp_constraints": plan.solver.n_constraints,
            "solver": plan.solver.solver, "status": plan.solver.status,
-           "step_time_s": round(plan.estimate.step_time_s, 4),
+           "step_time_s": round(plan.estimate.step_time_s, 4), "plan_hash": plan_hash(plan),
            "pipeline": [plan.pipeline.axis, plan.pipeline.stages, plan.pipeline.virtual_stages,
                         plan.pipeline.microbatches, plan.pipeline.schedule],
            "peak_memory_gib": round(plan.estimate.peak_memory_bytes / 2**30, 2),

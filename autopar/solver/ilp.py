@@ -120,6 +120,7 @@ class StrategyILP:
         self.linear: dict[tuple, tuple[str, int]] = {}   # group without y -> ("src", b) | ("dst", a) | ("same", 0)
         self.copy_bytes: dict[tuple, int] = {}   # (E) per group: GiB of its kept copy
         self.temp_bytes: dict[tuple, int] = {}   # (F) per group: GiB of its temporary copy
+        self.choice = choice
         self.add_layouts(choice, allowed or {})
         self.m.presolve = choice is not None        # layouts fixed: presolve removes nearly every row
         self.terms = FamilyTerms(self, options)
