@@ -82,7 +82,7 @@ def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
         raise AssertionError("solved a group past the time limit")
     found = choose_pipeline(None, cands, never, 1.0, out_of_time=lambda: True, floor=lambda c: bound[c.microbatches],
                             incumbent_s=2.0)
-    assert (found.best, found.solved, found.pruned, found.unsearched) == (None, 0, 1, 2)
+    assert (found.best, found.solved, found.pruned, found.unsearched) == (None, 0, 1, (("pp", 2), ("pp", 8)))
 
 
 def test_the_lower_bound_is_below_the_priced_step(chosen):

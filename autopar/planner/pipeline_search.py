@@ -48,11 +48,13 @@ def search_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict | None, me
     microbatch, its annotations) made already (filled with those the search makes). The plan cache
     (`cache_dir=`) keeps the search's answer under every option, `pipeline=` and the time limit too."""
     t0 = time.perf_counter()
-    deadline = deadline_of(opts)        # the whole call (the capture aside) within the one time limit
     _check(fixed, mesh)
     captured = {} if captured is None else captured
     with frozen_gc():
         cap1 = _captured(model, args, kwargs, 1, captured, opts)[0]
+        # one deadline for the whole call, the model's capture aside (as `make_plan`'s): the captures of
+        # other microbatch counts, the problems, solves and pricing of every candidate all count against it
+        deadline = deadline_of(opts)
         cache = PlanCache.open(opts.cache_dir)
         key = cache.key(fingerprint(cap1), mesh, opts) if cache else None
         if cache and (hit := cache.get(key)) is not None:
@@ -168,7 +170,7 @@ class _Groups:
         if floor(Candidate(None, 1, 1, "1f1b", 1)) >= beat:
             return replace(found, pruned=found.pruned + 1)
         if found.best is not None and self.out_of_time():
-            return replace(found, unsearched=found.unsearched + 1)
+            return replace(found, unsearched=found.unsearched + ((None, 1),))
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
                                     self.deadline, more)
         flat = self.flat
@@ -198,7 +200,7 @@ def _pipelined_plan(found: Searched, run: _Groups, mesh: Mesh, opts: PlanOptions
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
-    timed_out = found.unsearched > 0 or (deadline is not None and time.perf_counter() >= deadline)
+    timed_out = bool(found.unsearched) or (deadline is not None and time.perf_counter() >= deadline)
     plan.solver = SolverInfo("search", _status(run.statuses, c, found, timed_out), 0, 0, plan.estimate.step_time_s,
                              len(best.problem.leaders), len(best.problem.order), len(best.problem.rep))
     plan.timings = Timings(0.0, time.perf_counter() - t0)
@@ -209,7 +211,8 @@ def _merged(a: Searched, b: Searched) -> Searched:
     """Two searches' outcomes as one: the faster best (the first on a tie), the counts summed."""
     best = a.best if b.best is None or (a.best is not None and a.best.evaluation.step_s <= b.best.evaluation.step_s) \
         else b.best
-    return Searched(best, min(a.least, b.least), a.solved + b.solved, a.pruned + b.pruned, a.unsearched + b.unsearched)
+    return Searched(best, min(a.least, b.least), a.solved + b.solved, a.pruned + b.pruned,
+                    a.unsearched + b.unsearched)
 
 
 FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most where pipelines are candidates too:
@@ -234,12 +237,13 @@ def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0
 
 def _flat_status(flat: Plan, found: Searched) -> Plan:
     """The plan without a pipeline, its status saying how the pipelines were weighed."""
-    groups = found.solved + found.pruned + found.unsearched
+    groups = found.solved + found.pruned + len(found.unsearched)
     if found.unsearched:
         own = flat.solver.status
         flat.solver = replace(flat.solver, status=(
-            f"{'' if own.startswith(AT_TIME_LIMIT) else AT_TIME_LIMIT + ': '}{own}; pipelines: {found.solved} of {groups} (axis, microbatch count) "
-            f"candidates solved, {found.pruned} ruled out by their lower bound, {found.unsearched} not searched"))
+            f"{'' if own.startswith(AT_TIME_LIMIT) else AT_TIME_LIMIT + ': '}{own}; pipelines: {found.solved} of "
+            f"{groups} (axis, microbatch count) candidates solved, {found.pruned} ruled out by their lower bound, "
+            f"{_unsearched(found)}"))
     elif groups:
         flat.solver = replace(flat.solver, status=(
             f"{flat.solver.status}; no pipeline is faster ({found.solved} of {groups} (axis, microbatch count) "
@@ -290,11 +294,23 @@ def _signature(s) -> tuple:
 def _status(statuses: dict[tuple, str], chosen, found: Searched, timed_out: bool) -> str:
     """The search's outcome in words (`solver.solve.status_words`): the chosen pipeline's own solve's
     status, and how many of the (axis, microbatch count) groups were solved and ruled out by bound."""
-    groups = found.solved + found.pruned + found.unsearched
+    groups = found.solved + found.pruned + len(found.unsearched)
     own = statuses.get((chosen.axis, chosen.microbatches), "")
     head = AT_TIME_LIMIT if timed_out or own.startswith(AT_TIME_LIMIT) else "the best pipeline found"
+    skipped = f", {_unsearched(found)}" if found.unsearched else ""
     return (f"{head}: {found.solved} of {groups} (axis, microbatch count) candidates solved, {found.pruned} ruled "
-            f"out by their lower bound, the chosen one's layouts {own}")
+            f"out by their lower bound{skipped}, the chosen one's layouts {own}")
+
+
+def _unsearched(found: Searched) -> str:
+    """The groups the time limit left unsearched, by name: "2 not searched (pp with 64, 128 microbatches;
+    no pipeline)"."""
+    by_axis: dict = {}
+    for axis, m in found.unsearched:
+        by_axis.setdefault(axis, []).append(m)
+    named = "; ".join("no pipeline" if axis is None else f"{axis} with {', '.join(map(str, ms))} microbatches"
+                      for axis, ms in by_axis.items())
+    return f"{len(found.unsearched)} not searched ({named})"
 
 
 def _check(fixed: Mapping, mesh: Mesh) -> None:

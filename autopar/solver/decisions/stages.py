@@ -223,7 +223,7 @@ class Searched:
     least: float             # the least peak memory seen (inf: nothing priced)
     solved: int              # (axis, microbatches) groups solved
     pruned: int              # groups whose lower bound was no faster than the best step found
-    unsearched: int          # groups left when the time ran out
+    unsearched: tuple        # the (axis, microbatches) groups left when the time ran out
 
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
@@ -241,7 +241,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     answer (the search goes on only while neither it nor `incumbent_s` exists); the groups' bounds,
     which cost no solve, are still weighed, so a group is counted unsearched only where its bound
     could beat the answer (the status is then the same under any load where the bounds decide)."""
-    best, least, solved, pruned, unsearched = None, math.inf, 0, 0, 0
+    best, least, solved, pruned, unsearched = None, math.inf, 0, 0, []
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
     for key in keys:
         beat = min(incumbent_s, best.evaluation.step_s if best is not None else math.inf)
@@ -250,7 +250,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             pruned += 1
             continue
         if math.isfinite(beat) and out_of_time():
-            unsearched += 1
+            unsearched.append(key)
             continue
         solved += 1
         scale = 1.0
@@ -258,23 +258,33 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             found_plan = solve_at(key[0], key[1], scale)
             if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
                 break
-            found, low = _best_of(mesh, group, found_plan, budget)
+            found, low = _best_of(mesh, group, found_plan, budget, floor, beat, out_of_time)
             least = min(least, low)
             if found is not None:
                 if best is None or found.evaluation.step_s < best.evaluation.step_s * (1 - 1e-12):
                     best = found
                 break
-            if not math.isfinite(low):      # nothing was priced: a lower budget changes nothing
-                break
+            if not math.isfinite(low) or (math.isfinite(beat) and out_of_time()):
+                break                       # nothing was priced (a lower budget changes nothing), or no time
             scale *= TIGHTEN_MARGIN * budget / low
-    return Searched(best, least, solved, pruned, unsearched)
+    return Searched(best, least, solved, pruned, tuple(unsearched))
 
 
-def _best_of(mesh, group: list[Candidate], solved, budget: float) -> tuple[Chosen | None, float]:
-    """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak."""
+def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None = None,
+             beat: float = math.inf, out_of_time: Callable[[], bool] = lambda: False) -> tuple[Chosen | None, float]:
+    """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak.
+    Each candidate is priced by the evaluator at each of its boundaries and family options (a few
+    evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
+    candidates go by their lower bound `floor`, least first: one whose bound cannot beat the best step
+    found (or `beat`, the search's) is not priced, and once `out_of_time()` with a plan in hand (this
+    group's or the search's) the rest are not priced either."""
     problem, choice, options, graph = solved
     best, least = None, math.inf
-    for cand in group:
+    bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
+    for cand in sorted(group, key=bound.__getitem__):
+        win = min(beat, best.evaluation.step_s if best is not None else math.inf)
+        if bound[cand] >= win or (math.isfinite(win) and out_of_time()):
+            continue
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
