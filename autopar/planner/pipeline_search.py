@@ -308,6 +308,8 @@ def _unsearched(found: Searched) -> str:
     by_axis: dict = {}
     for axis, m in found.unsearched:
         by_axis.setdefault(axis, []).append(m)
+    for ms in by_axis.values():
+        ms.sort()
     named = "; ".join("no pipeline" if axis is None else f"{axis} with {', '.join(map(str, ms))} microbatches"
                       for axis, ms in by_axis.items())
     return f"{len(found.unsearched)} not searched ({named})"
