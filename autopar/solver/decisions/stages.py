@@ -277,21 +277,27 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
     candidates go by their lower bound `floor`, least first: one whose bound cannot beat the best step
     found (or `beat`, the search's) is not priced, and once `out_of_time()` with a plan in hand (this
-    group's or the search's) the rest are not priced either."""
+    group's or the search's) the rest are not priced either. Out of time with no plan in hand, each
+    cut's options go from the most recomputation down, and where that overflows the others (which
+    free less) are not priced: a plan that fits is found in a third of the evaluations, if any fits."""
     problem, choice, options, graph = solved
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
     for cand in sorted(group, key=bound.__getitem__):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
-        if bound[cand] >= win or (math.isfinite(win) and out_of_time()):
+        late = out_of_time()
+        if bound[cand] >= win or (math.isfinite(win) and late):
             continue
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
             staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
-            for opts in _option_choices(problem, options):
+            choices = _option_choices(problem, options)
+            for opts in choices[::-1] if late else choices:
                 ev = evaluate(problem, choice, opts, staging)
                 least = min(least, ev.peak_bytes)
+                if late and ev.peak_bytes > budget:
+                    break
                 if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
                                   choice, opts, ev)
