@@ -21,6 +21,7 @@ choice is deterministic.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -78,14 +79,16 @@ def layer_seconds(problem: Problem, graph, choice: Mapping[str, int]) -> tuple[f
     return per[0], per[1:-1], per[-1]
 
 
-def balanced_boundaries(problem: Problem, graph, choice: Mapping[str, int], chunks: int) -> tuple[str, ...]:
+def balanced_boundaries(problem: Problem, graph, choice: Mapping[str, int], chunks: int,
+                        seconds: tuple | None = None) -> tuple[str, ...]:
     """Boundaries cutting the layers into `chunks` contiguous runs that minimise the slowest chunk,
     the first chunk carrying what precedes the layers and the last what follows them: a dynamic
-    program over (chunks, layers), O(chunks x layers^2). Ties keep the earliest cut."""
+    program over (chunks, layers), O(chunks x layers^2). Ties keep the earliest cut. `seconds`:
+    `layer_seconds(problem, graph, choice)` where the caller has it."""
     order = layer_sequence(graph)
     if chunks <= 1:
         return ("",)
-    pre, per, post = layer_seconds(problem, graph, choice)
+    pre, per, post = seconds if seconds is not None else layer_seconds(problem, graph, choice)
     n = len(order)
     prefix = [0.0]
     for x in per:
@@ -283,13 +286,14 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     problem, choice, options, graph = solved
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
+    seconds = functools.cache(lambda: layer_seconds(problem, graph, choice))     # one layout: every cut's
     for cand in sorted(group, key=bound.__getitem__):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
         late = out_of_time()
         if bound[cand] >= win or (math.isfinite(win) and late):
             continue
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
-        for bounds in _boundary_choices(problem, graph, choice, cand):
+        for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
             staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
             choices = _option_choices(problem, options)
@@ -304,11 +308,11 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     return best, least
 
 
-def _boundary_choices(problem: Problem, graph, choice, cand: Candidate) -> list[tuple[str, ...]]:
+def _boundary_choices(problem: Problem, graph, choice, cand: Candidate, seconds) -> list[tuple[str, ...]]:
     chunks = cand.stages * cand.virtual_stages
     if chunks == 1:
         return [("",)]
-    return list(dict.fromkeys([balanced_boundaries(problem, graph, choice, chunks),
+    return list(dict.fromkeys([balanced_boundaries(problem, graph, choice, chunks, seconds()),
                                even_boundaries(layer_sequence(graph), chunks)]))
 
 
