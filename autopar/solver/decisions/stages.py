@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from ...cost_model.pipeline import check_schedule
+from ...cost_model.pipeline import check_schedule, in_flight_microbatches
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan_records import PIPELINE_KEYS, PipelinePlan
 from ..evaluate import Evaluation, Staging, evaluate, per_microbatch_seconds, seconds_by_part
@@ -280,17 +280,22 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
     candidates go by their lower bound `floor`, least first: one whose bound cannot beat the best step
     found (or `beat`, the search's) is not priced, and once `out_of_time()` with a plan in hand (this
-    group's or the search's) the rest are not priced either. Out of time with no plan in hand, each
-    cut's options go from the most recomputation down, and where that overflows the others (which
-    free less) are not priced: a plan that fits is found in a third of the evaluations, if any fits."""
+    group's or the search's) the rest are not priced either. Out of time with no plan in hand
+    (`hurried`), any plan that fits is wanted soon: the candidates go by the microbatches in flight
+    on the first rank (`in_flight_microbatches`: its activations), fewest first, and one that fits
+    nowhere rules out those holding as many; each cut's options go from the most recomputation down,
+    and where that overflows the others (which free less) are not priced."""
     problem, choice, options, graph = solved
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
     seconds = functools.cache(lambda: layer_seconds(problem, graph, choice))     # one layout: every cut's
-    for cand in sorted(group, key=bound.__getitem__):
+    hurried = not math.isfinite(beat) and out_of_time()
+    held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
+    overflowed = math.inf       # hurried: the fewest in flight of a candidate that fit nowhere
+    for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
-        late = out_of_time()
-        if bound[cand] >= win or (math.isfinite(win) and late):
+        late = hurried or out_of_time()
+        if bound[cand] >= win or (math.isfinite(win) and late) or (best is None and held[cand] >= overflowed):
             continue
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
@@ -305,6 +310,8 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
                 if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
                                   choice, opts, ev)
+        if hurried and best is None:
+            overflowed = min(overflowed, held[cand])
     return best, least
 
 
