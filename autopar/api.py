@@ -45,7 +45,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: Mesh | Cluster, *, exampl
     sharded_outputs: return outputs as DTensors in their planned layout instead of whole.
     time_limit: seconds for the whole call, the capture aside (every solve and the pipeline search share
         them); at the limit the best plan found so far is returned, its status saying so
-        ("best found at the time limit", with the gap where the solver proved one).
+        ("best found at the time limit", with the gap where the solver proved one, and the pipeline
+        candidates left unsearched by name). The solver's first plans are found whatever the limit.
     progress: say on stderr which phase runs once planning takes over 2 s, and a line every 5 s of
         solving (default: when stderr is a terminal).
     cache_dir: keep solved plans there (or set AUTOPAR_CACHE_DIR); an unchanged model re-plans instantly.
