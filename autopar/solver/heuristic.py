@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from . import prune
@@ -51,15 +52,15 @@ class Heuristic:
 
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
                allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False,
-               options: dict[str, int] | None = None) -> Heuristic | None:
+               options: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
     searched among these strategies only (`StrategyILP`'s argument). `floor`: steps 1 and 2 run to
-    their end whatever the deadline (their plan is the same on every run). `options`: family options
-    a plan of the same problem fits with (another subspace's): where no options fit the most sharded
-    layouts, step 2 starts from them instead of the plan that needs least memory, and None is
-    returned where that finds no plan (a search that has a plan already then has nothing to gain);
-    a function of the most sharded layouts giving such options is called only there."""
+    their end whatever the deadline (their plan is the same on every run). `options`: a function of the most
+    sharded layouts giving family options a plan of the same problem fits with (another subspace's),
+    called only where no options fit those layouts: step 2 then starts from them instead of the plan
+    that needs least memory, and None is returned where that finds no plan (a search that has a plan
+    already then has nothing to gain)."""
     models = _Models(problem, budget, allowed)
     best = _first(problem, budget, None if floor else deadline, models, options)
     return None if best is None else improve(problem, budget, best, deadline, progress, models)
@@ -82,7 +83,7 @@ def resume_plan(problem, budget: float, plan: Assignment, deadline: float | None
 
 
 def _first(problem, budget: float, deadline: float | None, models: _Models,
-           known: dict[str, int] | None = None) -> Heuristic | None:
+           known: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
     relaxation's layouts rounded, the better; `known`: `start_plan`'s `options`."""
     choice = most_sharded(problem, models.allowed)
@@ -92,7 +93,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
         best = Heuristic((choice, options), evaluate(problem, choice, options).objective_s,
                          "Feasible (the most sharded plan)", "HiGHS", 1.0)
     elif known is not None:     # no options fit the most sharded layouts: step 2 from options that fit elsewhere
-        options = known(choice) if callable(known) else known
+        options = known(choice)
     else:                       # the plan that needs least, if it fits
         plan, need = least_memory(problem, models.allowed)
         if need > budget:
@@ -178,10 +179,10 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
     options alternated, each a min-max model of the subspace's size; 66-99 CPU s of the floor on
     Llama-3-8B at 131,072 tokens over (8, 2, 4) H100)."""
     allowed = prune.merged_axes(problem, *groups)
-    start = options
-    if floor and start is None:
-        start = lambda choice: least_memory_options(problem, choice)     # noqa: E731 (only where needed)
-    h = start_plan(problem, budget, deadline, progress, allowed, floor, start)
+
+    def start(choice):      # called only where no options fit the most sharded layouts `choice`
+        return options if options is not None else least_memory_options(problem, choice)
+    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None)
     if h is None and options is None:
         h = start_plan(problem, budget, deadline, progress, allowed, floor)
     if h is None:
