@@ -33,7 +33,7 @@ def _warm_autopar():
 
 def _import_inductor():
     """Import inductor's compiler in the parent (no thread or worker pool starts on import): a rank that
-    compiles (the docs' torch.compile snippets, test_backend) otherwise imports it itself, 3-4 CPU s a rank."""
+    compiles (test_backend.py's inductor check) otherwise imports it itself, 3-4 CPU s a rank."""
     import torch._inductor.compile_fx  # noqa: F401
 
 
