@@ -33,11 +33,20 @@ def _warm_autopar():
 
 def _import_inductor():
     """Import inductor's compiler in the parent (no thread or worker pool starts on import): a rank that
-    compiles (the docs' torch.compile snippets, test_backend) otherwise imports it itself, 3-4 CPU s a rank."""
+    compiles (test_backend.py's inductor check) otherwise imports it itself, 3-4 CPU s a rank."""
     import torch._inductor.compile_fx  # noqa: F401
 
 
-before_first_fork += [_warm_autopar, _import_inductor]
+def _import_runtime():
+    """Import autopar's runtime (DistributedModule, the pipeline on torch.distributed.pipelining, the weight
+    loaders) in the parent: every rank runs it, and imports it at its first autoparallelize otherwise
+    (0.25 CPU s a rank, measured in a forked rank; some 30 ranks a suite)."""
+    import autopar.runtime.module  # noqa: F401
+    import autopar.runtime.pipeline  # noqa: F401
+    import autopar.runtime.weights  # noqa: F401
+
+
+before_first_fork += [_warm_autopar, _import_inductor, _import_runtime]
 
 
 @pytest.fixture

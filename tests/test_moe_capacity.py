@@ -94,8 +94,9 @@ def test_one_process_reference_drops_and_changes_the_loss():
 
 
 # beside data parallelism (Qwen2-MoE, tokens split over both axes: the counts are gathered over two
-# axes, of which a gather over one, expert parallelism alone, is the special case; its dropless
-# training is tests/test_expert_parallel.py's); beside an axis that splits experts only (tokens whole on it)
+# axes, of which a gather over one, expert parallelism alone, is the special case; dropless expert
+# parallelism alone and beside an experts-only axis train in tests/test_expert_parallel.py); beside an
+# axis that splits experts only (tokens whole on it)
 CASES = [("qwen2_moe", (2, 2), ("dp", "ep"), ("tokens", "expert_parallel")),
          ("mixtral", (2, 2), ("dp", "ep"), ("experts", "expert_parallel"))]
 
