@@ -261,6 +261,8 @@ class FamilyTerms:
         most fractional column is one of the first kind (11 LPs, then HiGHS's MIP: 17 CPU s), this one
         of the second (3 LPs)."""
         out = {g: 0.0 for cols in self.g.values() for g in cols.values()}
+        if not out:       # the options fixed (a layout model): nothing to branch on first
+            return out
         for c, count in self._merged(self.fam.costs, lambda c: (c.gate, *c.unless)):
             kind, g = self.gate(c.gate)
             if kind == "var":
