@@ -11,7 +11,9 @@ three LPs (3.5 s); on Gemma-2-9B over (8, 8) (the layout model, 98k columns) 5-7
 (0.8 s) found a better plan (0.06% below HiGHS's, proven optimal). So this search runs first, on at
 most BRANCH_LPS LPs; what it has not proven is left to HiGHS's MIP, started from its best plan.
 
-Best first (the open node of least bound next), each node's two children solved at once; every
+Each node branches on a fractional family option first, the one whose fraction moves the most seconds
+(`ilp_terms.FamilyTerms.weights`: a linked group of layers before a single layer), else on the most
+fractional column. Best first (the open node of least bound next), each node's two children solved at once; every
 node's LP solution is rounded by the caller (`rounded`: a complete plan's column values, or None
 where the plan breaks a row) and kept where it is the best plan so far; a node whose bound is within
 MIP_GAP of that plan is closed. Deterministic: HiGHS's simplex on one thread, children in a fixed
@@ -23,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .mip import MIP_GAP, Mip, highs_model, timed
@@ -49,9 +51,10 @@ class Branched:
 
 
 def branch(m: Mip, incumbent: list[float] | None, rounded: Callable[[list[float]], list[float] | None],
-           deadline: float | None, max_lps: int = BRANCH_LPS) -> Branched:
+           deadline: float | None, max_lps: int = BRANCH_LPS, first: Mapping[int, float] | None = None) -> Branched:
     """The best plan found by branching on `m`'s LP relaxation (module docstring), never worse than
-    `incumbent` (column values satisfying every row, or None)."""
+    `incumbent` (column values satisfying every row, or None); `first`: columns branched on before the
+    others, with their weights (`_fractional`)."""
     import highspy
     h = highs_model(m, relax=True, presolve=False)
     fixed: dict[int, float] = {}
@@ -85,7 +88,7 @@ def branch(m: Mip, incumbent: list[float] | None, rounded: Callable[[list[float]
         plan = rounded(values)
         if plan is not None and (obj := m.objective(plan)) < best_obj:
             best, best_obj = plan, obj
-        j = _fractional(m, values)
+        j = _fractional(m, values, first or {})
         # closed: within MIP_GAP of the best plan; or integral, yet its rounding broke a row the LP left out
         stop = bound >= best_obj - MIP_GAP * abs(best_obj) or j is None
         if stop or lps + 2 > max_lps or (deadline is not None and time.perf_counter() >= deadline):
@@ -103,9 +106,18 @@ def branch(m: Mip, incumbent: list[float] | None, rounded: Callable[[list[float]
     return Branched(best, best_obj, min(leaves, default=best_obj), lps)
 
 
-def _fractional(m: Mip, values: list[float]) -> int | None:
-    """The integer column to branch on: the most fractional (the lowest index among equals); None if none is."""
-    best, far = None, INTEGRAL
+def _fractional(m: Mip, values: list[float], first: Mapping[int, float]) -> int | None:
+    """The integer column to branch on: among the fractional columns of `first`, the one of the largest
+    fraction times its weight; where none of them is fractional, the most fractional column (the lowest
+    index among equals); None if none is."""
+    best, far = None, 0.0
+    for j, weight in first.items():
+        f = abs(values[j] - round(values[j]))
+        if f > INTEGRAL and (f * weight > far or best is None):
+            best, far = j, f * weight
+    if best is not None:
+        return best
+    far = INTEGRAL
     for j in m.integer:
         f = abs(values[j] - round(values[j]))
         if f > far:

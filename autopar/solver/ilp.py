@@ -301,7 +301,7 @@ class StrategyILP:
             if start is None or obj < self.m.objective(start):
                 start = values
         if lp.solver == "HiGHS":      # a few LPs branching on the relaxation's fractional columns (`branch.py`)
-            b = branch(self.m, start, self.rounded, deadline)
+            b = branch(self.m, start, self.rounded, deadline, first=self.terms.weights())
             if b.proven:
                 return MipResult(b.values, b.objective, f"Optimal (branched on the LP relaxation: {b.lps} LPs, gap "
                                                         f"{b.gap:.2%})", lp.solver, b.gap)
