@@ -216,6 +216,8 @@ class FamilyTerms:
         if all(kind == "off" for kind, _ in gates) or any(kind == "on" for kind, _ in unless):
             return None
         coef, const = self.coef(f.expr, 1.0 / GIB), self.const(f.expr) / GIB
+        if self.at is not None and not const:      # frees nothing at the fixed layouts: (I) holds z at 0
+            return None
         gated = not any(kind == "on" for kind, _ in gates)
         z = self.ilp.add_aux(Defined(coef, const,
                                      tuple(g for kind, g in gates if kind == "var") if gated else None, clamp=True,
