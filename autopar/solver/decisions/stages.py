@@ -273,8 +273,8 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     return Searched(best, least, solved, pruned, tuple(unsearched))
 
 
-def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None = None,
-             beat: float = math.inf, out_of_time: Callable[[], bool] = lambda: False) -> tuple[Chosen | None, float]:
+def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None, beat: float,
+             out_of_time: Callable[[], bool]) -> tuple[Chosen | None, float]:
     """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak.
     Each candidate is priced by the evaluator at each of its boundaries and family options (a few
     evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
@@ -292,6 +292,7 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     hurried = not math.isfinite(beat) and out_of_time()
     held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
     overflowed = math.inf       # hurried: the fewest in flight of a candidate that fit nowhere
+    choices = _option_choices(problem, options)         # the same for every candidate and cut
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
         late = hurried or out_of_time()
@@ -301,7 +302,6 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
         for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
             staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
-            choices = _option_choices(problem, options)
             for opts in choices[::-1] if late else choices:
                 ev = evaluate(problem, choice, opts, staging)
                 least = min(least, ev.peak_bytes)
