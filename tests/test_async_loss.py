@@ -9,6 +9,7 @@ import copy
 import torch
 
 import autopar
+from autopar.api import planned_on_rank0
 from dist_checks import grad_gap, param_gap, rel, step_both
 from models import GPT, gpt_inputs
 
@@ -26,8 +27,9 @@ def _train(rank, world_size, read_first):
     inputs = _inputs()
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh((world_size,), ("dp",), device="cpu")
-    plan = autopar.plan(model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), memory_budget=float("inf"))
+    plan = planned_on_rank0(lambda: autopar.plan(       # planned once, run on every rank
+        model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        memory_budget=float("inf")))
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     kinds = sorted(type(m).__name__ for m in dmodel.graph_module.modules()
                    if type(m).__name__ in ("AsyncOutput", "EarlyReshard"))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.api import planned_on_rank0
 from autopar.cost_model import Link
 from autopar.cost_model.comm import bucket_count
 from autopar.cost_model.profiles import DDP_BUCKET_BYTES
@@ -26,9 +27,9 @@ def _grads(rank, world_size, residency, bucket_bytes, backwards):
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh((world_size,), ("dp",), device=replace(shard_happy_profile(), grad_bucket_bytes=bucket_bytes))
     stored = "S(0)" if residency == "regather" else "R"
-    plan = autopar.plan(model, inputs, mesh, pins={n: (stored,) for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), residency=residency, recompute="none", offload="none",
-                        memory_budget=float("inf"))
+    plan = planned_on_rank0(lambda: autopar.plan(       # planned once, run on every rank
+        model, inputs, mesh, pins={n: (stored,) for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        residency=residency, recompute="none", offload="none", memory_budget=float("inf")))
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     local = mesh.local_batch(inputs, ("dp",))
     for _ in range(backwards):
@@ -75,8 +76,9 @@ def _dp_fast_path(rank, world_size):
     model, inputs, loss_fn = build("gpt")
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh((world_size,), ("dp",), device="cpu")
-    plan = autopar.plan(model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), memory_budget=float("inf"))
+    plan = planned_on_rank0(lambda: autopar.plan(       # planned once, run on every rank
+        model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        memory_budget=float("inf")))
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     gm = dmodel.graph_module
     fed_local = {p.fqn for p in gm.local_params.values()}
@@ -111,8 +113,9 @@ def _dp_step_shape(rank, world_size):
     inputs = gpt_inputs(batch=16, seq=16, vocab=64)     # work enough that the planner splits the batch
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh((world_size,), ("dp",), device="cpu")
-    plan = autopar.plan(model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), memory_budget=float("inf"))
+    plan = planned_on_rank0(lambda: autopar.plan(       # planned once, run on every rank
+        model, inputs, mesh, pins={n: ("R",) for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        memory_budget=float("inf")))
     dmodel = autopar.autoparallelize(model, mesh, inputs, plan=plan)
     local = mesh.local_batch(inputs, ("dp",))
     dmodel(*local).backward()
@@ -163,9 +166,10 @@ def _gathers_per_pass(rank, world_size, layers, mesh_shape=(2,), axes=("dp",), s
     inputs = gpt_inputs(batch=4, seq=16, vocab=64)
     ref = copy.deepcopy(model)
     mesh = autopar.Mesh(mesh_shape, axes, device=shard_happy_profile())
-    plan = autopar.plan(model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()},
-                        batch_axes=("dp",), residency="regather", recompute=recompute, offload="none",
-                        memory_budget=float("inf"), pipeline=False)     # the gathers of one unpipelined step
+    plan = planned_on_rank0(lambda: autopar.plan(       # planned once, run on every rank
+        model, inputs, mesh, pins={n: stored for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        residency="regather", recompute=recompute, offload="none", memory_budget=float("inf"),
+        pipeline=False))     # the gathers of one unpipelined step
     assert set(plan.residency.values()) == {"regather"}
     # the parameters re-gathered, the activations kept (their re-gather is one by one: not counted here)
     plan = replace(plan, residency={k: "keep" if k.startswith("activations:") else v
