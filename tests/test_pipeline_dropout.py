@@ -43,7 +43,7 @@ def _pipelined_and_not(rank, world_size):
     dist.all_gather_object(held, params)
     params = {k: v for part in held for k, v in part.items()}
     plain = autopar.autoparallelize(model, mesh, inputs, symbolic=False, pins=dict(piped.plan.placements),
-                                    **LAYOUTS_ONLY)
+                                    **LAYOUTS_ONLY, pipeline=False)
     ref_losses, ref_params = _train(plain)
     dropouts = sum(1 for n in plain.plan.nodes if "dropout" in n.name)
     gaps = [rel(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
