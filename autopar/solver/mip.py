@@ -76,6 +76,10 @@ class Mip:
     row_index: list[int] = field(default_factory=list)
     row_value: list[float] = field(default_factory=list)
     presolve: bool = False          # let the solver presolve (see above)
+    # `violation`'s arrays of the rows and bounds, with the sizes they were made at: rows and columns are
+    # only ever appended, so equal sizes mean equal arrays (a layout model checks ~10 roundings against
+    # the same ~1M coefficients: converting the lists each time was most of each check)
+    _checked: tuple = field(default=(), repr=False, compare=False)
 
     def copy(self) -> Mip:
         return Mip(*(list(getattr(self, f)) for f in ("col_lo", "col_hi", "cost", "integer", "row_lo", "row_hi",
@@ -117,15 +121,23 @@ class Mip:
         integrality is not checked."""
         import numpy as np
         x = np.asarray(values, dtype=np.float64)
-        worst = max(float(np.max(np.asarray(self.col_lo) - x, initial=0.0)),
-                    float(np.max(x - np.asarray(self.col_hi), initial=0.0)))
+        col_lo, col_hi, rows, index, value, row_lo, row_hi = self._arrays()
+        worst = max(float(np.max(col_lo - x, initial=0.0)), float(np.max(x - col_hi, initial=0.0)))
         if not self.n_rows:
             return worst
-        rows = np.repeat(np.arange(self.n_rows), np.diff(np.asarray(self.row_start)))
-        ax = np.bincount(rows, weights=np.asarray(self.row_value) * x[np.asarray(self.row_index, dtype=np.int64)],
-                         minlength=self.n_rows)
-        return max(worst, float(np.max(np.asarray(self.row_lo) - ax, initial=0.0)),
-                   float(np.max(ax - np.asarray(self.row_hi), initial=0.0)))
+        ax = np.bincount(rows, weights=value * x[index], minlength=self.n_rows)
+        return max(worst, float(np.max(row_lo - ax, initial=0.0)), float(np.max(ax - row_hi, initial=0.0)))
+
+    def _arrays(self) -> tuple:
+        """The bounds and rows as arrays (`_checked`), made again only where rows or columns were added."""
+        import numpy as np
+        sizes = (self.n_cols, self.n_rows, len(self.row_index))
+        if not self._checked or self._checked[0] != sizes:
+            rows = np.repeat(np.arange(self.n_rows), np.diff(np.asarray(self.row_start)))
+            self._checked = (sizes, (np.asarray(self.col_lo), np.asarray(self.col_hi), rows,
+                                     np.asarray(self.row_index, dtype=np.int64), np.asarray(self.row_value),
+                                     np.asarray(self.row_lo), np.asarray(self.row_hi)))
+        return self._checked[1]
 
     def solve(self, time_limit: float | None = None, start: list[float] | None = None,
               progress: str | None = None, relax: bool = False) -> MipResult:
