@@ -110,29 +110,33 @@ def count_flops_at(node: fx.Node, shapes: dict[str, tuple[tuple[int, ...], ...]]
 
 def annotate(gm: fx.GraphModule) -> dict[str, NodeInfo]:
     flops: dict = {}     # op signature -> FLOPs: a model's repeated layers count each op once
-    return {node.name: annotate_node(node, flops) for node in gm.graph.nodes}
+    metas: dict = {}     # node -> `tensor_meta` of its value: worked out once, read by the node and its users
+    return {node.name: annotate_node(node, flops, metas) for node in gm.graph.nodes}
 
 
-def annotate_node(node: fx.Node, flops: dict) -> NodeInfo:
-    """A node's shapes, FLOPs and bytes; `flops` caches FLOPs by op signature."""
-    out = tensor_meta(node.meta.get("val")) if node.op != "output" else ()
-    ins = tensor_inputs(node)
-    nbytes = sum(m.nbytes for m in out) + sum(tensor_meta(a.meta["val"])[0].nbytes for a in ins
-                                              if node.op == "call_function")
+def annotate_node(node: fx.Node, flops: dict, metas: dict) -> NodeInfo:
+    """A node's shapes, FLOPs and bytes; `flops` caches FLOPs by op signature, `metas` nodes' tensor metas."""
+    def meta(a: fx.Node) -> tuple[TensorMeta, ...]:
+        if a not in metas:
+            metas[a] = tensor_meta(a.meta.get("val"))
+        return metas[a]
+    out = meta(node) if node.op != "output" else ()
+    ins = tuple(a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and meta(a))
+    nbytes = sum(m.nbytes for m in out) + sum(meta(a)[0].nbytes for a in ins if node.op == "call_function")
     if node.op != "call_function":
         return NodeInfo(node.name, out, ins, 0.0, float(nbytes))
-    key = _signature(node)
+    key = _signature(node, meta)
     if key not in flops:
         flops[key] = count_flops(node)
     return NodeInfo(node.name, out, ins, flops[key], float(nbytes))
 
 
-def _signature(node: fx.Node) -> tuple:
+def _signature(node: fx.Node, meta) -> tuple:
     """What an op's FLOPs depend on: the op, its arguments with each tensor as its shapes and
-    dtypes, any other value a node gives as itself (FlopCounterMode counts from these alone)."""
+    dtypes (`meta`: a node's `tensor_meta`), any other value a node gives as itself (FlopCounterMode
+    counts from these alone)."""
     def arg(a):
         if not isinstance(a, fx.Node):
             return a
-        val = a.meta.get("val")
-        return ("tensors", metas) if (metas := tensor_meta(val)) else ("value", repr(val))
+        return ("tensors", metas) if (metas := meta(a)) else ("value", repr(a.meta.get("val")))
     return node.target, repr(pytree.tree_map(arg, (node.args, node.kwargs)))

@@ -124,7 +124,8 @@ def _constant_text(v) -> str:
 def make_plan(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh, opts: PlanOptions) -> Plan:
     t0 = time.perf_counter()
     phase(opts, "capture")
-    return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
+    with frozen_gc():       # the model and everything before the call left out of the collector's passes
+        return plan_captured(capture(model, args, kwargs), mesh, opts, t0, source=(model, args, kwargs))
 
 
 def plan_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float | None = None,

@@ -156,7 +156,17 @@ class FamilyTerms:
         return (tuple(gates), round(expr.const, 6), known[id(coef)][1])
 
     def _merged(self, terms, gates_of):
-        """Terms with equal signatures as (term, total count), in first-seen order."""
+        """Terms with equal signatures as (term, total count), in first-seen order. With the layouts free the
+        signatures are the same on every model sharing the layout columns: merged once for all of them."""
+        if self.at is None:
+            known = self.ilp.shared.setdefault("merged", {})
+            key = (id(terms), len(terms), gates_of)
+            if key not in known:
+                known[key] = (terms, self._merge(terms, gates_of))    # the list is kept: its id stays its own
+            return known[key][1]
+        return self._merge(terms, gates_of)
+
+    def _merge(self, terms, gates_of):
         merged: dict = {}
         for t in terms:
             key = self._signature(t.expr, gates_of(t))
@@ -247,7 +257,7 @@ class FamilyTerms:
             for o, g in self.g.get(grp.key, {}).items():
                 if o != grp.allowed[0]:
                     coef[g] = coef.get(g, 0.0) + TIE_S
-        for k, (c, count) in enumerate(self._merged(self.fam.costs, lambda c: (c.gate, *c.unless))):
+        for k, (c, count) in enumerate(self._merged(self.fam.costs, _cost_gates)):
             terms = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0, c.unless)
             if terms is not None:        # the constant of an always-on option is the same in every plan
                 for v, x in terms[0].items():
@@ -265,7 +275,7 @@ class FamilyTerms:
         out = {g: 0.0 for cols in self.g.values() for g in cols.values()}
         if not out:       # the options fixed (a layout model): nothing to branch on first
             return out
-        for c, count in self._merged(self.fam.costs, lambda c: (c.gate, *c.unless)):
+        for c, count in self._merged(self.fam.costs, _cost_gates):
             kind, g = self.gate(c.gate)
             if kind == "var":
                 out[g] += count * abs(c.expr.bound())
@@ -297,7 +307,7 @@ class FamilyTerms:
         """(L): what the host and disk tiers hold fits their capacity per device."""
         rows: dict[str, list] = {}
         consts: dict[str, float] = {}
-        for k, (h, count) in enumerate(self._merged(self.fam.held, lambda h: (h.gate, h.tier))):
+        for k, (h, count) in enumerate(self._merged(self.fam.held, _held_gates)):
             terms = self._gated_lower(f"v_{k}", h.expr, h.gate, 1.0 / GIB)
             if terms is not None:
                 row = rows.setdefault(h.tier, {})
@@ -316,3 +326,13 @@ class FamilyTerms:
             else:
                 out[grp.key] = self.allowed[grp.key][0]
         return out
+
+
+def _cost_gates(c) -> tuple:
+    """What a cost's gates are in its signature (`FamilyTerms._merged`)."""
+    return c.gate, *c.unless
+
+
+def _held_gates(h) -> tuple:
+    """What a held term's gate and tier are in its signature (`FamilyTerms._merged`)."""
+    return h.gate, h.tier

@@ -217,10 +217,11 @@ def _flat(triples) -> tuple:
 
 def _events(events: list) -> tuple:
     """`_flat` of the events' signed terms; an event's (column, bytes) tuple is one per node or edge,
-    met at many points, so each is converted once (270k terms on Llama-3-8B over 64 devices)."""
+    met at many points, so each is converted once (270k terms on Llama-3-8B over 64 devices); the points and
+    signs are spread over the terms in one step, not an array per event (most events are one term long)."""
     import numpy as np
     known: dict[int, tuple] = {}
-    points, cols, coefs = [], [], []
+    points, signs, sizes, cols, coefs = [], [], [], [], []
     for t, ev in enumerate(events):
         for _, sign, pairs in ev:
             if not pairs:
@@ -228,12 +229,16 @@ def _events(events: list) -> tuple:
             if id(pairs) not in known:
                 known[id(pairs)] = (pairs, _pairs(pairs))     # the tuple is kept: its id stays its own
             v, c = known[id(pairs)][1]
-            points.append(np.full(len(v), t, dtype=np.int64))
+            points.append(t)
+            signs.append(sign)
+            sizes.append(len(v))
             cols.append(v)
-            coefs.append(sign * c)
+            coefs.append(c)
     if not points:
         return _flat(())
-    return np.concatenate(points), np.concatenate(cols), np.concatenate(coefs)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    return (np.repeat(np.asarray(points, dtype=np.int64), sizes), np.concatenate(cols),
+            np.concatenate(coefs) * np.repeat(np.asarray(signs, dtype=np.float64), sizes))
 
 
 def _dot(pairs: tuple, x) -> float:

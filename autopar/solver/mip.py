@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 
 INF = float("inf")
@@ -63,22 +64,38 @@ class Defined:
     unless: tuple[int, ...] = ()                 # and 0 when one of these is on
 
 
+def _floats() -> array:
+    return array("d")
+
+
+def _ints() -> array:
+    return array("q")
+
+
 @dataclass(slots=True)
 class Mip:
-    """min cost . x  s.t.  row_lo <= A x <= row_hi,  col_lo <= x <= col_hi,  some x integral."""
-    col_lo: list[float] = field(default_factory=list)
-    col_hi: list[float] = field(default_factory=list)
-    cost: list[float] = field(default_factory=list)
+    """min cost . x  s.t.  row_lo <= A x <= row_hi,  col_lo <= x <= col_hi,  some x integral.
+    The columns' and rows' numbers are typed arrays (`array.array`), not lists: a layout model holds ~1M
+    coefficients, and Python's cyclic garbage collector walks every item of a list at each full pass (a
+    third of Gemma-2-9B's collector time while solving), never the items of an array; they also reach
+    the solver as arrays without a conversion item by item."""
+    col_lo: array = field(default_factory=_floats)
+    col_hi: array = field(default_factory=_floats)
+    cost: array = field(default_factory=_floats)
     integer: list[int] = field(default_factory=list)        # integral columns
-    row_lo: list[float] = field(default_factory=list)
-    row_hi: list[float] = field(default_factory=list)
-    row_start: list[int] = field(default_factory=lambda: [0])
-    row_index: list[int] = field(default_factory=list)
-    row_value: list[float] = field(default_factory=list)
+    row_lo: array = field(default_factory=_floats)
+    row_hi: array = field(default_factory=_floats)
+    row_start: array = field(default_factory=lambda: array("q", [0]))
+    row_index: array = field(default_factory=_ints)
+    row_value: array = field(default_factory=_floats)
     presolve: bool = False          # let the solver presolve (see above)
+    # `violation`'s arrays of the rows and bounds, with the sizes they were made at: rows and columns are
+    # only ever appended, so equal sizes mean equal arrays (a layout model checks ~10 roundings against
+    # the same ~1M coefficients: converting the lists each time was most of each check)
+    _checked: tuple = field(default=(), repr=False, compare=False)
 
     def copy(self) -> Mip:
-        return Mip(*(list(getattr(self, f)) for f in ("col_lo", "col_hi", "cost", "integer", "row_lo", "row_hi",
+        return Mip(*(getattr(self, f)[:] for f in ("col_lo", "col_hi", "cost", "integer", "row_lo", "row_hi",
                                                        "row_start", "row_index", "row_value")), self.presolve)
 
     @property
@@ -110,22 +127,31 @@ class Mip:
     def objective(self, values) -> float:
         """cost . values"""
         import numpy as np
-        return float(np.dot(np.asarray(self.cost, dtype=np.float64), np.asarray(values, dtype=np.float64)))
+        return float(np.dot(np.array(self.cost, dtype=np.float64), np.asarray(values, dtype=np.float64)))
 
     def violation(self, values) -> float:
         """The largest amount by which `values` breaks a row's or a column's bounds (0: feasible);
         integrality is not checked."""
         import numpy as np
         x = np.asarray(values, dtype=np.float64)
-        worst = max(float(np.max(np.asarray(self.col_lo) - x, initial=0.0)),
-                    float(np.max(x - np.asarray(self.col_hi), initial=0.0)))
+        col_lo, col_hi, rows, index, value, row_lo, row_hi = self._arrays()
+        worst = max(float(np.max(col_lo - x, initial=0.0)), float(np.max(x - col_hi, initial=0.0)))
         if not self.n_rows:
             return worst
-        rows = np.repeat(np.arange(self.n_rows), np.diff(np.asarray(self.row_start)))
-        ax = np.bincount(rows, weights=np.asarray(self.row_value) * x[np.asarray(self.row_index, dtype=np.int64)],
-                         minlength=self.n_rows)
-        return max(worst, float(np.max(np.asarray(self.row_lo) - ax, initial=0.0)),
-                   float(np.max(ax - np.asarray(self.row_hi), initial=0.0)))
+        ax = np.bincount(rows, weights=value * x[index], minlength=self.n_rows)
+        return max(worst, float(np.max(row_lo - ax, initial=0.0)), float(np.max(ax - row_hi, initial=0.0)))
+
+    def _arrays(self) -> tuple:
+        """The bounds and rows as arrays (`_checked`), made again only where rows or columns were added."""
+        import numpy as np
+        sizes = (self.n_cols, self.n_rows, len(self.row_index))
+        if not self._checked or self._checked[0] != sizes:
+            rows = np.repeat(np.arange(self.n_rows), np.diff(np.array(self.row_start)))
+            # copies (np.array), not views: an array exporting its buffer cannot grow
+            self._checked = (sizes, (np.array(self.col_lo), np.array(self.col_hi), rows,
+                                     np.array(self.row_index, dtype=np.int64), np.array(self.row_value),
+                                     np.array(self.row_lo), np.array(self.row_hi)))
+        return self._checked[1]
 
     def solve(self, time_limit: float | None = None, start: list[float] | None = None,
               progress: str | None = None, relax: bool = False) -> MipResult:

@@ -43,8 +43,8 @@ def merge_freed(fam: Families) -> Families:
         gates = [tuple(g for f in bands[u] for g in f.gates) for u in untils]
         for i, until in enumerate(untils):
             first, later = bands[until][0], tuple(g for gs in gates[i:] for g in gs)   # who frees this window
-            if i == 0:
-                out.append(replace(first, gates=later))
+            if i == 0:       # an item one family alone frees (most) is kept as it is: terms are frozen
+                out.append(first if later == first.gates else replace(first, gates=later))
                 continue
             earlier = tuple(g for gs in gates[:i] for g in gs)
             if len({g for g, _ in earlier}) > 1:     # (K') needs them exclusive
