@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +41,8 @@ from ..problem import Problem
 CHOSEN_SCHEDULES = ("1f1b", "interleaved", "gpipe")
 VIRTUAL_STAGES = (2, 3, 4)           # interleaved: chunks per pipeline rank tried
 MICROBATCH_SIZES = 3                 # the smallest microbatch sizes tried per axis (each one ILP solve)
+
+log = logging.getLogger("autopar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,10 +252,14 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     neither it nor `incumbent_s` exists); the groups' bounds, which cost no solve, are still
     weighed, so a group is counted unsearched only where its bound could beat the answer (the
     status is then the same under any load where the bounds decide). With no plan in hand and no
-    time for a re-solve as long as the last and then another group (`_later`), a group that
+    time for a re-solve as long as the last and then another group (`_tighten`), a group that
     overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
     bytes in flight per rank) is still to be searched; its re-solves come only where none of
-    those fits."""
+    those fits. Out of time with no plan in hand, a group starts at the budget scale the last
+    overflow of its axis suggests (the ranks' state, parameters and optimizer, does not shrink with
+    the microbatch: on Llama-3-405B over (128, 16, 8) the groups of 64, 128 and 256 microbatches at
+    the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB), and the groups of an axis with fewer
+    microbatches than one that overflowed (larger microbatches, more bytes in flight) are left."""
     state = _Search()
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
     waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `_later`
@@ -262,13 +269,15 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
         if floor is not None and min(floor(c) for c in group) >= beat:
             state.pruned += 1
             continue
-        if math.isfinite(beat) and out_of_time(0.0):
+        hurried = math.isinf(beat) and out_of_time(0.0)
+        if (math.isfinite(beat) and out_of_time(0.0)) or (hurried and any(k[0] == key[0] and k[1] > key[1]
+                                                                          for k in state.overflowed)):
             state.unsearched.append(key)
             continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
-        put_off = _tighten(mesh, key, group, 1.0, TIGHTEN_ROUNDS, later, state, solve_at, budget, floor,
-                           incumbent_s, out_of_time)
+        put_off = _tighten(mesh, key, group, state.tighter.get(key[0], 1.0) if hurried else 1.0, TIGHTEN_ROUNDS,
+                           later, state, solve_at, budget, floor, incumbent_s, out_of_time)
         if put_off is not None:
             waiting.append(put_off)
     for key, scale, rounds in waiting:          # the groups put off, where nothing fits yet
@@ -286,6 +295,8 @@ class _Search:
     solved: int = 0
     pruned: int = 0
     unsearched: list = field(default_factory=list)
+    overflowed: set = field(default_factory=set)        # groups priced whose every pipeline overflowed
+    tighter: dict = field(default_factory=dict)         # axis -> the budget scale its last overflow suggests
 
     def step_s(self) -> float:
         return self.best.evaluation.step_s if self.best is not None else math.inf
@@ -306,14 +317,20 @@ def _tighten(mesh, key: tuple, group: list[Candidate], scale: float, rounds: int
         if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
             return None
         found, low = _best_of(mesh, group, found_plan, budget, floor, beat, out_of_time)
+        log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: %s", key[0], key[1], scale,
+                 f"{found.evaluation.step_s:.4g} s a step" if found is not None else f"least peak {low / 2**30:.1f} GiB")
         state.least = min(state.least, low)
         if found is not None:
             if state.best is None or found.evaluation.step_s < state.best.evaluation.step_s * (1 - 1e-12):
                 state.best = found
             return None
-        if rounds == 0 or not math.isfinite(low) or (math.isfinite(beat) and out_of_time(0.0)):
-            return None                 # nothing was priced (a lower budget changes nothing), or no time
+        if not math.isfinite(low):
+            return None                 # nothing was priced: a lower budget changes nothing
         scale *= TIGHTEN_MARGIN * budget / low
+        state.overflowed.add(key)
+        state.tighter[key[0]] = scale
+        if rounds == 0 or (math.isfinite(beat) and out_of_time(0.0)):
+            return None
         rounds -= 1
         if later and math.isinf(beat) and out_of_time(time.perf_counter() - t):
             return key, scale, rounds
