@@ -27,6 +27,16 @@ After the layout MIPs started from their rounded LP relaxation (2026-11-25 eveni
 --best-limit 30`, load average 1.7-1.8 with another job on the machine): limit 1 gives objective
 0.9789 s (step 0.9829 s; 1.0024x the best known) in 4.6 s wall; limits 10 and 30 give 0.9785 s
 (all three merged pairs solved, then local search) in 13.3 and 17.5 s wall. Longer never slower: true.
+Llama-3-405B at T=60 (`--llama3-405b 60`, 2026-11-28, load average 4-6, side by side): before, the
+pipeline groups of 64 and 128 microbatches overflowed their ranks and were re-solved, the 128's past
+the deadline from the most sharded layouts: a 980 s step in 203 s wall, 69 CPU s (allowed 164 s: its
+capture took 89 s under the load). Now a group that overflows with no plan in hand waits for the
+groups of more microbatches, out of time a group starts at the budget scale its axis' last overflow
+suggests, groups of fewer microbatches are left, and a group with no plan in hand is priced from the
+most recomputation down: a 77.8 s step (pp 16 x 256 microbatches) in 97-126 s wall, 73-75 CPU s
+(allowed 95-100 s): still past the bound by up to 26%. The groups' ILP budget (the whole model at
+stages x the rank's) lets the ranks' state overflow at every microbatch count; that scale is what
+costs the re-solves.
 """
 from __future__ import annotations
 

@@ -255,14 +255,15 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     time for a re-solve as long as the last and then another group (`_tighten`), a group that
     overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
     bytes in flight per rank) is still to be searched; its re-solves come only where none of
-    those fits. Out of time with no plan in hand, a group starts at the budget scale the last
-    overflow of its axis suggests (the ranks' state, parameters and optimizer, does not shrink with
+    those fits. Out of time with no plan in hand, or after a group of its axis was put off so, a
+    group starts at the budget scale the last overflow of its axis suggests (the ranks' state, parameters and optimizer, does not shrink with
     the microbatch: on Llama-3-405B over (128, 16, 8) the groups of 64, 128 and 256 microbatches at
-    the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB), and the groups of an axis with fewer
-    microbatches than one that overflowed (larger microbatches, more bytes in flight) are left."""
+    the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB), and the groups of an
+    axis with fewer microbatches than one that overflowed (larger microbatches, more bytes in flight)
+    are left."""
     state = _Search()
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
-    waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `_later`
+    waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `_tighten`
     for i, key in enumerate(keys):
         beat = min(incumbent_s, state.step_s())
         group = [c for c in cands if (c.axis, c.microbatches) == key]
@@ -276,7 +277,8 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
-        put_off = _tighten(mesh, key, group, state.tighter.get(key[0], 1.0) if hurried else 1.0, TIGHTEN_ROUNDS,
+        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # no time for this axis' re-solves
+        put_off = _tighten(mesh, key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS,
                            later, state, solve_at, budget, floor, incumbent_s, out_of_time)
         if put_off is not None:
             waiting.append(put_off)
