@@ -27,16 +27,15 @@ After the layout MIPs started from their rounded LP relaxation (2026-11-25 eveni
 --best-limit 30`, load average 1.7-1.8 with another job on the machine): limit 1 gives objective
 0.9789 s (step 0.9829 s; 1.0024x the best known) in 4.6 s wall; limits 10 and 30 give 0.9785 s
 (all three merged pairs solved, then local search) in 13.3 and 17.5 s wall. Longer never slower: true.
-Llama-3-405B at T=60 (`--llama3-405b 60`, 2026-11-28, load average 4-6, side by side): before, the
-pipeline groups of 64 and 128 microbatches overflowed their ranks and were re-solved, the 128's past
-the deadline from the most sharded layouts: a 980 s step in 203 s wall, 69 CPU s (allowed 164 s: its
-capture took 89 s under the load). Now a group that overflows with no plan in hand waits for the
-groups of more microbatches, out of time a group starts at the budget scale its axis' last overflow
-suggests, groups of fewer microbatches are left, and a group with no plan in hand is priced from the
-most recomputation down: a 77.8 s step (pp 16 x 256 microbatches) in 97-126 s wall, 73-75 CPU s
-(allowed 95-100 s): still past the bound by up to 26%. The groups' ILP budget (the whole model at
-stages x the rank's) lets the ranks' state overflow at every microbatch count; that scale is what
-costs the re-solves.
+Llama-3-405B at T=60 (`--llama3-405b 60`, 2026-11-28, load average 4-7, side by side; "capture" is
+the model's own, before the deadline starts): before, the groups of 64 microbatches (solved three
+times, never fitting) then 128 (its carried plan, a joint model built past the deadline): 108 s wall,
+97 CPU s against 73 s allowed, a 980 s step. Now a group that overflows
+with no plan in hand and no time for a re-solve and another group waits for the groups of more
+microbatches, which start at the budget scale its overflow suggests (groups of fewer are left), and
+pricing with no plan in hand goes from the most recomputation down: 91 s wall, 54 CPU s against
+75 s allowed, a 74 s step (pp 16 x 128 microbatches, 1F1B): still 20% past the bound. Where that
+scale is found before the deadline the 64-microbatch group is re-solved once more (61 CPU s).
 """
 from __future__ import annotations
 
