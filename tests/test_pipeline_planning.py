@@ -80,7 +80,8 @@ def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
 
     def never(*_):
         raise AssertionError("solved a group past the time limit")
-    found = choose_pipeline(None, cands, never, 1.0, out_of_time=lambda: True, floor=lambda c: bound[c.microbatches],
+    found = choose_pipeline(None, cands, never, 1.0, out_of_time=lambda after=0.0: True,
+                            floor=lambda c: bound[c.microbatches],
                             incumbent_s=2.0)
     assert (found.best, found.solved, found.pruned, found.unsearched) == (None, 0, 1, (("pp", 2), ("pp", 8)))
 

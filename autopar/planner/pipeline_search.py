@@ -136,7 +136,9 @@ class _Groups:
         self.flat: Plan | None = None
         self.why: InfeasibleError | None = None
 
-    def solve_at(self, axis, m: int, scale: float):
+    def solve_at(self, axis, m: int, scale: float, first: bool):
+        """`choose_pipeline`'s `solve_at`: `first`, no plan that fits is in hand (the plan without a
+        pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`)."""
         t = time.perf_counter()
         cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
@@ -147,7 +149,6 @@ class _Groups:
         problem = self.problems[axis, m]
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
-        first = not self.plans and self.flat is None      # no plan to return yet: its first plans whatever the time
         try:
             result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
                            start=start, floor=first)
@@ -160,8 +161,9 @@ class _Groups:
         self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
 
-    def out_of_time(self) -> bool:     # the next group, as long as the costliest so far, would end past it
-        return self.deadline is not None and time.perf_counter() + self.took >= self.deadline
+    def out_of_time(self, after: float = 0.0) -> bool:
+        """A group as long as the costliest so far, started `after` seconds from now, would end past the deadline."""
+        return self.deadline is not None and time.perf_counter() + after + self.took >= self.deadline
 
     def flat_after(self, found: Searched, floor, t0: float, more: bool) -> Searched:
         """After the hinted axes: the plan without a pipeline, unless a pipeline found beats its floor

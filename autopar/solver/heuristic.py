@@ -55,14 +55,15 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
                options: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
-    searched among these strategies only (`StrategyILP`'s argument). `floor`: steps 1 and 2 run to
-    their end whatever the deadline (their plan is the same on every run). `options`: a function of the most
+    searched among these strategies only (`StrategyILP`'s argument). `floor`: step 1 and step 2's first
+    rounded relaxation that gives a plan run to their end whatever the deadline (their plan is the same on
+    every run); its other relaxation, while time remains. `options`: a function of the most
     sharded layouts giving family options a plan of the same problem fits with (another subspace's),
     called only where no options fit those layouts: step 2 then starts from them instead of the plan
     that needs least memory, and None is returned where that finds no plan (a search that has a plan
     already then has nothing to gain)."""
     models = _Models(problem, budget, allowed)
-    best = _first(problem, budget, None if floor else deadline, models, options)
+    best = _first(problem, budget, deadline, models, options, floor)
     return None if best is None else improve(problem, budget, best, deadline, progress, models)
 
 
@@ -83,9 +84,13 @@ def resume_plan(problem, budget: float, plan: Assignment, deadline: float | None
 
 
 def _first(problem, budget: float, deadline: float | None, models: _Models,
-           known: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
+           known: Callable[[dict[str, int]], dict[str, int]] | None = None, floor: bool = False) -> Heuristic | None:
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
-    relaxation's layouts rounded, the better; `known`: `start_plan`'s `options`."""
+    relaxation's layouts rounded, the better; `known`: `start_plan`'s `options`. Each relaxation is
+    built and solved only before `deadline` (past it, its solve would stop before a plan), except with
+    `floor` until one gives a better plan; with `floor` each is solved to its end, whatever the deadline
+    (on Gemma-2-9B over (8, 8), 2.8 CPU s with the default options, their model built first; step 1's
+    options then cost 0.9 more for a plan 2% slower)."""
     choice = most_sharded(problem, models.allowed)
     options = models.options_for(choice)
     best = None
@@ -101,14 +106,16 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
         options = plan[1]
         best = Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
     defaults = problem.families.defaults()
+    rounded = False         # a relaxation has given the best plan so far
     for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
-        if best is None and _past(deadline):
+        if (rounded or not floor) and _past(deadline):
             break
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
-        r = model.solve_lazy(deadline, relax=True)
+        r = model.solve_lazy(None if floor else deadline, relax=True)
         if r.values is not None:
-            best = _better(problem, models, best, model.assignment(r.values)[0],
-                           "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+            new = _better(problem, models, best, model.assignment(r.values)[0],
+                          "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+            rounded, best = rounded or new is not best, new
     return best
 
 

@@ -104,10 +104,13 @@ def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: f
     if start is None:
         start = start_plan(problem, memory_budget, deadline, progress, floor=floor)
     free = any(len(g.allowed) > 1 for g in problem.families.groups)
-    if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS):
+    late = deadline is not None and time.perf_counter() >= deadline     # the joint model's build alone would overrun
+    if start is not None and (not free or start.n_variables > JOINT_MAX_COLUMNS or late):
+        joint = ("at the time limit" if start.n_variables <= JOINT_MAX_COLUMNS else
+                 f"of {start.n_variables} layout columns times the options")
         status = start.status if not free else (
-            f"{ALTERNATED}, each optimal for the other; the joint model of {start.n_variables} layout columns times "
-            f"the options was not built; the plan's layout solve: {start.status})")
+            f"{ALTERNATED}, each optimal for the other; the joint model {joint} was not built; the plan's layout "
+            f"solve: {start.status})")
         return SolveResult(start.plan[0], start.objective_s, status, start.solver, time.perf_counter() - t0,
                            start.n_variables, start.n_constraints, known_gap(start.gap if not free else float("nan")),
                            start.plan[1])

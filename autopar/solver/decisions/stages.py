@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...cost_model.pipeline import check_schedule, in_flight_microbatches
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
@@ -39,6 +41,8 @@ from ..problem import Problem
 CHOSEN_SCHEDULES = ("1f1b", "interleaved", "gpipe")
 VIRTUAL_STAGES = (2, 3, 4)           # interleaved: chunks per pipeline rank tried
 MICROBATCH_SIZES = 3                 # the smallest microbatch sizes tried per axis (each one ILP solve)
+
+log = logging.getLogger("autopar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +218,9 @@ class Chosen:
     evaluation: Evaluation
 
 
-SolveAt = Callable[[str | None, int, float], tuple[Problem, dict, dict, object] | None]
+SolveAt = Callable[[str | None, int, float, bool], tuple[Problem, dict, dict, object] | None]
 Floor = Callable[[Candidate], float]
+OutOfTime = Callable[[float], bool]
 TIGHTEN_ROUNDS = 2       # re-solves of one (axis, microbatches) whose every pipeline overflowed its ranks
 TIGHTEN_MARGIN = 0.95    # each aims the whole-model budget this much below the overflow seen
 
@@ -230,51 +235,111 @@ class Searched:
 
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
-                    out_of_time: Callable[[], bool] = lambda: False, floor: Floor | None = None,
+                    out_of_time: OutOfTime = lambda after=0.0: False, floor: Floor | None = None,
                     incumbent_s: float = math.inf) -> Searched:
     """The fastest candidate whose every pipeline rank fits `budget`. `solve_at(axis, microbatches,
-    scale)` -> (problem of one microbatch on the mesh without `axis`, its layout choice, its family
-    options, the captured graph), the ILP's whole-model budget scaled by `scale`; None when nothing
-    fits. The groups are searched in the order of `cands`. `floor(candidate)`: a lower bound on its
-    step: a group none of whose candidates can beat the best step found (or `incumbent_s`, a plan
-    the caller has) is not solved. The whole-model budget only approximates the ranks' (a rank
-    holds 1/stages of the parameters and several microbatches in flight): where no pipeline of an
-    (axis, microbatches) fits its ranks, that ILP is solved again with the budget lowered by the
-    overflow, at most TIGHTEN_ROUNDS times. Once `out_of_time()`, the best found so far is the
-    answer (the search goes on only while neither it nor `incumbent_s` exists); the groups' bounds,
-    which cost no solve, are still weighed, so a group is counted unsearched only where its bound
-    could beat the answer (the status is then the same under any load where the bounds decide)."""
-    best, least, solved, pruned, unsearched = None, math.inf, 0, 0, []
+    scale, first)` -> (problem of one microbatch on the mesh without `axis`, its layout choice, its
+    family options, the captured graph), the ILP's whole-model budget scaled by `scale`; None when
+    nothing fits; `first`: no plan that fits is in hand yet (the solve's first plans are then made
+    whatever the time). The groups are searched in the order of `cands`. `floor(candidate)`: a lower
+    bound on its step: a group none of whose candidates can beat the best step found (or
+    `incumbent_s`, a plan the caller has) is not solved. The whole-model budget only approximates
+    the ranks' (a rank holds 1/stages of the parameters and several microbatches in flight): where
+    no pipeline of an (axis, microbatches) fits its ranks, that ILP is solved again with the budget
+    lowered by the overflow, at most TIGHTEN_ROUNDS times. `out_of_time(after)`: True where a solve
+    as long as the costliest so far, started `after` seconds from now, would end past the deadline.
+    Once `out_of_time(0)`, the best found so far is the answer (the search goes on only while
+    neither it nor `incumbent_s` exists); the groups' bounds, which cost no solve, are still
+    weighed, so a group is counted unsearched only where its bound could beat the answer (the
+    status is then the same under any load where the bounds decide). With no plan in hand and no
+    time for a re-solve as long as the last and then another group (`_tighten`), a group that
+    overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
+    bytes in flight per rank) is still to be searched; its re-solves come only where none of
+    those fits. Out of time with no plan in hand, or after a group of its axis was put off so, a
+    group starts at the budget scale the last overflow of its axis suggests (the ranks' state, parameters and optimizer, does not shrink with
+    the microbatch: on Llama-3-405B over (128, 16, 8) the groups of 64, 128 and 256 microbatches at
+    the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB), and the groups of an
+    axis with fewer microbatches than one that overflowed (larger microbatches, more bytes in flight)
+    are left."""
+    state = _Search()
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
-    for key in keys:
-        beat = min(incumbent_s, best.evaluation.step_s if best is not None else math.inf)
+    waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `_tighten`
+    for i, key in enumerate(keys):
+        beat = min(incumbent_s, state.step_s())
         group = [c for c in cands if (c.axis, c.microbatches) == key]
         if floor is not None and min(floor(c) for c in group) >= beat:
-            pruned += 1
+            state.pruned += 1
             continue
-        if math.isfinite(beat) and out_of_time():
-            unsearched.append(key)
+        hurried = math.isinf(beat) and out_of_time(0.0)
+        if (math.isfinite(beat) and out_of_time(0.0)) or (hurried and any(k[0] == key[0] and k[1] > key[1]
+                                                                          for k in state.overflowed)):
+            state.unsearched.append(key)
             continue
-        solved += 1
-        scale = 1.0
-        for _ in range(1 + TIGHTEN_ROUNDS):
-            found_plan = solve_at(key[0], key[1], scale)
-            if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
-                break
-            found, low = _best_of(mesh, group, found_plan, budget, floor, beat, out_of_time)
-            least = min(least, low)
-            if found is not None:
-                if best is None or found.evaluation.step_s < best.evaluation.step_s * (1 - 1e-12):
-                    best = found
-                break
-            if not math.isfinite(low) or (math.isfinite(beat) and out_of_time()):
-                break                       # nothing was priced (a lower budget changes nothing), or no time
-            scale *= TIGHTEN_MARGIN * budget / low
-    return Searched(best, least, solved, pruned, tuple(unsearched))
+        state.solved += 1
+        later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
+        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # no time for this axis' re-solves
+        put_off = _tighten(mesh, key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS,
+                           later, state, solve_at, budget, floor, incumbent_s, out_of_time)
+        if put_off is not None:
+            waiting.append(put_off)
+    for key, scale, rounds in waiting:          # the groups put off, where nothing fits yet
+        if state.best is None and math.isinf(incumbent_s):
+            group = [c for c in cands if (c.axis, c.microbatches) == key]
+            _tighten(mesh, key, group, scale, rounds, False, state, solve_at, budget, floor, incumbent_s,
+                     out_of_time)
+    return Searched(state.best, state.least, state.solved, state.pruned, tuple(state.unsearched))
+
+
+@dataclass(slots=True)
+class _Search:
+    best: Chosen | None = None
+    least: float = math.inf
+    solved: int = 0
+    pruned: int = 0
+    unsearched: list = field(default_factory=list)
+    overflowed: set = field(default_factory=set)        # groups priced whose every pipeline overflowed
+    tighter: dict = field(default_factory=dict)         # axis -> the budget scale its last overflow suggests
+
+    def step_s(self) -> float:
+        return self.best.evaluation.step_s if self.best is not None else math.inf
+
+
+def _tighten(mesh, key: tuple, group: list[Candidate], scale: float, rounds: int, later: bool, state: _Search,
+             solve_at: SolveAt, budget: float, floor: Floor | None, incumbent_s: float,
+             out_of_time: OutOfTime) -> tuple[tuple, float, int] | None:
+    """One group solved at `scale` and priced, and solved again with the budget lowered by the
+    overflow while no pipeline fits, at most `rounds` times; the best found goes to `state`. Returns
+    (key, scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis
+    with more microbatches is still to come; no plan in hand and no time for a re-solve as long as
+    this group's last and then another group), else None."""
+    while True:
+        t = time.perf_counter()
+        beat = min(incumbent_s, state.step_s())
+        found_plan = solve_at(key[0], key[1], scale, math.isinf(beat))
+        if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
+            return None
+        found, low = _best_of(mesh, group, found_plan, budget, floor, beat, out_of_time)
+        log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: %s", key[0], key[1], scale,
+                 f"{found.evaluation.step_s:.4g} s a step" if found is not None else f"least peak {low / 2**30:.1f} GiB")
+        state.least = min(state.least, low)
+        if found is not None:
+            if state.best is None or found.evaluation.step_s < state.best.evaluation.step_s * (1 - 1e-12):
+                state.best = found
+            return None
+        if not math.isfinite(low):
+            return None                 # nothing was priced: a lower budget changes nothing
+        scale *= TIGHTEN_MARGIN * budget / low
+        state.overflowed.add(key)
+        state.tighter[key[0]] = scale
+        if rounds == 0 or (math.isfinite(beat) and out_of_time(0.0)):
+            return None
+        rounds -= 1
+        if later and math.isinf(beat) and out_of_time(time.perf_counter() - t):
+            return key, scale, rounds
 
 
 def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None, beat: float,
-             out_of_time: Callable[[], bool]) -> tuple[Chosen | None, float]:
+             out_of_time: OutOfTime) -> tuple[Chosen | None, float]:
     """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak.
     Each candidate is priced by the evaluator at each of its boundaries and family options (a few
     evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
@@ -283,29 +348,32 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     group's or the search's) the rest are not priced either. Out of time with no plan in hand
     (`hurried`), any plan that fits is wanted soon: the candidates go by the microbatches in flight
     on the first rank (`in_flight_microbatches`: its activations), fewest first, and one that fits
-    nowhere rules out those holding as many; each cut's options go from the most recomputation down,
-    and where that overflows the others (which free less) are not priced."""
+    nowhere rules out those holding as many. With no plan in hand (hurried or not), each cut's options
+    go from the most recomputation down, and where that overflows the others (which free less, so
+    neither fit nor lower the least peak) are not priced: a group that fits nowhere costs one
+    evaluation per cut, not three (Llama-3-405B's first group on (128, 16, 8): 30 evaluations, ~25 CPU s)."""
     problem, choice, options, graph = solved
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
     seconds = functools.cache(lambda: layer_seconds(problem, graph, choice))     # one layout: every cut's
-    hurried = not math.isfinite(beat) and out_of_time()
+    hurried = not math.isfinite(beat) and out_of_time(0.0)
     held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
     overflowed = math.inf       # hurried: the fewest in flight of a candidate that fit nowhere
     choices = _option_choices(problem, options)         # the same for every candidate and cut
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
-        late = hurried or out_of_time()
+        late = hurried or out_of_time(0.0)
         if bound[cand] >= win or (math.isfinite(win) and late) or (best is None and held[cand] >= overflowed):
             continue
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
             staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
-            for opts in choices[::-1] if late else choices:
+            lean = late or (best is None and math.isinf(beat))      # no plan in hand: what fits, first
+            for opts in choices[::-1] if lean else choices:
                 ev = evaluate(problem, choice, opts, staging)
                 least = min(least, ev.peak_bytes)
-                if late and ev.peak_bytes > budget:
+                if lean and ev.peak_bytes > budget:
                     break
                 if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
