@@ -24,10 +24,12 @@ LR = 1e-3   # a typical AdamW rate; Adam normalises steps, so float reordering d
 
 
 def build_any(name: str):
-    """(model, args, kwargs, loss_fn): "zoo:llama" is examples/zoo.py's model, others as `build`."""
+    """(model, args, kwargs, loss_fn): "zoo:llama" is examples/zoo.py's model ("zoo:llama@1": with one
+    layer, the same ops and shapes per layer at half the capture, planning and training), others as `build`."""
     if name.startswith("zoo:"):
         import zoo
-        return zoo.build(name[len("zoo:"):])
+        zoo_name, _, layers = name[len("zoo:"):].partition("@")
+        return zoo.build(zoo_name, layers=int(layers) if layers else None)
     model, inputs, loss_fn = build(name)
     return model, inputs, {}, loss_fn
 

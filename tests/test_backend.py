@@ -89,9 +89,11 @@ def _tensor_parallel(rank, world_size, compiler):
 
     import autopar
     from autopar.placement import local_shape, parse_layout
-    from dist_checks import build, rel, shard_happy_profile
-    model, (idx, tgt), _ = build("gpt")
-    ref = copy.deepcopy(model)
+    from dist_checks import rel, shard_happy_profile
+    from models import GPT, gpt_inputs
+    torch.manual_seed(0)
+    model, (idx, tgt) = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=1), gpt_inputs(batch=4, seq=16, vocab=64)
+    ref = copy.deepcopy(model)     # one block: the pinned MLP's layouts are per block
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device=shard_happy_profile())
     pins = {"blocks.*.fc.weight": ("R", "S(0)"), "blocks.*.fc2.weight": ("R", "S(1)")}   # Megatron's MLP
     dmodel = autopar.compile(model, mesh, (idx, tgt), compiler=compiler, pins=pins, batch_axes=("dp",))
@@ -144,7 +146,7 @@ def _compile_hf_with_defaults(rank, world_size, name):
     import autopar
     from dist_checks import LR, rel, shard_happy_profile, well_posed_elements
     torch._dynamo.reset()
-    model, args, kwargs, loss_fn = zoo.build(name)
+    model, args, kwargs, loss_fn = zoo.build(name, layers=1)    # one layer: the same ops per layer
     assert model.config.use_cache
     ref = copy.deepcopy(model)
     backend = autopar.compile_backend(autopar.Mesh((2,), ("tp",), device=shard_happy_profile()), compiler="aot_eager")
