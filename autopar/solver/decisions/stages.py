@@ -252,20 +252,20 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     neither it nor `incumbent_s` exists); the groups' bounds, which cost no solve, are still
     weighed, so a group is counted unsearched only where its bound could beat the answer (the
     status is then the same under any load where the bounds decide). With no plan in hand and no
-    time for a re-solve as long as the last and then another group (`_tighten`), a group that
+    time for a re-solve as long as the last and then another group (`_Search.tighten`), a group that
     overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
     bytes in flight per rank) is still to be searched; its re-solves come only where none of
     those fits. Out of time with no plan in hand, or after a group of its axis was put off so, a
-    group starts at the budget scale the last overflow of its axis suggests (the ranks' state, parameters and optimizer, does not shrink with
-    the microbatch: on Llama-3-405B over (128, 16, 8) the groups of 64, 128 and 256 microbatches at
-    the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB), and the groups of an
-    axis with fewer microbatches than one that overflowed (larger microbatches, more bytes in flight)
-    are left."""
-    state = _Search()
+    group starts at the budget scale the last overflow of its axis suggests (the ranks' state,
+    parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B over (128, 16, 8)
+    the groups of 64, 128 and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks
+    of 126, 88 and 78 GiB), and the groups of an axis with fewer microbatches than one that
+    overflowed (larger microbatches, more bytes in flight) are left."""
+    state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time)
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
-    waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `_tighten`
+    waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `tighten`
     for i, key in enumerate(keys):
-        beat = min(incumbent_s, state.step_s())
+        beat = state.beat()
         group = [c for c in cands if (c.axis, c.microbatches) == key]
         if floor is not None and min(floor(c) for c in group) >= beat:
             state.pruned += 1
@@ -278,20 +278,24 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
         pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # no time for this axis' re-solves
-        put_off = _tighten(mesh, key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS,
-                           later, state, solve_at, budget, floor, incumbent_s, out_of_time)
+        put_off = state.tighten(key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS, later)
         if put_off is not None:
             waiting.append(put_off)
     for key, scale, rounds in waiting:          # the groups put off, where nothing fits yet
-        if state.best is None and math.isinf(incumbent_s):
-            group = [c for c in cands if (c.axis, c.microbatches) == key]
-            _tighten(mesh, key, group, scale, rounds, False, state, solve_at, budget, floor, incumbent_s,
-                     out_of_time)
+        if math.isinf(state.beat()):
+            state.tighten(key, [c for c in cands if (c.axis, c.microbatches) == key], scale, rounds, False)
     return Searched(state.best, state.least, state.solved, state.pruned, tuple(state.unsearched))
 
 
 @dataclass(slots=True)
 class _Search:
+    """`choose_pipeline`'s inputs (see there) and what it has found so far."""
+    mesh: object
+    solve_at: SolveAt
+    budget: float
+    floor: Floor | None
+    incumbent_s: float
+    out_of_time: OutOfTime
     best: Chosen | None = None
     least: float = math.inf
     solved: int = 0
@@ -300,42 +304,42 @@ class _Search:
     overflowed: set = field(default_factory=set)        # groups priced whose every pipeline overflowed
     tighter: dict = field(default_factory=dict)         # axis -> the budget scale its last overflow suggests
 
-    def step_s(self) -> float:
-        return self.best.evaluation.step_s if self.best is not None else math.inf
+    def beat(self) -> float:
+        """The step to beat: the best found's, or the caller's plan's."""
+        return min(self.incumbent_s, self.best.evaluation.step_s if self.best is not None else math.inf)
 
-
-def _tighten(mesh, key: tuple, group: list[Candidate], scale: float, rounds: int, later: bool, state: _Search,
-             solve_at: SolveAt, budget: float, floor: Floor | None, incumbent_s: float,
-             out_of_time: OutOfTime) -> tuple[tuple, float, int] | None:
-    """One group solved at `scale` and priced, and solved again with the budget lowered by the
-    overflow while no pipeline fits, at most `rounds` times; the best found goes to `state`. Returns
-    (key, scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis
-    with more microbatches is still to come; no plan in hand and no time for a re-solve as long as
-    this group's last and then another group), else None."""
-    while True:
-        t = time.perf_counter()
-        beat = min(incumbent_s, state.step_s())
-        found_plan = solve_at(key[0], key[1], scale, math.isinf(beat))
-        if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
-            return None
-        found, low = _best_of(mesh, group, found_plan, budget, floor, beat, out_of_time)
-        log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: %s", key[0], key[1], scale,
-                 f"{found.evaluation.step_s:.4g} s a step" if found is not None else f"least peak {low / 2**30:.1f} GiB")
-        state.least = min(state.least, low)
-        if found is not None:
-            if state.best is None or found.evaluation.step_s < state.best.evaluation.step_s * (1 - 1e-12):
-                state.best = found
-            return None
-        if not math.isfinite(low):
-            return None                 # nothing was priced: a lower budget changes nothing
-        scale *= TIGHTEN_MARGIN * budget / low
-        state.overflowed.add(key)
-        state.tighter[key[0]] = scale
-        if rounds == 0 or (math.isfinite(beat) and out_of_time(0.0)):
-            return None
-        rounds -= 1
-        if later and math.isinf(beat) and out_of_time(time.perf_counter() - t):
-            return key, scale, rounds
+    def tighten(self, key: tuple, group: list[Candidate], scale: float, rounds: int,
+                later: bool) -> tuple[tuple, float, int] | None:
+        """One group solved at `scale` and priced, and solved again with the budget lowered by the
+        overflow while no pipeline fits, at most `rounds` times; the best found is kept. Returns (key,
+        scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis with
+        more microbatches is still to come; no plan in hand and no time for a re-solve as long as this
+        group's last and then another group), else None."""
+        while True:
+            t = time.perf_counter()
+            beat = self.beat()
+            found_plan = self.solve_at(key[0], key[1], scale, math.isinf(beat))
+            if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
+                return None
+            found, low = _best_of(self.mesh, group, found_plan, self.budget, self.floor, beat, self.out_of_time)
+            log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: %s", key[0], key[1], scale,
+                     f"{found.evaluation.step_s:.4g} s a step" if found is not None
+                     else f"least peak {low / 2**30:.1f} GiB")
+            self.least = min(self.least, low)
+            if found is not None:
+                if self.best is None or found.evaluation.step_s < self.best.evaluation.step_s * (1 - 1e-12):
+                    self.best = found
+                return None
+            if not math.isfinite(low):
+                return None                 # nothing was priced: a lower budget changes nothing
+            scale *= TIGHTEN_MARGIN * self.budget / low
+            self.overflowed.add(key)
+            self.tighter[key[0]] = scale
+            if rounds == 0 or (math.isfinite(beat) and self.out_of_time(0.0)):
+                return None
+            rounds -= 1
+            if later and math.isinf(beat) and self.out_of_time(time.perf_counter() - t):
+                return key, scale, rounds
 
 
 def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None, beat: float,
