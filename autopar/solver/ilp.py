@@ -491,8 +491,32 @@ def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[s
     rows = MemoryRows(ilp)
     for t, row in rows.rows(range(len(rows))).items():
         ilp.m.add_row({**row, z: -1.0}, -INF, -rows.fixed[t] / GIB)
-    r = ilp.m.solve(None)
+    r = _min_max(ilp, rows, z)
     plan = ilp.assignment(r.values)
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
     peak = max(r.values[z] * GIB, evaluate(problem, *plan).peak_bytes)
     return plan, float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
+
+
+def _min_max(ilp: StrategyILP, rows: MemoryRows, z: int) -> MipResult:
+    """`_least_peak`'s min-max model solved as `StrategyILP.solve_lazy` solves a large MIP: its LP
+    relaxation rounded first (each decision at its largest fraction, `z` the rounded plan's highest
+    row), the answer where that satisfies every row within MIP_GAP of the relaxation's bound, else
+    HiGHS's MIP started from it. On Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its
+    logits returned whole: 63 GiB of a 74 GiB budget on every device) the first subspace's model,
+    63k columns, has a relaxation whose rounded plan is its bound, 1.7 CPU s; HiGHS's MIP took
+    ~65 CPU s to prove a plan, 48 to find one 3% above it."""
+    m = ilp.m
+    if m.n_cols < ROUND_FROM:
+        return m.solve(None)
+    lp = m.solve(None, relax=True)
+    if lp.values is None:
+        return m.solve(None)
+    x = ilp.values_of(*ilp.assignment(lp.values))
+    x[z] = max(rows.values(x))
+    if m.violation(x) > ROW_TOLERANCE:
+        return m.solve(None)
+    gap = max(x[z] - lp.objective, 0.0) / max(abs(x[z]), 1e-12)
+    if gap <= MIP_GAP:
+        return MipResult(x, x[z], f"Optimal (the LP relaxation rounded, gap {gap:.2%})", lp.solver, gap)
+    return m.solve(None, start=x)
