@@ -87,13 +87,14 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     run = _Groups(model, args, kwargs, mesh, opts, captured, deadline)
     # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
     # its floor, or the time is out), then the other axes
-    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor)
+    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor, past=run.past)
     if unpiped:
         found = run.flat_after(found, floor, t0, len(cands) > len(hinted))
     flat = run.flat
     rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], run.solve_at, run.budget, run.out_of_time,
                            floor, min(flat.estimate.step_time_s if flat is not None else math.inf,
-                                      found.best.evaluation.step_s if found.best is not None else math.inf))
+                                      found.best.evaluation.step_s if found.best is not None else math.inf),
+                           past=run.past)
     found = _merged(found, rest)
     if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
         if flat is not None:
@@ -150,7 +151,7 @@ class _Groups:
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
         try:
-            result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
+            result = solve(per_step_view(problem, m, stages), self.budget * stages * scale, remaining(self.deadline),
                            start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
@@ -164,6 +165,10 @@ class _Groups:
     def out_of_time(self, after: float = 0.0) -> bool:
         """A group as long as the costliest so far, started `after` seconds from now, would end past the deadline."""
         return self.deadline is not None and time.perf_counter() + after + self.took >= self.deadline
+
+    def past(self) -> bool:
+        """The deadline has passed (a group solved is priced until then)."""
+        return self.deadline is not None and time.perf_counter() >= self.deadline
 
     def flat_after(self, found: Searched, floor, t0: float, more: bool) -> Searched:
         """After the hinted axes: the plan without a pipeline, unless a pipeline found beats its floor

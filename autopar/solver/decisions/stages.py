@@ -189,13 +189,21 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
     return out
 
 
-def per_step_view(problem: Problem, microbatches: int) -> Problem:
-    """The problem as the ILP should see one microbatch of m: a parameter's gradient is synchronised
-    once per step, its forward gather every microbatch, so the gradient leg of a parameter edge
-    weighs 1/m against the per-microbatch costs. A copy (edge tables are shared between identical
-    edges and priced as they are by the evaluator); the same choice indices."""
+def per_step_view(problem: Problem, microbatches: int, stages: int = 1) -> Problem:
+    """The problem as the ILP should see one microbatch of m on a pipeline of `stages`: a parameter's
+    gradient is synchronised once per step, its forward gather every microbatch, so the gradient leg
+    of a parameter edge weighs 1/m against the per-microbatch costs; and a stage holds the saved
+    activations of more microbatches than the one it runs (`Problem.held`: the first rank's under
+    1F1B, the schedule that holds fewest), so the memory rows priced on the whole model are about
+    `stages` times the fullest rank's, as the evaluator prices it, against a budget of `stages`
+    devices. (Without them the rows let the whole model's activations fill the `stages` devices'
+    budget, where the first rank holds about as many: on Llama-3-405B over (128, 16, 8) every
+    microbatch count's first plan overflowed its ranks, 126, 88 and 78 GiB against 74, and was solved
+    again.) A copy (edge tables are shared between identical edges and priced as they are by the
+    evaluator); the same choice indices."""
     if microbatches == 1:
         return problem
+    held = in_flight_microbatches(0, stages, microbatches) - 1
     tables: dict = {}
 
     def weighed(e):
@@ -205,7 +213,7 @@ def per_step_view(problem: Problem, microbatches: int) -> Problem:
         return replace(e, cost=tables[key])
     edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
              for e in problem.edges]
-    return replace(problem, edges=edges)
+    return replace(problem, edges=edges, held=held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +244,7 @@ class Searched:
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
                     out_of_time: OutOfTime = lambda after=0.0: False, floor: Floor | None = None,
-                    incumbent_s: float = math.inf) -> Searched:
+                    incumbent_s: float = math.inf, past: Callable[[], bool] | None = None) -> Searched:
     """The fastest candidate whose every pipeline rank fits `budget`. `solve_at(axis, microbatches,
     scale, first)` -> (problem of one microbatch on the mesh without `axis`, its layout choice, its
     family options, the captured graph), the ILP's whole-model budget scaled by `scale`; None when
@@ -260,8 +268,11 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B over (128, 16, 8)
     the groups of 64, 128 and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks
     of 126, 88 and 78 GiB), and the groups of an axis with fewer microbatches than one that
-    overflowed (larger microbatches, more bytes in flight) are left."""
-    state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time)
+    overflowed (larger microbatches, more bytes in flight) are left. `past()`: the deadline has passed,
+    which stops the pricing of a group solved (a few evaluations a candidate, not a group's solve;
+    default: `out_of_time(0)`)."""
+    state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time,
+                    past if past is not None else lambda: out_of_time(0.0))
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
     waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `tighten`
     for i, key in enumerate(keys):
@@ -296,6 +307,7 @@ class _Search:
     floor: Floor | None
     incumbent_s: float
     out_of_time: OutOfTime
+    past: Callable[[], bool]
     best: Chosen | None = None
     least: float = math.inf
     solved: int = 0
@@ -321,7 +333,8 @@ class _Search:
             found_plan = self.solve_at(key[0], key[1], scale, math.isinf(beat))
             if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
                 return None
-            found, low = _best_of(self.mesh, group, found_plan, self.budget, self.floor, beat, self.out_of_time)
+            found, low = _best_of(self.mesh, group, found_plan, self.budget, self.floor, beat, self.out_of_time,
+                                  self.past)
             log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: %s", key[0], key[1], scale,
                      f"{found.evaluation.step_s:.4g} s a step" if found is not None
                      else f"least peak {low / 2**30:.1f} GiB")
@@ -343,19 +356,22 @@ class _Search:
 
 
 def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor | None, beat: float,
-             out_of_time: OutOfTime) -> tuple[Chosen | None, float]:
+             out_of_time: OutOfTime, past: Callable[[], bool]) -> tuple[Chosen | None, float]:
     """The fastest of `group` (one axis and microbatch count, solved) that fits, and the least peak.
     Each candidate is priced by the evaluator at each of its boundaries and family options (a few
     evaluations of the whole model each: 0.85 CPU s apiece on Llama-3-405B's 126 layers), so the
     candidates go by their lower bound `floor`, least first: one whose bound cannot beat the best step
-    found (or `beat`, the search's) is not priced, and once `out_of_time()` with a plan in hand (this
-    group's or the search's) the rest are not priced either. Out of time with no plan in hand
+    found (or `beat`, the search's) is not priced, and once `past()` with a plan in hand (this group's
+    or the search's) the rest are not priced either, but for the first (the group's solve, paid for, is
+    weighed: Llama-3-405B's group of 128 microbatches, solved as the time ran out, was left unpriced
+    for a plan of 64, 114 s a step). Out of time with no plan in hand
     (`hurried`), any plan that fits is wanted soon: the candidates go by the microbatches in flight
     on the first rank (`in_flight_microbatches`: its activations), fewest first, and one that fits
-    nowhere rules out those holding as many. With no plan in hand (hurried or not), each cut's options
-    go from the most recomputation down, and where that overflows the others (which free less, so
-    neither fit nor lower the least peak) are not priced: a group that fits nowhere costs one
-    evaluation per cut, not three (Llama-3-405B's first group on (128, 16, 8): 30 evaluations, ~25 CPU s)."""
+    nowhere rules out those holding as many. Each cut's options go from the most recomputation down,
+    and where that overflows the others (which free less, so neither fit nor lower the least peak) are
+    not priced: a cut that fits nowhere costs one evaluation, not three (Llama-3-405B's first group on
+    (128, 16, 8): 30 evaluations, ~25 CPU s, where its interleaved and GPipe schedules, holding more
+    microbatches, overflow several times over)."""
     problem, choice, options, graph = solved
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
@@ -364,20 +380,21 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
     overflowed = math.inf       # hurried: the fewest in flight of a candidate that fit nowhere
     choices = _option_choices(problem, options)         # the same for every candidate and cut
+    priced = False
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
-        late = hurried or out_of_time(0.0)
-        if bound[cand] >= win or (math.isfinite(win) and late) or (best is None and held[cand] >= overflowed):
+        late = hurried or past()
+        if bound[cand] >= win or (math.isfinite(win) and late and priced) or (best is None and held[cand] >= overflowed):
             continue
+        priced = True
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
         for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
             staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
-            lean = late or (best is None and math.isinf(beat))      # no plan in hand: what fits, first
-            for opts in choices[::-1] if lean else choices:
+            for opts in choices[::-1]:
                 ev = evaluate(problem, choice, opts, staging)
                 least = min(least, ev.peak_bytes)
-                if lean and ev.peak_bytes > budget:
+                if ev.peak_bytes > budget:
                     break
                 if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
