@@ -326,7 +326,9 @@ class _Search:
         overflow while no pipeline fits, at most `rounds` times; the best found is kept. Returns (key,
         scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis with
         more microbatches is still to come; no plan in hand and no time for a re-solve as long as this
-        group's last and then another group), else None."""
+        group's last and then another group), else None. A group that gave the search's first plan that
+        fits is solved once more while time remains, as a group with a plan in hand is (`solve_at`'s
+        `first`: that plan came from rows bounding every rank's memory, which leave memory unused)."""
         while True:
             t = time.perf_counter()
             beat = self.beat()
@@ -342,6 +344,8 @@ class _Search:
             if found is not None:
                 if self.best is None or found.evaluation.step_s < self.best.evaluation.step_s * (1 - 1e-12):
                     self.best = found
+                if math.isinf(beat) and not self.out_of_time(0.0):
+                    continue        # the first plan in hand (`solve_at`'s `first`): the group once more as the others
                 return None
             if not math.isfinite(low):
                 return None                 # nothing was priced: a lower budget changes nothing
