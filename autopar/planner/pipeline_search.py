@@ -139,11 +139,7 @@ class _Groups:
 
     def solve_at(self, axis, m: int, scale: float, first: bool):
         """`choose_pipeline`'s `solve_at`: `first`, no plan that fits is in hand (the plan without a
-        pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`),
-        and its memory rows count the microbatches a stage holds (`per_step_view`'s `stages`: an upper
-        bound of the fullest rank's, so that plan fits without a re-solve); with a plan in hand, the whole
-        model against the budget times the stages, solved again tighter where it overflows (the bound
-        leaves memory unused: Llama-3-405B's plan of 128 microbatches held 50 of 74 GiB, 107 s a step)."""
+        pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`)."""
         t = time.perf_counter()
         cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
@@ -155,7 +151,7 @@ class _Groups:
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
         try:
-            result = solve(per_step_view(problem, m, stages if first else 1), self.budget * stages * scale, remaining(self.deadline),
+            result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
                            start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)

@@ -41,9 +41,6 @@ class MemoryRows:
         # there, and the bytes no column moves (the gradient buckets' buffers in the backward, where constant)
         self.state, self.events, self.temps, self.buckets, self.fixed = ilp.shared["memory_rows"]
         self.since = ilp.p.buckets_from         # the buckets' buffers exist from here on
-        # the forward's last point: what is alive there beside the state is what a microbatch saves for
-        # its backward, of which a pipeline stage holds `Problem.held` more (`evaluate._rank_memory`)
-        self.fwd_end = max((t for t, w in enumerate(live.positions) if w <= live.last), default=0)
 
     def _layout_part(self, params) -> tuple:
         live, ilp = self.ilp.p.live, self.ilp
@@ -143,9 +140,7 @@ class MemoryRows:
         steps: list[dict] = [{} for _ in range(self.n)]
         for t, z, n in self.ilp.terms.freed_changes(self.ilp.p.live.positions) if want else ():
             steps[t][z] = steps[t].get(z, 0) + n
-        held = self.ilp.p.held if want - {self.n} else 0.0
-        saved: dict = {}
-        for t in range(min(self.n, max(want | ({self.fwd_end} if held else set())) + 1) if want else 0):
+        for t in range(min(self.n, max(want) + 1) if want else 0):
             for part, sign, coefs in self.events[t]:
                 d = parts[part]
                 for v, c in coefs:
@@ -156,20 +151,15 @@ class MemoryRows:
                     del freed[z]
             if t in want:
                 out[t] = self._row(t, parts, freed)
-            if held and t == self.fwd_end:
-                saved = self._row(t, parts, freed, state=False)
-        for t, row in out.items():      # every point's row holds `held` more microbatches of what is saved
-            for v, c in saved.items():
-                row[v] = row.get(v, 0.0) + held * c
         if self.n in want:
             out[self.n] = _in_gib(self.whole)
         return out
 
-    def _row(self, t: int, parts: list[dict], freed: dict[int, int], state: bool = True) -> dict[int, float]:
+    def _row(self, t: int, parts: list[dict], freed: dict[int, int]) -> dict[int, float]:
         temps: dict = {}
         for v, c in self.temps[t]:
             temps[v] = temps.get(v, 0.0) + c
-        total = dict(self.state) if state else {}
+        total = dict(self.state)
         backward = dict(self.buckets) if self.ilp.p.live.positions[t] >= self.since else {}
         for part in (parts[ACTS], parts[COPIES], temps, parts[GRADS], backward):
             for v, c in part.items():
@@ -195,8 +185,6 @@ class MemoryRows:
         run = np.cumsum(per_point(ev_t, ev_v, ev_c))
         rows = (_dot(state, x) + run + per_point(tm_t, tm_v, tm_c) + extra[0] + _dot(buckets, x) * extra[1]) / GIB \
             - np.cumsum(per_point(fr_t, fr_v, fr_c))
-        if self.ilp.p.held:       # `held` more microbatches of what the forward's end holds beside the state
-            rows = rows + self.ilp.p.held * (rows[self.fwd_end] - _dot(state, x) / GIB)
         return rows.tolist() + [_dot(whole, x) / GIB]
 
     def _as_arrays(self) -> tuple:

@@ -67,9 +67,6 @@ class Problem:
     # ops whose gradient flows into parameters alone, run by a rule (passes/parameter_side.py): their
     # gradients stay partial sums where they are replicated (strategies/gradients.py)
     parameter_side: frozenset[str] = frozenset()
-    # microbatches' worth of saved activations a device holds beside the one it runs: a pipeline stage's
-    # (`decisions.stages.per_step_view`); the ILP's memory rows count them as the evaluator prices a rank
-    held: float = 0.0
 
     def grad_since(self, name: str) -> int:
         """The timeline position from which parameter `name`'s gradient exists."""

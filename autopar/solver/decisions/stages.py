@@ -189,21 +189,13 @@ def _schedules(stages: int, n_layers: int, fixed: Mapping) -> list[tuple[str, in
     return out
 
 
-def per_step_view(problem: Problem, microbatches: int, stages: int = 1) -> Problem:
-    """The problem as the ILP should see one microbatch of m on a pipeline of `stages`: a parameter's
-    gradient is synchronised once per step, its forward gather every microbatch, so the gradient leg
-    of a parameter edge weighs 1/m against the per-microbatch costs; and a stage holds the saved
-    activations of more microbatches than the one it runs (`Problem.held`: the first rank's under
-    1F1B, the schedule that holds fewest), so the memory rows priced on the whole model are about
-    `stages` times the fullest rank's, as the evaluator prices it, against a budget of `stages`
-    devices. (Without them the rows let the whole model's activations fill the `stages` devices'
-    budget, where the first rank holds about as many: on Llama-3-405B over (128, 16, 8) every
-    microbatch count's first plan overflowed its ranks, 126, 88 and 78 GiB against 74, and was solved
-    again.) A copy (edge tables are shared between identical edges and priced as they are by the
-    evaluator); the same choice indices."""
+def per_step_view(problem: Problem, microbatches: int) -> Problem:
+    """The problem as the ILP should see one microbatch of m: a parameter's gradient is synchronised
+    once per step, its forward gather every microbatch, so the gradient leg of a parameter edge
+    weighs 1/m against the per-microbatch costs. A copy (edge tables are shared between identical
+    edges and priced as they are by the evaluator); the same choice indices."""
     if microbatches == 1:
         return problem
-    held = in_flight_microbatches(0, stages, microbatches) - 1
     tables: dict = {}
 
     def weighed(e):
@@ -213,7 +205,7 @@ def per_step_view(problem: Problem, microbatches: int, stages: int = 1) -> Probl
         return replace(e, cost=tables[key])
     edges = [weighed(e) if problem.decisions[e.src].kind == "param" and e.fwd is not None else e
              for e in problem.edges]
-    return replace(problem, edges=edges, held=held)
+    return replace(problem, edges=edges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,9 +318,7 @@ class _Search:
         overflow while no pipeline fits, at most `rounds` times; the best found is kept. Returns (key,
         scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis with
         more microbatches is still to come; no plan in hand and no time for a re-solve as long as this
-        group's last and then another group), else None. A group that gave the search's first plan that
-        fits is solved once more while time remains, as a group with a plan in hand is (`solve_at`'s
-        `first`: that plan came from rows bounding every rank's memory, which leave memory unused)."""
+        group's last and then another group), else None."""
         while True:
             t = time.perf_counter()
             beat = self.beat()
@@ -344,8 +334,6 @@ class _Search:
             if found is not None:
                 if self.best is None or found.evaluation.step_s < self.best.evaluation.step_s * (1 - 1e-12):
                     self.best = found
-                if math.isinf(beat) and not self.out_of_time(0.0):
-                    continue        # the first plan in hand (`solve_at`'s `first`): the group once more as the others
                 return None
             if not math.isfinite(low):
                 return None                 # nothing was priced: a lower budget changes nothing
@@ -367,8 +355,8 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     candidates go by their lower bound `floor`, least first: one whose bound cannot beat the best step
     found (or `beat`, the search's) is not priced, and once `past()` with a plan in hand (this group's
     or the search's) the rest are not priced either, but for the first (the group's solve, paid for, is
-    weighed: Llama-3-405B's group of 128 microbatches, solved as the time ran out, was left unpriced
-    for a plan of 64, 114 s a step). Out of time with no plan in hand
+    weighed: a group of Llama-3-405B solved as the time ran out was left unpriced, where its first
+    candidate costs a few evaluations). Out of time with no plan in hand
     (`hurried`), any plan that fits is wanted soon: the candidates go by the microbatches in flight
     on the first rank (`in_flight_microbatches`: its activations), fewest first, and one that fits
     nowhere rules out those holding as many. Each cut's options go from the most recomputation down,
@@ -388,7 +376,8 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
         late = hurried or past()
-        if bound[cand] >= win or (math.isfinite(win) and late and priced) or (best is None and held[cand] >= overflowed):
+        if (bound[cand] >= win or (math.isfinite(win) and late and priced)
+                or (best is None and held[cand] >= overflowed)):
             continue
         priced = True
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
@@ -400,7 +389,7 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
                 least = min(least, ev.peak_bytes)
                 if ev.peak_bytes > budget:
                     break
-                if ev.peak_bytes <= budget and (best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12)):
+                if best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
                                   choice, opts, ev)
         if hurried and best is None:
