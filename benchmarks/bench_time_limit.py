@@ -36,6 +36,30 @@ microbatches, which start at the budget scale its overflow suggests (groups of f
 pricing with no plan in hand goes from the most recomputation down: 91 s wall, 54 CPU s against
 75 s allowed, a 74 s step (pp 16 x 128 microbatches, 1F1B): still 20% past the bound. Where that
 scale is found before the deadline the 64-microbatch group is re-solved once more (61 CPU s).
+Stop 50 (2026-11-28): Llama-3-8B on (4, 4, 4) had gone from 4.6 s at limit 1 to 180-250 s. Cause:
+since the evening of 2026-11-25 (after the 4.6 s) the logits Hugging Face returns whole are priced on
+every device (64 x 4,096 x 128,256 bf16: 62.6 of the 74 GiB budget), so no options fit the first
+subspace's most sharded layouts and its floor sought the plan that needs least memory, whatever the
+limit: min-max MIPs of 63k columns, two of ~65 CPU s each. Their LP relaxation is now rounded first
+(here its rounded plan is its bound). Load 2-4, one after the other (`t1`: cProfile'd runs):
+limit 1, main 188 s wall, 129 CPU s (objective 2.859); now 35 s wall, 34 CPU s (objective 2.998).
+`--limits 1,30 --best-limit 120`: main 180 / 111 / 162 s wall, objective 2.859 at every limit (the
+least-memory floor: "1.0x the best"); now 36 / 33 / 121 s wall, objectives 2.998 / 1.648 / 1.745:
+limit 30 within its bound, limit 1 not (the strategies alone take ~10 CPU s), **1.82x the best known
+at limit 1 (the 1.25x target missed on this memory-tight problem) and longer never slower false**
+(the alternation's path depends on where the time stops it). Until then this script imported the
+installed autopar, not the checkout it sits in (it put benchmarks/ on the path only), so a branch run
+as `python benchmarks/bench_time_limit.py` measured main.
+Llama-3-405B at T=60, 2026-11-28, load 3.7-4.6: main 67 s wall, 33 CPU s against 70 s allowed, a 79 s
+step (pp 16 x 128); rows counting the microbatches a stage holds in flight (tried, not kept) fit the
+first group without re-solves, 60 s wall, 28 CPU s, but a 114 s step (the rows bound every rank: the
+head's logits counted for each microbatch in flight; left out, the last rank overflowed, 81 GiB);
+now (a solved group priced until the deadline, its options from the most recomputation down): 67 s
+wall, 50 CPU s against 69 s allowed, a 78 s step (pp 16 x 256), alone on the machine at load 3.7.
+Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
+stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
+~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
+wall 7-30 s against ~2.5-4.3 s allowed: missed; its plan 0.4025 s a step, the limit-60 plan's 0.4029.
 """
 from __future__ import annotations
 
@@ -48,6 +72,7 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))      # this checkout's autopar, not the one installed
 
 import autopar  # noqa: E402
 from autopar.planner.pipeline_search import search_pipeline  # noqa: E402

@@ -356,10 +356,12 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     found (or `beat`, the search's) is not priced, and once `past()` with a plan in hand (this group's
     or the search's) the rest are not priced either, but for the first (the group's solve, paid for, is
     weighed: a group of Llama-3-405B solved as the time ran out was left unpriced, where its first
-    candidate costs a few evaluations). Out of time with no plan in hand
-    (`hurried`), any plan that fits is wanted soon: the candidates go by the microbatches in flight
-    on the first rank (`in_flight_microbatches`: its activations), fewest first, and one that fits
-    nowhere rules out those holding as many. Each cut's options go from the most recomputation down,
+    candidate costs a few evaluations). With no plan in hand (`wanting`) the candidates go by the
+    microbatches in flight on the first rank (`in_flight_microbatches`: its activations), fewest first,
+    and one that fits nowhere rules out those holding as many (Llama-3-405B's group of 64 microbatches,
+    which fits nowhere: 1F1B's two cuts priced, not its interleaved and GPipe ones, 8 evaluations and
+    ~20 s wall fewer at load 6); out of time so (`hurried`), the first plan that fits is the
+    answer. Each cut's options go from the most recomputation down,
     and where that overflows the others (which free less, so neither fit nor lower the least peak) are
     not priced: a cut that fits nowhere costs one evaluation, not three (Llama-3-405B's first group on
     (128, 16, 8): 30 evaluations, ~25 CPU s, where its interleaved and GPipe schedules, holding more
@@ -368,12 +370,13 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     best, least = None, math.inf
     bound = {c: floor(c) for c in group} if floor is not None else dict.fromkeys(group, 0.0)
     seconds = functools.cache(lambda: layer_seconds(problem, graph, choice))     # one layout: every cut's
-    hurried = not math.isfinite(beat) and out_of_time(0.0)
+    wanting = not math.isfinite(beat)
+    hurried = wanting and out_of_time(0.0)
     held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
-    overflowed = math.inf       # hurried: the fewest in flight of a candidate that fit nowhere
+    overflowed = math.inf       # wanting: the fewest in flight of a candidate that fit nowhere
     choices = _option_choices(problem, options)         # the same for every candidate and cut
     priced = False
-    for cand in sorted(group, key=lambda c: (held[c], bound[c]) if hurried else bound[c]):
+    for cand in sorted(group, key=lambda c: (held[c], bound[c]) if wanting else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
         late = hurried or past()
         if (bound[cand] >= win or (math.isfinite(win) and late and priced)
@@ -392,7 +395,7 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
                 if best is None or ev.step_s < best.evaluation.step_s * (1 - 1e-12):
                     best = Chosen(cand, pipe if cand.stages > 1 else replace(pipe, boundaries=()), problem,
                                   choice, opts, ev)
-        if hurried and best is None:
+        if wanting and best is None:
             overflowed = min(overflowed, held[cand])
     return best, least
 
