@@ -41,8 +41,10 @@ def test_reshard_cost_on_mesh_counts_launches():
     rs = mesh.reshard_cost((1024, 1024), 4, (Partial(),), (Shard(0),))
     ag = mesh.reshard_cost((1024, 1024), 4, (Shard(0),), (Replicate(),))
     assert ar.collectives == ("all_reduce@tp",)
-    # same bytes and ring steps, one more kernel launch
-    assert rs.seconds + ag.seconds == pytest.approx(ar.seconds + mesh.profile.kernel_overhead)
+    # same bytes and ring steps, one more kernel launch; the all-reduce clones its 4 MiB input
+    # (torch's functional all_reduce is out of place), a copy read and written at memory bandwidth
+    clone = 2 * 1024 * 1024 * 4 / (mesh.profile.memory_bandwidth * mesh.profile.memory_efficiency)
+    assert rs.seconds + ag.seconds == pytest.approx(ar.seconds - clone + mesh.profile.kernel_overhead)
 
 
 def _from_device_mesh(rank, world_size):
