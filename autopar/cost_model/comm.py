@@ -506,8 +506,9 @@ def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Place
     gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
     collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
     that move the same bytes). The local copies around each collective (`local_copy_bytes`) are
-    charged at `copy_bandwidth` (bytes/s; the profile's memory bandwidth). A shard moved to another dim is priced as an all-to-all, as NCCL runs
-    it; on gloo DTensor gathers the whole tensor instead (docs/cost_model.md, Known limits).
+    charged at `copy_bandwidth` (bytes/s; the profile's memory bandwidth). A shard moved to another
+    dim is priced as an all-to-all, as NCCL runs it; on gloo DTensor gathers the whole tensor
+    instead (docs/cost_model.md, Known limits).
     """
     return coded_reshard_cost(global_shape, itemsize, layout_code(src), layout_code(dst), axis_sizes,
                               axis_links, axis_names, launch_overhead, copy_bandwidth)
