@@ -619,10 +619,14 @@ def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tupl
     bandwidth: the line's slope, bounded by the isolated collectives' (a step cannot move bytes
     faster than back-to-back collectives do; the slope can be lost in scheduling noise). Its
     latency per ring step: the isolated collectives' (the transport's). What the intercepts hold
-    beyond those ring steps (the cost of a collective that moves nothing) is a per-collective cost,
-    the same for every kind and axis as `Mesh.reshard_cost` charges it; an all_reduce over every
-    axis at once gives one more estimate. Splitting the intercepts into latency and per-collective
-    cost by fitting both instead gave 0-3.2 ms per ring step from one calibration to the next."""
+    beyond the ring steps of the link the profile prices every axis with (`_priced_link`) is a
+    per-collective cost, the same for every kind and axis as `Mesh.reshard_cost` charges it; an
+    all_reduce over every axis at once gives one more estimate. So a collective that moves nothing
+    is priced at what the cycle measured, whatever an axis's own isolated latency read (one axis's
+    read 2.8 ms per ring step where the other's read 0.37: taken off the intercepts, it left no
+    per-collective cost at all, and the profile then priced the other axis's 0.37 ms). Splitting
+    the intercepts into latency and per-collective cost by fitting both instead gave 0-3.2 ms per
+    ring step from one calibration to the next."""
     from .cost_model.profiles import Link
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     steps = comp[0]["step_collectives"]
@@ -645,20 +649,26 @@ def _fit_links(comp: list[dict], isolated: dict, kernel_overhead: float) -> tupl
         axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "reduce_scatter_factor": factor,
                              "isolated": iso}
         links.append(Link(bandwidth, latency, factor))
-    ring_latency = {kind: mean([latency_steps(kind, f["size"]) * f["latency"] for f in axes_fit.values()])
+    link = _priced_link(links)
+    ring_latency = {kind: mean([latency_steps(kind, f["size"]) * link.latency for f in axes_fit.values()])
                     for kind in pts}
     overheads = [max(lines[kind][0] - ring_latency[kind], 0.0) for kind in pts]
     both, all_axes = [c["step_collectives"].get("all_axes_all_reduce") for c in comp], None
     if both[0] is not None:
         all_axes = {**both[0], "seconds": mean([x["seconds"] for x in both])}
-        ring = sum(collective_time("all_reduce", all_axes["nbytes"], f["size"], Link(f["bandwidth"], f["latency"]))
-                   for f in axes_fit.values())
+        ring = sum(collective_time("all_reduce", all_axes["nbytes"], f["size"], link) for f in axes_fit.values())
         overheads.append(max(all_axes["seconds"] - ring, 0.0) / all_axes["collectives"])
     record = {"cycle": steps["cycle"], "burst_repeats": steps["burst_repeats"], "points_s": pts,
               "lines": {k: {"intercept_s": a, "slope_s_per_byte": b} for k, (a, b) in lines.items()},
               "per_collective": dict(zip([*pts, "all_axes_all_reduce"], overheads)), "all_axes_all_reduce": all_axes}
     # Mesh.reshard_cost charges kernel_overhead + collective_overhead per collective
     return axes_fit, record, links, max(mean(overheads) - kernel_overhead, 0.0)
+
+
+def _priced_link(links: list):
+    """The one Link a calibrated profile prices every axis with (`intra_node`; one machine is one
+    node): the slowest axis's."""
+    return min(links, key=lambda l: l.bandwidth)
 
 
 def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device: str, quick: bool, queue) -> None:
@@ -769,7 +779,7 @@ def _fitted_profile(results: list, base_p, device: str, world_size: int, mesh: t
     kernel_overhead = med([c["kernel_overhead"] for c in comp])
     axes_fit, collectives, links, collective_overhead = _fit_links(comp, _isolated(results), kernel_overhead)
     rt = [c["runtime"] for c in comp]
-    intra = min(links, key=lambda l: l.bandwidth) if links else base_p.intra_node
+    intra = _priced_link(links) if links else base_p.intra_node
     inter = intra if base_p.inter_node.bandwidth >= intra.bandwidth or device == "cpu" else base_p.inter_node
     host = (Link(bw / 2, base_p.host_link.latency) if device == "cpu"
             else Link(med([c["host_bandwidth"] for c in comp]), base_p.host_link.latency))

@@ -130,8 +130,10 @@ class Mesh:
 
     def coded_reshard_cost(self, shape, itemsize: int, src, dst):
         """`reshard_cost` of layouts given as `comm.layout_code`s."""
+        prof = self.profile
         return coded_reshard_cost(shape, itemsize, src, dst, self.shape, self.links, self.axis_names,
-                                  launch_overhead=self.profile.kernel_overhead + self.profile.collective_overhead)
+                                  launch_overhead=prof.kernel_overhead + prof.collective_overhead,
+                                  copy_bandwidth=prof.memory_bandwidth * prof.memory_efficiency)
 
     def stage_mesh(self, axis: str | None) -> Mesh:
         """This mesh without the pipeline axis `axis` (what one pipeline stage runs on); every other

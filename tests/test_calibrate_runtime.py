@@ -67,6 +67,22 @@ def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_c
     assert _fit_links([none], {}, kernel) == ({}, {}, [], 0.0)
 
 
+
+def test_fit_links_prices_a_small_collective_at_what_the_step_cycle_measured():
+    """The per-collective cost is what the cycle measured beyond the ring latency of the link the
+    profile prices every axis with (the slowest axis's), not beyond another axis's isolated latency:
+    one axis reading 3 ms per ring step in back-to-back collectives (noise) must not eat the cost."""
+    latency, noisy, kernel = 2e-4, 3e-3, 1e-5
+    iso = {ax: {"size": 2, "fits": {k: {"bandwidth": 1e9, "latency": lat} for k in ("all_reduce", "all_gather")}}
+           for ax, lat in (("axis0", latency), ("axis1", noisy))}
+    axes, record, links, overhead = _fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
+    assert [link.latency for link in links] == [latency, noisy]      # each axis's own fit is kept on record
+    assert overhead == pytest.approx(3e-3 - kernel)
+    priced = min(links, key=lambda link: link.bandwidth)            # the profile's intra_node
+    for kind, steps in (("all_reduce", 2), ("all_gather", 1)):
+        intercept = record["lines"][kind]["intercept_s"]
+        assert kernel + overhead + steps * priced.latency == pytest.approx(intercept)
+
 def _est(profile, plan_kw):
     torch_model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
     batch = gpt_inputs(batch=8, seq=16, vocab=64)

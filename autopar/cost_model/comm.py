@@ -66,6 +66,14 @@ tensor as it is at that step. Where two axes split one dim, an outer axis's chan
 the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one.
 `tests/test_reshard_pricing.py` checks the priced collectives against those the runtime issues.
 
+Each collective of a reshard also pays the local copies torch makes around it
+(`local_copy_bytes`, at the profile's memory bandwidth, read + write; torch 2.13's functional
+collectives, which DTensor's redistribute and the runtime issue): an all-reduce clones its input
+(the functional all_reduce is out of place; the runtime's own clones too); an all-gather on a dim
+other than 0 gets the chunks stacked on dim 0 and concatenates them on that dim (a copy of the
+gathered tensor, `_maybe_view_chunk_cat`) unless every dim before it is 1 long; a reduce-scatter on
+a dim other than 0 first concatenates its input's chunks on dim 0 (`_chunk_or_narrow_cat`).
+
 A program output made whole from a partial sum over one axis (`async_output_axis`: a mean loss, its
 division by the global count taken on each rank's partial sum) is all-reduced asynchronously and
 waited at the caller's first use of it, after the backward in a training step: priced at its launch.
@@ -82,7 +90,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .profiles import DDP_FIRST_BUCKET_BYTES, HierarchicalLink, Link
-from ..symbolic import ceil_div, smin, to_float
+from ..symbolic import ceil_div, is_symbolic, smin, to_float
 
 __all__ = ["Collective", "Algorithm", "collective_bytes_on_wire", "collective_time", "all_reduce_time",
            "all_gather_time", "reduce_scatter_time", "all_to_all_time", "broadcast_time", "p2p_time",
@@ -471,9 +479,25 @@ def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], si
     return to_float(math.prod(s) * itemsize)
 
 
+def local_copy_bytes(kind: Collective, shape: Sequence[int], layout: Sequence[Code], sizes: Sequence[int],
+                     dim: int, full: float) -> float:
+    """Bytes read and written by the local copies around one collective of a reshard (module
+    docstring), the tensor of global `shape` in `layout` before it; `dim` the tensor dim gathered or
+    scattered, `full` the collective's whole buffer (gathered or unreduced bytes)."""
+    if kind == "all_reduce":
+        return 2 * full
+    if kind == "reduce_scatter" and dim != 0:
+        return 2 * full
+    if kind == "all_gather" and dim != 0:
+        before = [ceil_div(shape[d], math.prod(n for c, n in zip(layout, sizes) if c[0] == _S and c[1] == d))
+                  for d in range(dim)]
+        return 2 * full if any(is_symbolic(x) or x != 1 for x in before) else 0.0
+    return 0.0
+
+
 def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Placement], dst: Sequence[Placement],
                  axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                 launch_overhead: float = 0.0) -> ReshardCost:
+                 launch_overhead: float = 0.0, copy_bandwidth: float = math.inf) -> ReshardCost:
     """Cost of redistributing a tensor from layout `src` to `dst` (one placement per mesh axis).
 
     Axis by axis in the steps the runtime takes (`_redistribute_steps`: DTensor's redistribute), each
@@ -481,16 +505,18 @@ def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Place
     Collectives on different axes are charged one after another (no overlap). Works the same for
     gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
     collective: each is one kernel launch (so one all-reduce beats a reduce-scatter + all-gather
-    that move the same bytes). A shard moved to another dim is priced as an all-to-all, as NCCL runs
-    it; on gloo DTensor gathers the whole tensor instead (docs/cost_model.md, Known limits).
+    that move the same bytes). The local copies around each collective (`local_copy_bytes`) are
+    charged at `copy_bandwidth` (bytes/s; the profile's memory bandwidth). A shard moved to another
+    dim is priced as an all-to-all, as NCCL runs it; on gloo DTensor gathers the whole tensor
+    instead (docs/cost_model.md, Known limits).
     """
     return coded_reshard_cost(global_shape, itemsize, layout_code(src), layout_code(dst), axis_sizes,
-                              axis_links, axis_names, launch_overhead)
+                              axis_links, axis_names, launch_overhead, copy_bandwidth)
 
 
 def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
                        axis_sizes: Sequence[int], axis_links: Sequence[Link], axis_names: Sequence[str],
-                       launch_overhead: float = 0.0) -> ReshardCost:
+                       launch_overhead: float = 0.0, copy_bandwidth: float = math.inf) -> ReshardCost:
     """`reshard_cost` of layouts given as `layout_code`s (the edge tables code each layout once)."""
     k = len(axis_sizes)
     if not len(src) == len(dst) == len(axis_links) == len(axis_names) == k:
@@ -500,19 +526,20 @@ def coded_reshard_cost(global_shape: Sequence[int], itemsize: int, src: tuple[Co
         if c[0] == _S and not 0 <= c[1] < len(global_shape):
             raise ValueError(f"reshard_cost: Shard({c[1]}) does not fit a tensor of shape {tuple(global_shape)}")
     rc = _reshard_cost(tuple(global_shape), itemsize, src, dst, tuple(axis_sizes), tuple(axis_links),
-                       tuple(axis_names))
+                       tuple(axis_names), copy_bandwidth)
     if launch_overhead and rc.collectives:
         rc = ReshardCost(rc.seconds + launch_overhead * len(rc.collectives), rc.bytes_per_axis, rc.collectives)
     return rc
 
 
 def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], dst: tuple[Code, ...],
-                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...]) -> ReshardCost:
+                  sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...],
+                  copy_bandwidth: float) -> ReshardCost:
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
     cur = list(src)
     after = _local_bytes(shape, itemsize, cur, sizes)
     for i, a, b in _redistribute_steps(src, dst, sizes):
-        before = after
+        before, cur_before = after, tuple(cur)
         cur[i] = b
         after = _local_bytes(shape, itemsize, cur, sizes)
         kind = _transition(a, b)
@@ -520,6 +547,8 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
             continue
         full = before if kind == "all_reduce" else sizes[i] * smin(before, after)
         seconds += collective_time(kind, full, sizes[i], links[i])
+        dim = b[1] if kind == "reduce_scatter" else a[1] if kind == "all_gather" else 0
+        seconds += local_copy_bytes(kind, shape, cur_before, sizes, dim, full) / copy_bandwidth
         sent[i] += collective_bytes_on_wire(kind, full, sizes[i])
         names_out.append(f"{kind}@{names[i]}")
     return ReshardCost(seconds, tuple(sent), tuple(names_out))
