@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from models import GPT  # noqa: E402

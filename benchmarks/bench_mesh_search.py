@@ -32,6 +32,7 @@ from collections import Counter
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from autopar.views.report import tensor_parallel_family  # noqa: E402

@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from zoo import FULL, build  # noqa: E402

@@ -35,6 +35,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's autopar
 import autopar  # noqa: E402
 from bench_megatron import MEGATRON_PINS, ROWS, SEQ, VOCAB, MegatronGPT, megatron_flops  # noqa: E402
 

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from models import GPT, Llama  # noqa: E402

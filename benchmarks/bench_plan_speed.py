@@ -49,6 +49,7 @@ import warnings
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import autopar  # noqa: E402
 from autopar.planner.pipeline_search import search_pipeline  # noqa: E402

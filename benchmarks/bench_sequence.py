@@ -30,6 +30,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's autopar
 import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.layers import module_path  # noqa: E402

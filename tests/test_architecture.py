@@ -143,3 +143,19 @@ def test_the_solver_names_no_op():
     hits = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}" for path in sorted((PACKAGE / "solver").rglob("*.py"))
             for i, line in enumerate(path.read_text().splitlines(), 1) if OP_WORDS.search(line)]
     assert hits == []
+
+
+CHECKOUT_FIRST = re.compile(r'sys\.path\.insert\(0, (os\.path\.join\(.*, "\.\."\)|os\.path\.dirname\((HERE|os\.path\.dirname\('
+                            r'os\.path\.abspath\(__file__\)\))\))\)')
+
+
+def test_benchmarks_measure_the_checkout_they_sit_in():
+    """A benchmark run as `python benchmarks/X.py` puts its own checkout first on the path before it
+    imports autopar: otherwise the editable install's autopar (another worktree's) is what it measures."""
+    late = []
+    for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py")):
+        lines = path.read_text().splitlines()
+        first = next((i for i, line in enumerate(lines) if re.match(r"(import|from) autopar\b", line)), None)
+        if first is not None and not any(CHECKOUT_FIRST.search(line) for line in lines[:first]):
+            late.append(path.name)
+    assert late == []
