@@ -14,9 +14,10 @@
   `sharded_outputs=True`, as torchtitan's loop uses only the loss: Hugging Face's model returns
   its logits beside it, which returned whole would be 501 GiB on every device.
 * gpt3-175b: GPT-3 175B (96 layers, hidden 12288, 96 heads; examples/models.py), bf16, global
-  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with `pipeline={"axis": "pp"}`
-  (stages, microbatches, schedule chosen by the pipeline search, issue 12) and the memory
-  families; target: 30 s and 4 GiB RSS.
+  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with no options, as
+  `autopar.plan` runs it: the pipeline chosen (`pipeline={}`: axis, stages, microbatches, schedule by
+  the pipeline search, issue 12, "no pipeline" among them) and the memory families; target: 30 s
+  and 4 GiB RSS (issue 37).
 * llama3-8b-node: Llama-3-8B on one node, `Mesh((8,), ("dp",), "h100")`, at 8 x 8192: it fits only
   with memory decisions (recomputation, offload; issue 11); target: 10 s (issue 37).
 * held-out families (issue 37; `HELD_OUT`, their published configurations): Qwen3-8B, Gemma-2-9B,
@@ -34,6 +35,30 @@ outside the planning call), end to end, peak RSS, ILP size, solver status, the p
 a hash of its decisions (`plan_hash`).
 The machine is shared: CPU seconds are the steadier measure when others load it (both are printed).
 `--all` runs every model, each in its own process (so that peak RSS is that run's own).
+
+Measured (CPU seconds of the planning call; the machine's 2 cores shared, load stated; "main" and
+"branch" run at the same time):
+* 2026-11-28 (stop 50, s50speed; main 7117cd8): the pipeline search's evaluations made cheaper
+  (`solver/evaluate.py`: freed items kept per layouts and options, sparse window sums, ...), plans
+  byte-identical on all ten held-out families, llama3-8b-node and gpt3-175b.
+  - gpt3-175b, no options (time limit 60 s), load 5-6: main 19.1 CPU s / 56.8 s wall, branch 19.5 /
+    54.8; both "best found at the time limit", 4 of 12 groups solved (pp), 8 not searched: a 7.334 s
+    step (e41a5e09bee3). The 30 s target is met in CPU seconds, missed in wall time under this load
+    (the search's deadline is wall time: under load it stops early).
+  - gpt3-175b, no options, `--time-limit 1000` (every group searched): a 6.831 s step, 16 stages over
+    the dp axis, 192 microbatches, 1F1B (340a8a94b868): 7% faster than the plan at 60 s. Load 3-6:
+    main 118.2 / 130.0 / 122.1 CPU s, branch 131.3 (at once with 130.0) / 110.3 (at once with
+    122.1; its evaluations 39.6 -> 26.9 CPU s over 531, `_rank_memory` 23.1 -> 15.9). Where the
+    110 s go: HiGHS's MIPs ~34 (the groups' step 3 proving plans carried from a neighbouring count:
+    2-6 s each on 16k columns, after branching's 12 LPs leave 0.2-4% gaps), the plan without a
+    pipeline ~29, evaluations ~27, layout-model builds ~10.
+  - held-out, (8, 8) at 8 x 4096, main / branch at once, load 4-6.4: qwen3-8b 3.48 / 3.47, gemma2-9b
+    6.15 / 6.15 (wall 12.4 / 12.4), phi3-mini 2.05 / 2.04, qwen3-30b-a3b 4.62 / 5.25 (wall 13.3 /
+    27.6), mistral-7b 2.35 / 2.35, qwen2-7b 2.12 / 2.12, granite-3-8b 2.76 / 2.75, olmo2-7b 2.92 /
+    2.92, stablelm2-1.6b 1.97 / 2.06, falcon-7b 2.17 / 2.17: every one under 10 CPU s; wall time 2-5x
+    the CPU at this load. Gemma-2-9B alone at load ~0.2: 5.54 s wall, 5.53 CPU s.
+  - llama3-8b-node (e1619b2ce267, a 1.0047 s step): 6.31 / 6.35 CPU s (wall 12.7 / 12.8) at load 6.4;
+    5.33 / 5.34 CPU s (wall 9.1 / 9.1) at load 3.7.
 """
 from __future__ import annotations
 

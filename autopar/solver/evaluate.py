@@ -545,7 +545,7 @@ class _RankMemory:
 def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, grads: list, pipe) -> _RankMemory:
     """Per rank: `memory_points` over the nodes its chunks hold, plus `in_flight - 1` more
     microbatches of what they save (at the end of the forward) at every point of the step."""
-    p, fam, live = pipe.stages, problem.families, problem.live
+    p, live = pipe.stages, problem.live
     member, term = chunks
     rank = lambda c: c % p  # noqa: E731
     last = pipe.stages * pipe.virtual_stages - 1
@@ -562,11 +562,14 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     for n, d in problem.decisions.items():
         if d.grad_bytes:
             made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
-    freed = [(f, b, rank(term(f.expr))) for f, b in freed_items(problem, choice, on)]
+    freed = freed_items(problem, choice, on)
+    freed_on: list[list] = [[] for _ in range(p)]      # per rank, (Freed, bytes) of the items it frees
+    for f, b in freed:
+        freed_on[rank(term(f.expr))].append((f, b))
     fwd_end = max((t for t, w in enumerate(positions) if w <= live.last), default=-1)
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
-    out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
+    out = _RankMemory([], [], [], [], [], [], {n for f, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
     since = problem.buckets_from
     back = [[0.0] * n_pts for _ in range(p)]
@@ -581,7 +584,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
             temps[pos] = temps.get(pos, 0.0) + tmp
         ms = sorted(made[r], key=lambda x: x[0])
         grown, grown_at = prefix_sums([b for _, b in ms]), [since for since, _ in ms]
-        gone = window_sums(positions, ((f.after, f.until, b) for f, b, q in freed if q == r))
+        gone = window_sums(positions, ((f.after, f.until, b) for f, b in freed_on[r]))
         one, act, after = [], acts[r], back[r]
         for t, where in enumerate(positions):
             x = act[t] + kept[bisect_right(kept_at, mirrors[t])] + temps.get(where, 0.0)
@@ -592,7 +595,7 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]
         pts = [fwd_state + x + (k - 1) * saved for x in one]
-        device_state = st[r] - sum(b for f, b, q in freed if q == r and f.until >= live.step_end)
+        device_state = st[r] - sum(b for f, b in freed_on[r] if f.until >= live.step_end)
         out.state.append(device_state)
         out.saved.append(saved)
         out.in_flight.append(k)
