@@ -39,26 +39,28 @@ The machine is shared: CPU seconds are the steadier measure when others load it 
 Measured (CPU seconds of the planning call; the machine's 2 cores shared, load stated; "main" and
 "branch" run at the same time):
 * 2026-11-28 (stop 50, s50speed; main 7117cd8): the pipeline search's evaluations made cheaper
-  (`solver/evaluate.py`: freed items kept per layouts and options, sparse window sums, ...), plans
-  byte-identical on all ten held-out families, llama3-8b-node and gpt3-175b.
-  - gpt3-175b, no options (time limit 60 s), load 5-6: main 19.1 CPU s / 56.8 s wall, branch 19.5 /
-    54.8; both "best found at the time limit", 4 of 12 groups solved (pp), 8 not searched: a 7.334 s
-    step (e41a5e09bee3). The 30 s target is met in CPU seconds, missed in wall time under this load
-    (the search's deadline is wall time: under load it stops early).
-  - gpt3-175b, no options, `--time-limit 1000` (every group searched): a 6.831 s step, 16 stages over
-    the dp axis, 192 microbatches, 1F1B (340a8a94b868): 7% faster than the plan at 60 s. Load 3-6:
-    main 118.2 / 130.0 / 122.1 CPU s, branch 131.3 (at once with 130.0) / 110.3 (at once with
-    122.1; its evaluations 39.6 -> 26.9 CPU s over 531, `_rank_memory` 23.1 -> 15.9). Where the
-    110 s go: HiGHS's MIPs ~34 (the groups' step 3 proving plans carried from a neighbouring count:
-    2-6 s each on 16k columns, after branching's 12 LPs leave 0.2-4% gaps), the plan without a
-    pipeline ~29, evaluations ~27, layout-model builds ~10.
-  - held-out, (8, 8) at 8 x 4096, main / branch at once, load 4-6.4: qwen3-8b 3.48 / 3.47, gemma2-9b
-    6.15 / 6.15 (wall 12.4 / 12.4), phi3-mini 2.05 / 2.04, qwen3-30b-a3b 4.62 / 5.25 (wall 13.3 /
-    27.6), mistral-7b 2.35 / 2.35, qwen2-7b 2.12 / 2.12, granite-3-8b 2.76 / 2.75, olmo2-7b 2.92 /
-    2.92, stablelm2-1.6b 1.97 / 2.06, falcon-7b 2.17 / 2.17: every one under 10 CPU s; wall time 2-5x
-    the CPU at this load. Gemma-2-9B alone at load ~0.2: 5.54 s wall, 5.53 CPU s.
-  - llama3-8b-node (e1619b2ce267, a 1.0047 s step): 6.31 / 6.35 CPU s (wall 12.7 / 12.8) at load 6.4;
-    5.33 / 5.34 CPU s (wall 9.1 / 9.1) at load 3.7.
+  (`solver/evaluate.py`: freed items kept per layouts and options, sparse window sums, ...). Main
+  and branch at once, each run with PYTHONPATH=its checkout (this script imported the venv's
+  install, /work/main, whatever the checkout, before it put its own root first). Same plan_hash on
+  all ten held-out families, llama3-8b-node and gpt3-175b (both limits).
+  - gpt3-175b, no options (time limit 60 s), load 3.7-5: main 17.0 CPU s / 44.9 s wall, branch 15.3 /
+    39.4; both "best found at the time limit", 4 of 12 (axis, microbatches) groups solved (pp), 8 not
+    searched: a 7.334 s step (e41a5e09bee3). 30 s: met in CPU seconds, missed in wall time under this
+    load (the search's deadline is wall time: under load it stops earlier).
+  - gpt3-175b, no options, `--time-limit 1000` (every group searched), load 2.6-4.7: main 109.3 CPU s
+    / 150.6 s wall, branch 98.3 / 139.5: a 6.831 s step, 16 stages over the dp axis, 192
+    microbatches, 1F1B (340a8a94b868), 7% faster than the plan at 60 s. Another pair (load 5,
+    timers around functions): 122.1 -> 110.3, the 531 evaluations 39.6 -> 26.9 CPU s. Where the
+    110 s go: HiGHS's MIPs ~34 (each group's step 3 proving the plan carried from a neighbouring
+    microbatch count: 2-6 s each on 16k columns, after branching's 12 LPs leave 0.2-4% gaps), the
+    plan without a pipeline ~29, evaluations ~27, layout-model builds ~10.
+  - held-out, (8, 8) at 8 x 4096, main / branch CPU s, load 2.9-5.3 (wall within 0.4 s of CPU):
+    qwen3-8b 3.21 / 3.06, gemma2-9b 5.58 / 5.51, phi3-mini 1.83 / 1.82, qwen3-30b-a3b 4.02 / 3.97,
+    mistral-7b 2.11 / 2.08, qwen2-7b 1.98 / 1.93, granite-3-8b 2.47 / 2.35, olmo2-7b 2.53 / 2.48,
+    stablelm2-1.6b 1.43 / 1.42, falcon-7b 1.73 / 1.72: every one under 10 s. At load 4-6.4 wall ran
+    2-5x the CPU (gemma2-9b 6.15 CPU s, 12.4 s wall; qwen3-30b-a3b up to 27.6 s wall).
+  - llama3-8b-node (e1619b2ce267, a 1.0047 s step): main 4.74, branch 4.71 CPU s (4.7 s wall) at
+    load 2.7; 10 s met.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))     # this checkout's autopar, not the venv's
 import autopar  # noqa: E402
 from autopar.planner.pipeline_search import search_pipeline  # noqa: E402
 from autopar.planner.solve import PlanOptions, make_plan  # noqa: E402
