@@ -14,9 +14,10 @@
   `sharded_outputs=True`, as torchtitan's loop uses only the loss: Hugging Face's model returns
   its logits beside it, which returned whole would be 501 GiB on every device.
 * gpt3-175b: GPT-3 175B (96 layers, hidden 12288, 96 heads; examples/models.py), bf16, global
-  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with `pipeline={"axis": "pp"}`
-  (stages, microbatches, schedule chosen by the pipeline search, issue 12) and the memory
-  families; target: 30 s and 4 GiB RSS.
+  batch 1,536 x 2048 on `Mesh((16, 8, 8), ("dp", "pp", "tp"), "h100")` with no options, as
+  `autopar.plan` runs it: the pipeline chosen (`pipeline={}`: axis, stages, microbatches, schedule by
+  the pipeline search, issue 12, "no pipeline" among them) and the memory families; target: 30 s
+  and 4 GiB RSS (issue 37).
 * llama3-8b-node: Llama-3-8B on one node, `Mesh((8,), ("dp",), "h100")`, at 8 x 8192: it fits only
   with memory decisions (recomputation, offload; issue 11); target: 10 s (issue 37).
 * held-out families (issue 37; `HELD_OUT`, their published configurations): Qwen3-8B, Gemma-2-9B,
@@ -34,6 +35,32 @@ outside the planning call), end to end, peak RSS, ILP size, solver status, the p
 a hash of its decisions (`plan_hash`).
 The machine is shared: CPU seconds are the steadier measure when others load it (both are printed).
 `--all` runs every model, each in its own process (so that peak RSS is that run's own).
+
+Measured (CPU seconds of the planning call; the machine's 2 cores shared, load stated; "main" and
+"branch" run at the same time):
+* 2026-11-28 (stop 50, s50speed; main 7117cd8): the pipeline search's evaluations made cheaper
+  (`solver/evaluate.py`: freed items kept per layouts and options, sparse window sums, ...). Main
+  and branch at once, each run with PYTHONPATH=its checkout (this script imported the venv's
+  install, /work/main, whatever the checkout, before it put its own root first). Same plan_hash on
+  all ten held-out families, llama3-8b-node and gpt3-175b (both limits).
+  - gpt3-175b, no options (time limit 60 s), load 3.7-5: main 17.0 CPU s / 44.9 s wall, branch 15.3 /
+    39.4; both "best found at the time limit", 4 of 12 (axis, microbatches) groups solved (pp), 8 not
+    searched: a 7.334 s step (e41a5e09bee3). 30 s: met in CPU seconds, missed in wall time under this
+    load (the search's deadline is wall time: under load it stops earlier).
+  - gpt3-175b, no options, `--time-limit 1000` (every group searched), load 2.6-4.7: main 109.3 CPU s
+    / 150.6 s wall, branch 98.3 / 139.5: a 6.831 s step, 16 stages over the dp axis, 192
+    microbatches, 1F1B (340a8a94b868), 7% faster than the plan at 60 s. Another pair (load 5,
+    timers around functions): 122.1 -> 110.3, the 531 evaluations 39.6 -> 26.9 CPU s. Where the
+    110 s go: HiGHS's MIPs ~34 (each group's step 3 proving the plan carried from a neighbouring
+    microbatch count: 2-6 s each on 16k columns, after branching's 12 LPs leave 0.2-4% gaps), the
+    plan without a pipeline ~29, evaluations ~27, layout-model builds ~10.
+  - held-out, (8, 8) at 8 x 4096, main / branch CPU s, load 2.9-5.3 (wall within 0.4 s of CPU):
+    qwen3-8b 3.21 / 3.06, gemma2-9b 5.58 / 5.51, phi3-mini 1.83 / 1.82, qwen3-30b-a3b 4.02 / 3.97,
+    mistral-7b 2.11 / 2.08, qwen2-7b 1.98 / 1.93, granite-3-8b 2.47 / 2.35, olmo2-7b 2.53 / 2.48,
+    stablelm2-1.6b 1.43 / 1.42, falcon-7b 1.73 / 1.72: every one under 10 s. At load 4-6.4 wall ran
+    2-5x the CPU (gemma2-9b 6.15 CPU s, 12.4 s wall; qwen3-30b-a3b up to 27.6 s wall).
+  - llama3-8b-node (e1619b2ce267, a 1.0047 s step): main 4.74, branch 4.71 CPU s (4.7 s wall) at
+    load 2.7; 10 s met.
 """
 from __future__ import annotations
 
@@ -51,6 +78,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))     # this checkout's autopar, not the venv's
 import autopar  # noqa: E402
 from autopar.planner.pipeline_search import search_pipeline  # noqa: E402
 from autopar.planner.solve import PlanOptions, make_plan  # noqa: E402
@@ -89,7 +117,7 @@ def _gpt3(batch: int, mesh):
 
 
 def gpt3_175b():
-    return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")) + ({"axis": "pp"},)
+    return _gpt3(1536, autopar.Mesh((16, 8, 8), ("dp", "pp", "tp"), device="h100")) + ({},)
 
 
 # held-out families (issue 37), their published configurations, on (8, 8) H100 at 8 x 4096 bf16
@@ -194,14 +222,14 @@ def main(argv=None) -> dict:
                            + ["--no-symbolic"] * a.no_symbolic, check=False)
         return {}
     model, args, kwargs, mesh, *pipe = MODELS[a.model]()
-    pipe = pipe[0] if pipe else None          # a pipeline to search (issue 12's family), or none
+    pipe = pipe[0] if pipe else None          # the pipeline keys fixed ({}: all chosen, as `plan`'s default), or none
     phases = Phases()
     opts = PlanOptions(time_limit=a.time_limit, progress=False, symbolic=not a.no_symbolic, on_phase=phases,
                        pipeline=pipe, **OPTIONS.get(a.model, {}))
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe) if pipe else make_plan(model, args, kwargs, mesh,
+        plan = search_pipeline(model, args, kwargs, mesh, opts, pipe) if pipe is not None else make_plan(model, args, kwargs, mesh,
                                                                                                opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     t1, c1 = time.perf_counter(), time.process_time()

@@ -135,7 +135,7 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
         if c.applies(on):
             fam_name = family_of[c.gate[0]]
             family_s[fam_name] = family_s.get(fam_name, 0.0) + c.count * smax(0.0, c.expr.value(problem, choice))
-    freed = [(f, f.expr.value(problem, choice)) for f in fam.freed if f.frees(on)]
+    freed = freed_items(problem, choice, on)
     positions = problem.live.positions
     gone = window_sums(positions, ((f.after, f.until, b) for f, b in freed))
     points = [pt - g for pt, g in zip(points, gone)]
@@ -161,6 +161,23 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
                       tuple(points), tiers, by_family, grad_sync_total(problem, choice) + buckets, buckets,
                       optimizer_total(problem, choice, offloaded), nodes * problem.mesh.profile.runtime_op_overhead,
                       nodes)
+
+
+FREED_MEMO = 8      # (layouts, options) pairs whose freed items a problem keeps: the pipeline search prices
+                    # one layout choice under up to three option sets (`stages._option_choices`) at every staging
+
+
+def freed_items(problem: Problem, choice: Mapping[str, int], on: Mapping[str, int]) -> list:
+    """(Freed, bytes) of every item freed under the options `on` and the layouts `choice`, kept on the
+    problem for the last few pairs (`FREED_MEMO`): the same at every staging of a plan."""
+    freed = problem.families.freed
+    key = (tuple(choice[n] for n in problem.leaders), tuple(sorted(on.items())))
+    hit = problem.freed_memo.get(key)
+    if hit is None or hit[0] is not freed:
+        if len(problem.freed_memo) >= FREED_MEMO:
+            problem.freed_memo.clear()
+        hit = problem.freed_memo[key] = (freed, [(f, f.expr.value(problem, choice)) for f in freed if f.frees(on)])
+    return hit[1]
 
 
 def grads_to_host(p: Problem, freed) -> set[str]:
@@ -334,7 +351,7 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
                       mem.state[top], tuple(mem.points[top]), mem.tiers[top], {},
                       grad_sync_s=max(s.grad_sync_s for s in stages), optimizer_s=max(s.optimizer_s for s in stages),
                       runtime_s=m * sums(ch.runtime, slow),
-                      graph_nodes=sum(k for _, k in node_modules(problem, choice)), pipeline=price)
+                      graph_nodes=ch.modules, pipeline=price)
 
 
 @dataclass(slots=True)
@@ -342,7 +359,8 @@ class _Chunks:
     """Per model chunk: seconds of one microbatch (fwd, bwd, its weight-gradient part wgrad, compute
     comp, collectives comm, runtime, p2p sends into it, the gradient reductions of the zero-bubble weight
     pass wsync, in bwd), per step (sync, once), the families' seconds
-    (fam_s per microbatch, per_step), state and gradient bytes, and where family terms land (terms)."""
+    (fam_s per microbatch, per_step), state and gradient bytes, where family terms land (terms), and
+    the modules of the rank's graph (`node_modules`, all chunks)."""
     fwd: list
     bwd: list
     wgrad: list
@@ -358,6 +376,7 @@ class _Chunks:
     state: list
     grads: list
     terms: tuple
+    modules: int = 0
 
 
 def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
@@ -377,6 +396,7 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
     entering, users = _edge_costs(problem, choice, staging, ch, where)
     for name, k in node_modules(problem, choice):
         ch.runtime[where(name)] += k * problem.mesh.profile.runtime_op_overhead
+        ch.modules += k
     for c in range(n):
         ch.fwd[c] += ch.runtime[c]
         ch.bwd[c] += ch.wsync[c]
@@ -525,7 +545,7 @@ class _RankMemory:
 def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, grads: list, pipe) -> _RankMemory:
     """Per rank: `memory_points` over the nodes its chunks hold, plus `in_flight - 1` more
     microbatches of what they save (at the end of the forward) at every point of the step."""
-    p, fam, live = pipe.stages, problem.families, problem.live
+    p, live = pipe.stages, problem.live
     member, term = chunks
     rank = lambda c: c % p  # noqa: E731
     last = pipe.stages * pipe.virtual_stages - 1
@@ -542,17 +562,20 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     for n, d in problem.decisions.items():
         if d.grad_bytes:
             made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
-    freed = [(f, f.expr.value(problem, choice), rank(term(f.expr))) for f in fam.freed if f.frees(on)]
+    freed = freed_items(problem, choice, on)
+    freed_on: list[list] = [[] for _ in range(p)]      # per rank, (Freed, bytes) of the items it frees
+    for f, b in freed:
+        freed_on[rank(term(f.expr))].append((f, b))
     fwd_end = max((t for t, w in enumerate(positions) if w <= live.last), default=-1)
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
-    shares: dict = {}           # group key -> its `_shares`
-    out = _RankMemory([], [], [], [], [], [], {n for f, _, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
+    out = _RankMemory([], [], [], [], [], [], {n for f, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
     buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
     since = problem.buckets_from
     back = [[0.0] * n_pts for _ in range(p)]
     for t, name, nbytes in backward_temps(problem, choice):
         back[rank_of(name)][t] += nbytes
+    mirrors = [live.mirror(where) for where in positions]
     for r in range(p):
         cs = sorted(copies[r], key=lambda x: x[0])
         kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
@@ -561,36 +584,38 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
             temps[pos] = temps.get(pos, 0.0) + tmp
         ms = sorted(made[r], key=lambda x: x[0])
         grown, grown_at = prefix_sums([b for _, b in ms]), [since for since, _ in ms]
-        gone = window_sums(positions, ((f.after, f.until, b) for f, b, q in freed if q == r))
-        one = []
+        gone = window_sums(positions, ((f.after, f.until, b) for f, b in freed_on[r]))
+        one, act, after = [], acts[r], back[r]
         for t, where in enumerate(positions):
-            x = acts[r][t] + kept[bisect_right(kept_at, live.mirror(where))] + temps.get(where, 0.0)
+            x = act[t] + kept[bisect_right(kept_at, mirrors[t])] + temps.get(where, 0.0)
             x -= gone[t]
-            one.append(x + grown[bisect_right(grown_at, where)] + back[r][t] + (buckets if where >= since else 0.0)
+            one.append(x + grown[bisect_right(grown_at, where)] + after[t] + (buckets if where >= since else 0.0)
                        if where > live.last else x)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]
         pts = [fwd_state + x + (k - 1) * saved for x in one]
-        device_state = st[r] - sum(b for f, b, q in freed if q == r and f.until >= live.step_end)
+        device_state = st[r] - sum(b for f, b in freed_on[r] if f.until >= live.step_end)
         out.state.append(device_state)
         out.saved.append(saved)
         out.in_flight.append(k)
         out.points.append(pts)
-        out.tiers.append(_rank_tiers(problem, choice, on, r, rank, shares, member))
         out.peak.append(max(device_state, *pts))
+    out.tiers = _rank_tiers(problem, choice, on, p, rank, member)
     return out
 
 
-def _rank_tiers(problem: Problem, choice, on, r: int, rank, shares: dict, member) -> dict[str, float]:
-    """Tier -> bytes pipeline rank r holds in it: its share of each held term's group (`shares`: group key
-    -> `_shares`, filled as needed)."""
+def _rank_tiers(problem: Problem, choice, on, p: int, rank, member) -> list[dict[str, float]]:
+    """Per pipeline rank (of p): tier -> bytes it holds there, its share of each held term's group."""
     groups = {g.key: g for g in problem.families.groups}
-    tiers: dict[str, float] = {}
+    shares: dict = {}           # group key -> per rank, the fraction of the group's members it holds
+    tiers: list[dict[str, float]] = [{} for _ in range(p)]
     for h in problem.families.held:
         if on.get(h.gate[0]) == h.gate[1]:
             if h.gate[0] not in shares:
-                shares[h.gate[0]] = _shares(groups[h.gate[0]], member)
-            share = sum(x for c, x in shares[h.gate[0]].items() if rank(c) == r)
-            tiers[h.tier] = tiers.get(h.tier, 0.0) + share * h.count * h.expr.value(problem, choice)
+                held = _shares(groups[h.gate[0]], member)
+                shares[h.gate[0]] = [sum(x for c, x in held.items() if rank(c) == r) for r in range(p)]
+            value = h.expr.value(problem, choice)
+            for r, share in enumerate(shares[h.gate[0]]):
+                tiers[r][h.tier] = tiers[r].get(h.tier, 0.0) + share * h.count * value
     return tiers

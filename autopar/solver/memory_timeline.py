@@ -113,15 +113,15 @@ def grouped_member_sums(changes: Sequence[tuple[Sequence[str], Sequence[str]]], 
 def window_sums(positions: Sequence[int], items) -> list:
     """Per point (at increasing timeline `positions`): the sum of the values of `items`, each
     (after, until, value), whose window holds the point (after < position <= until)."""
-    change: list[list] = [[] for _ in range(len(positions) + 1)]
+    change: dict[int, list] = {}        # point -> the values starting (+) and ending (-) there, in order
     for after, until, v in items:
         lo, hi = bisect_right(positions, after), bisect_right(positions, until)
         if lo < hi:
-            change[lo].append(v)
-            change[hi].append(-v)
+            change.setdefault(lo, []).append(v)
+            change.setdefault(hi, []).append(-v)
     out, now = [], 0.0
-    for step in change[:-1]:
-        for v in step:
+    for t in range(len(positions)):
+        for v in change.get(t, ()):
             now = now + v
         out.append(now)
     return out

@@ -67,6 +67,11 @@ class Problem:
     # ops whose gradient flows into parameters alone, run by a rule (passes/parameter_side.py): their
     # gradients stay partial sums where they are replicated (strategies/gradients.py)
     parameter_side: frozenset[str] = frozenset()
+    # per edge (edge, its source's leader, its consumer's leader or None for the outputs): what
+    # `picked_edges` reads for every plan it is asked about, made on its first call
+    edge_leaders: list | None = field(default=None, init=False, repr=False, compare=False)
+    # the evaluator's items freed per (layouts, family options) priced lately (`evaluate.freed_items`)
+    freed_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def grad_since(self, name: str) -> int:
         """The timeline position from which parameter `name`'s gradient exists."""
@@ -107,10 +112,11 @@ def chosen_edges(problem: Problem, choice: Mapping[str, int], cap: Captured,
 
 def picked_edges(p: Problem, choice: Mapping[str, int]):
     """(edge, source class, destination class) of every edge under `choice`."""
-    for e in p.edges:
-        a = e.a_of[choice[p.decisions[e.src].leader]]
-        b = 0 if e.dst == "output" else e.b_of[choice[p.decisions[e.dst].leader]]
-        yield e, a, b
+    if p.edge_leaders is None:
+        dec = p.decisions
+        p.edge_leaders = [(e, dec[e.src].leader, None if e.dst == "output" else dec[e.dst].leader) for e in p.edges]
+    for e, src, dst in p.edge_leaders:
+        yield e, e.a_of[choice[src]], 0 if dst is None else e.b_of[choice[dst]]
 
 
 def edge_legs(problem: Problem, c: ChosenEdge):
