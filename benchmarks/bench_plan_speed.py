@@ -76,7 +76,6 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))      # this checkout's autopar, not the installed one
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))     # this checkout's autopar, not the venv's
 import autopar  # noqa: E402
