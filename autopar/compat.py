@@ -297,9 +297,25 @@ def _gqa(q, k, v):
     return (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
 
 
+def _one_head_dim(*tensors):
+    """The tensors zero-padded on their last dim to the widest's: the fused kernels take one head dim
+    for q, k and v, where multi-head latent attention's values are narrower than its queries and keys.
+    Zero columns leave the scores, the log-sum-exp and the output's own columns as they were."""
+    d = max(t.shape[-1] for t in tensors)
+    return tuple(t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in tensors)
+
+
 def attention_block(q, k, v, bias, is_causal: bool, scale: float):
     """(output in q's dtype, log-sum-exp (B, H, Sq) in fp32, the kernel's state for its backward) of one
-    fused attention kernel; `bias` an additive mask in q's dtype or None; k, v may have fewer heads (GQA)."""
+    fused attention kernel; `bias` an additive mask in q's dtype or None; k, v may have fewer heads (GQA),
+    v another head dim (`_one_head_dim`)."""
+    width = v.shape[-1]
+    q, k, v = _one_head_dim(q, k, v)
+    out, lse, state = _attention_kernel(q, k, v, bias, is_causal, scale)
+    return out[..., :width], lse, state
+
+
+def _attention_kernel(q, k, v, bias, is_causal: bool, scale: float):
     aten = torch.ops.aten
     if q.device.type != "cuda":     # the CPU kernel takes grouped K/V heads as they are
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias,
@@ -319,7 +335,14 @@ def attention_block_backward(dout, q, k, v, out, lse, bias, is_causal: bool, sca
     """(dq, dk, dv) of `attention_block(q, k, v, bias, is_causal, scale)` given the output and
     log-sum-exp of the whole attention these keys are one block of (that is how blocks' gradients add
     up: FlashAttention's backward); `state`: the forward kernel's (any of its calls: without dropout
-    it holds no per-call randomness). dk, dv have k's heads."""
+    it holds no per-call randomness). dk, dv have k's heads, each gradient its tensor's head dim."""
+    widths = (q.shape[-1], k.shape[-1], v.shape[-1])
+    dout, q, k, v, out = _one_head_dim(dout, q, k, v, out)
+    grads = _attention_kernel_backward(dout, q, k, v, out, lse, bias, is_causal, scale, state)
+    return tuple(g[..., :w] for g, w in zip(grads, widths))
+
+
+def _attention_kernel_backward(dout, q, k, v, out, lse, bias, is_causal: bool, scale: float, state: tuple):
     aten = torch.ops.aten
     if q.device.type != "cuda":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(

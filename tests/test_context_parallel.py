@@ -59,16 +59,18 @@ def test_unparseable_pin_names_it():
                      pins={"scaled_dot_product_attention*": ("Ring!",)})
 
 
-# the blockwise executor against one process: (dtype, causal, boolean mask, local tokens, kv heads)
+# the blockwise executor against one process: (dtype, causal, boolean mask, local tokens, kv heads,
+# value head dim; the queries' and keys' is 16)
 BLOCK_CASES = {
-    "fp32-causal": (torch.float32, True, False, 8, 4),
-    "fp32-causal-odd-chunk": (torch.float32, True, False, 7, 4),    # no balanced order: blocks skipped
-    "bf16-causal-gqa": (torch.bfloat16, True, False, 8, 2),
-    "fp32-mask": (torch.float32, False, True, 8, 2),                # rows wholly masked within a block
+    "fp32-causal": (torch.float32, True, False, 8, 4, 16),
+    "fp32-causal-odd-chunk": (torch.float32, True, False, 7, 4, 16),    # no balanced order: blocks skipped
+    "bf16-causal-gqa": (torch.bfloat16, True, False, 8, 2, 16),
+    "fp32-mask": (torch.float32, False, True, 8, 2, 16),                # rows wholly masked within a block
+    "fp32-causal-narrow-values": (torch.float32, True, False, 8, 4, 12),  # multi-head latent attention's shape
 }
 
 
-def _blockwise_vs_one_process(rank, world_size, mode, dtype, causal, masked, local, kv_heads):
+def _blockwise_vs_one_process(rank, world_size, mode, dtype, causal, masked, local, kv_heads, dv):
     """(worst relative difference of the output, of dq/dk/dv) of `context_attention` on this rank's
     contiguous chunk against one process's SDPA on the whole sequence."""
     import torch.nn.functional as F
@@ -77,9 +79,9 @@ def _blockwise_vs_one_process(rank, world_size, mode, dtype, causal, masked, loc
     from autopar.strategies.attention import sdpa_args
     g = torch.Generator().manual_seed(0)
     b, h, d, s = 2, 4, 16, local * world_size
-    q, k, v = (torch.randn(b, n, s, d, generator=g).to(dtype) for n in (h, kv_heads, kv_heads))
+    q, k, v = (torch.randn(b, n, s, w, generator=g).to(dtype) for n, w in ((h, d), (kv_heads, d), (kv_heads, dv)))
     mask = (torch.rand(s, s, generator=g) < 0.3) | torch.eye(s, dtype=torch.bool) if masked else None
-    dout = torch.randn(b, h, s, d, generator=g).to(dtype)
+    dout = torch.randn(b, h, s, dv, generator=g).to(dtype)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != h)
     ref.backward(dout)

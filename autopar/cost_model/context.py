@@ -19,6 +19,9 @@ queries (as many as of its output) and kv_b of its keys and values together:
     ulysses       forward   c_f + all_to_all(n (2 q_b + kv_b))           q, k, v to heads, output back
                   backward  c_b + all_to_all(n (2 q_b + kv_b))           their gradients, mirrored
 
+Ring and allgather_kv run c_f, c_b times `padding` (values narrower than the queries, as in
+multi-head latent attention, are zero-padded to the queries' head dim for the fused kernel; the
+padded copies of a block's values are not counted in its buffers).
 hop(b) = p2p_time(b, link): each device sends b bytes to its neighbour while receiving as many.
 dK/dV accumulate and travel in fp32 (g_b = kv_b * 4 / itemsize of them): the backward's hops carry
 kv_b + g_b and the last g_b; allgather_kv reduce-scatters n g_b.
@@ -60,7 +63,16 @@ class ContextComm(NamedTuple):
     kv_b: float          # bytes of this device's keys and values
     balanced: bool       # chunks exchanged into the causal-balanced order and back
     fp32: float          # FP32_BYTES over the inputs' element size
-    head_dim: int        # of the queries
+    head_dim: int        # of the queries (and keys)
+    value_dim: int       # of the values
+
+    @property
+    def padding(self) -> float:
+        """The blockwise kernels' work over the op's: their fused kernels take one head dim, so values
+        narrower than the queries (multi-head latent attention) are zero-padded to it
+        (`compat.attention_block`): scores 2 S^2 d_q, output 2 S^2 max(d_q, d_v) FLOPs a head."""
+        wide = max(self.head_dim, self.value_dim)
+        return 2 * wide / (self.head_dim + self.value_dim)
 
     @property
     def grad_b(self):
@@ -79,6 +91,7 @@ def context_times(fwd: float, bwd: float, c: ContextComm) -> tuple[float, float]
     if c.label == "ulysses":
         moved = n * (2 * c.q_b + c.kv_b)
         return fwd + all_to_all_time(moved, n, c.link), bwd + all_to_all_time(moved, n, c.link)
+    fwd, bwd = fwd * c.padding, bwd * c.padding       # ring and allgather_kv: blocks through the fused kernel
     balance = (2 * all_to_all_time(n * c.q_b, n, c.link) + 2 * all_to_all_time(n * c.kv_b / 2, n, c.link)
                if c.balanced else 0.0)
     if c.label == "allgather_kv":

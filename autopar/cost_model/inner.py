@@ -107,7 +107,7 @@ def _experts_saved(f: GroupedExperts, load):
 def _context(f: SequenceSplit, link=None) -> ContextComm:
     """Its `ContextComm` (the link only where its transfers are priced)."""
     return ContextComm(f.label, f.size, link, f.q_b, f.kv_b, balanced=f.balanced,
-                       fp32=FP32_BYTES / f.itemsize, head_dim=f.head_dim)
+                       fp32=FP32_BYTES / f.itemsize, head_dim=f.head_dim, value_dim=f.value_dim)
 
 
 _PRICES: dict[type, _Price] = {

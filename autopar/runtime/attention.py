@@ -254,7 +254,7 @@ class _ContextAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, mask, a: _Attn):  # type: ignore[override]
         q = _unpacked(qkv, a.shapes[:1])[0]
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = torch.zeros((*q.shape[:-1], a.shapes[2][-1]), dtype=torch.float32, device=q.device)   # v's head dim
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         state = None
         for origin, kv in _kv_blocks(a, qkv[q.numel():]):

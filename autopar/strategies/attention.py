@@ -91,7 +91,8 @@ def sequence_split(node, s, ins, outs, mesh_shape) -> tuple[SequenceSplit, ...]:
     kv_b = (ins[1].nbytes + ins[2].nbytes) / shard_count(s.inputs[1], mesh_shape)
     return (SequenceSplit(s.labels[axis], axis, mesh_shape[axis], q_b, kv_b,
                           balanced=bool(args["is_causal"]) or args["attn_mask"] is not None,
-                          itemsize=ins[1].dtype.itemsize, head_dim=int(ins[0].shape[-1])),)
+                          itemsize=ins[1].dtype.itemsize, head_dim=int(ins[0].shape[-1]),
+                          value_dim=int(ins[2].shape[-1])),)
 
 
 @register(aten.scaled_dot_product_attention, family="attention", admits=admissible, inner=sequence_split)

@@ -70,7 +70,8 @@ class SequenceSplit(NamedTuple):
     """Attention with its sequence split over mesh `axis` (`size` devices) by method `label` ("ring",
     "allgather_kv", "ulysses": `strategies/attention.py`): one device's query bytes `q_b` and key and
     value bytes `kv_b`, whether its chunks go into the causal-balanced order and back, the keys'
-    element size and the head dim (`cost_model/context.py` prices the kernel's share and transfers)."""
+    element size, the head dim of the queries and of the values (`cost_model/context.py` prices the
+    kernel's share and transfers)."""
     label: str
     axis: int
     size: int
@@ -79,3 +80,4 @@ class SequenceSplit(NamedTuple):
     balanced: bool
     itemsize: int
     head_dim: int
+    value_dim: int
