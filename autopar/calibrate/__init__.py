@@ -3,9 +3,9 @@
     autopar calibrate [--out my.json] [--world-size 4] [--mesh 2,2] [--base cpu] [--quick]
 
 `calibrate` measures this machine and writes a device profile that `Mesh(device="my.json")`
-accepts. It starts `world-size` ranks (forked, gloo on CPU, nccl on GPU) that measure at the
-same time, so every figure is what one rank gets while the others run too (on CPU, ranks share
-the cores):
+accepts. It starts `world-size` ranks (forked with gloo on CPU, spawned with nccl on GPU) that
+measure at the same time, so every figure is what one rank gets while the others run too (on CPU,
+ranks share the cores):
 
 Each compute and runtime figure is the group's time over several repeats run back to back by
 every rank at once (barrier to barrier: the rate a rank gets while the others run, as in a step),
