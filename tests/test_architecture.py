@@ -32,7 +32,7 @@ LAYERS = [
     ("planner", r"autopar\.planner(\..*)?"),
     ("views", r"autopar\.views(\..*)?"),
     ("runtime", r"autopar\.runtime(\..*)?"),
-    ("api", r"autopar(\.(__init__|__main__|api|estimate|explain|backend|compiled|cli|calibrate))?"),
+    ("api", r"autopar(\.(__init__|__main__|api|estimate|explain|backend|compiled|cli|calibrate(\..*)?))?"),
 ]
 MAX_UPWARD = 6       # the bound; the plan's facade uses three of them
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import autopar
-from autopar.calibrate import _fit_links
+from autopar.calibrate.fit import fit_links
 from autopar.cost_model.profiles import load_profile, save_profile
 from autopar.estimate import estimate
 
@@ -34,7 +34,7 @@ def test_shipped_profiles_default_the_new_fields_and_round_trip(tmp_path):
 
 
 def _step_record(per_coll: float, seconds_per_byte: float, latency: float) -> dict:
-    """One rank's `_measure_step_collectives` on a (2, 2) mesh whose collectives cost exactly
+    """One rank's `measure_step_collectives` on a (2, 2) mesh whose collectives cost exactly
     per_coll + ring latency + bytes * seconds_per_byte."""
     pts = {kind: [(nb, per_coll + steps * latency + nb * seconds_per_byte) for nb in (4096.0, 2.0 ** 21)]
            for kind, steps in (("all_reduce", 2), ("all_gather", 1))}
@@ -52,7 +52,7 @@ def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_c
     for ax in iso:      # a reduce_scatter 2.5x slower per byte than the all_gather (gloo's)
         iso[ax]["fits"]["reduce_scatter"] = {"bandwidth": 4e8, "latency": 1e-3}
     # a step moves bytes at 1/4 of the isolated bandwidth (all_reduce over 2 puts 1x its bytes on the wire)
-    axes, record, links, overhead = _fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
+    axes, record, links, overhead = fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
     assert overhead == pytest.approx(3e-3 - kernel)
     assert [link.latency for link in links] == [latency, latency]
     assert [link.reduce_scatter_factor for link in links] == [pytest.approx(2.5)] * 2
@@ -60,11 +60,11 @@ def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_c
     assert set(axes) == {"axis0", "axis1"} and set(record["per_collective"]) == {"all_reduce", "all_gather",
                                                                               "all_axes_all_reduce"}
     # a step cannot move bytes faster than isolated collectives: a flat line is bounded by them
-    _, _, links, _ = _fit_links([_step_record(3e-3, 0.0, latency)] * 4, iso, kernel)
+    _, _, links, _ = fit_links([_step_record(3e-3, 0.0, latency)] * 4, iso, kernel)
     assert links[0].bandwidth == pytest.approx(1e9)
     # a world of one measures no collective
     none = {"step_collectives": {"cycle": [], "burst_repeats": 4, "points": {}}}
-    assert _fit_links([none], {}, kernel) == ({}, {}, [], 0.0)
+    assert fit_links([none], {}, kernel) == ({}, {}, [], 0.0)
 
 
 
@@ -75,7 +75,7 @@ def test_fit_links_prices_a_small_collective_at_what_the_step_cycle_measured():
     latency, noisy, kernel = 2e-4, 3e-3, 1e-5
     iso = {ax: {"size": 2, "fits": {k: {"bandwidth": 1e9, "latency": lat} for k in ("all_reduce", "all_gather")}}
            for ax, lat in (("axis0", latency), ("axis1", noisy))}
-    axes, record, links, overhead = _fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
+    axes, record, links, overhead = fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)
     assert [link.latency for link in links] == [latency, noisy]      # each axis's own fit is kept on record
     assert overhead == pytest.approx(3e-3 - kernel)
     priced = min(links, key=lambda link: link.bandwidth)            # the profile's intra_node
@@ -121,8 +121,8 @@ def test_estimate_charges_each_measured_overhead():
 
 
 def _overlap_on_ranks(rank, world_size):
-    from autopar.calibrate import _measure_overlap
-    return _measure_overlap((world_size,), ("axis0",), "cpu", quick=True)
+    from autopar.calibrate.runtime_costs import measure_overlap
+    return measure_overlap((world_size,), ("axis0",), "cpu", quick=True)
 
 
 def test_calibrate_measures_the_overlap_of_the_runtimes_buckets(rank_pool):

@@ -129,7 +129,7 @@ def dropout(op, x: torch.Tensor, p: float, train: bool | None):
 
 def draw(x: torch.Tensor, p: float, key: int, offsets, full, first: int):
     """(x * mask / (1 - p), mask) of a shard `x` at `offsets` in a tensor of shape `full` numbered
-    from `first` (what runs, and what `autopar/calibrate.py` times as a dropout's random numbers)."""
+    from `first` (what runs, and what `autopar/calibrate/device.py` times as a dropout's random numbers)."""
     mask = uniform(key, x.shape, offsets, full, first, x.device) >= p
     return x * mask * (0.0 if p >= 1 else 1.0 / (1.0 - p)), mask
 
