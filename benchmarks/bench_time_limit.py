@@ -64,6 +64,25 @@ Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
 wall 7-30 s against ~2.5-4.3 s allowed: missed; its plan 0.4025 s a step, the limit-60 plan's 0.4029.
+Stop 50, round 2 (s50first, 05:35-06:20 UTC, load average 4-20 on 2 cores: other sessions' CI; a process
+got 3-30% of a core, so wall-clock limits bought a few CPU s and the CPU s below are the measure). Why limit 1
+was 1.82x: traced (the problem the limit-1 call built, pickled, its solve re-run per branch), the first
+subspace's floor is the plan that needs least memory (objective 19.10 s; `ilp.least_memory` 11.3 of the
+solve's 15.8 CPU s), then one round of local search (the LP of the layouts within one mesh axis, rounded:
+3.03, 0.8 CPU s) and nothing else before the limit. Repeating that round while it gains (`heuristic._local`'s
+floor, FLOOR_ROUNDS): 3.03, 2.145, 1.805, 1.743, 1.7408 s, 1.0-1.5 CPU s a round, so **limit 1 gives 1.7408
+(1.056x the best known, 1.648)** in a solve of 21.5 CPU s (m50: 3.0329 in ~16). Why limit 120 ended
+slower than 30: step 3's MIP in the first subspace ran before the floor's local search, so where the limit
+cut it the local search started from another plan (limit 60 on the pickle, m50: the MIP cut at 1.9527, then
+the local round 1.7517); now the floor (steps 1, 2 and the rounds) comes before any step a limit cuts, so
+every limit's plan is at most limit 1's, and the first subspace is searched again with the others while
+time remains. `--limits 1,30 --best-limit 120` on m50, side by side with this branch's first commit, load
+9-16: 3.0329 at every limit (77 / 69 / 149 s wall: at that load even 120 s did not pass the floor).
+A second memory-tight model, not tuned to: Qwen2-7B (bench_plan_speed's OTHER_FAMILIES, vocabulary
+152,064) at 48 x 4,096 on the same mesh (its logits 55.7 GiB whole; the rounded LP fits, no least-memory
+start): limit 1, m50 1.5534 (solve 2.6 CPU s), now 1.5369 (5.0); limit 60 at load ~10 (7-10 CPU s got):
+the same two plans. Meshes of two axes (bench_plan_speed's held-out models on (8, 8)) never reach this
+code (`prune.too_large`): their plans are unchanged by construction.
 """
 from __future__ import annotations
 

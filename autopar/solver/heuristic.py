@@ -59,7 +59,8 @@ class Heuristic:
 
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
                allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False,
-               options: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
+               options: Callable[[dict[str, int]], dict[str, int]] | None = None,
+               improving: bool = True) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
     searched among these strategies only (`StrategyILP`'s argument). `floor`: step 1 and step 2's first
@@ -68,10 +69,12 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     sharded layouts giving family options a plan of the same problem fits with (another subspace's),
     called only where no options fit those layouts: step 2 then starts from them instead of the plan
     that needs least memory, and None is returned where that finds no plan (a search that has a plan
-    already then has nothing to gain)."""
+    already then has nothing to gain). `improving`: False, steps 1 and 2 only (`subspace_plan`'s floor)."""
     models = _Models(problem, budget, allowed)
     best = _first(problem, budget, deadline, models, options, floor)
-    return None if best is None else improve(problem, budget, best, deadline, progress, models)
+    if best is None or not improving:
+        return best
+    return improve(problem, budget, best, deadline, progress, models)
 
 
 CARRIED = "Feasible (a neighbouring problem's plan, carried over)"
@@ -154,15 +157,17 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
 def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
-    time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
-    subspace of `prune.axis_merges` (`prune.merged_axes`), step 3 there while time remains, and rounds
-    of local search from that plan while they gain (the layouts within one mesh axis of the plan's,
-    `prune.near`: their LP relaxation rounded; `_local`'s floor): all but step 3 solved whatever the time
-    limit, the floor; then, while time
-    remains, more rounds of local search while the plan improves, the alternation in the other mergers' subspaces
-    (from the best plan's options where no options fit their most sharded layouts: their own plan that
-    needs least memory took Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and
-    local search again after a merger that improved the plan.
+    time limit never gives a slower plan): the floor, solved whatever the time limit and before any step
+    the limit cuts (so every limit's plan is at most the floor's): steps 1 and 2 of the alternation in the
+    first merged-axes subspace of `prune.axis_merges` (`prune.merged_axes`), then rounds of local search
+    from that plan while they gain (the layouts within one mesh axis of the plan's, `prune.near`: their LP
+    relaxation rounded; `_local`'s floor). Then, while time remains, local search with step 3's MIPs while
+    the plan improves, the alternation in each merger's subspace, the first's again (from the best plan's
+    options where no options fit their most sharded layouts: their own plan that needs least memory took
+    Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and local search again after a
+    merger that improved the plan. Step 3 in the first subspace came before the floor's local search until
+    stop 50: a limit that cut it sent the local search from another plan, and Llama-3-8B at 64 x 4,096 on
+    (4, 4, 4) ended at limit 120 slower than at limit 30 (1.745 against 1.648).
 
     The local search is in the floor because a merged subspace makes the merged axes do the same: a
     plan whose axes of one link level do different things (on Llama-3-8B at 131,072 tokens over
@@ -174,10 +179,10 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     best = _local(problem, budget, best, deadline, progress, floor=True)
     best = _local(problem, budget, best, deadline, progress)
     solved = 1
-    for groups in merges[1:]:
+    for k, groups in enumerate(merges):
         if _past(deadline):
             break
-        solved += 1
+        solved = max(solved, k + 1)
         h = _merged(problem, budget, deadline, progress, groups, best.plan[1])
         if h is not None and h.objective_s < best.objective_s * (1 - 1e-9):
             best = _local(problem, budget, h, deadline, progress)
@@ -197,9 +202,10 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
 
     def start(choice):      # called only where no options fit the most sharded layouts `choice`
         return options if options is not None else least_memory_options(problem, choice)
-    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None)
+    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None,
+                   improving=not floor)
     if h is None and options is None:
-        h = start_plan(problem, budget, deadline, progress, allowed, floor)
+        h = start_plan(problem, budget, deadline, progress, allowed, floor, improving=not floor)
     if h is None:
         return None
     names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
