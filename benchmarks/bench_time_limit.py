@@ -81,7 +81,12 @@ time remains. `--limits 1,30 --best-limit 120` on m50, side by side with this br
 A second memory-tight model, not tuned to: Qwen2-7B (bench_plan_speed's OTHER_FAMILIES, vocabulary
 152,064) at 48 x 4,096 on the same mesh (its logits 55.7 GiB whole; the rounded LP fits, no least-memory
 start): limit 1, m50 1.5534 (solve 2.6 CPU s), now 1.5369 (5.0); limit 60 at load ~10 (7-10 CPU s got):
-the same two plans. Meshes of two axes (bench_plan_speed's held-out models on (8, 8)) never reach this
+the same two plans. At 56 x 4,096 (logits 65 GiB): limit 1, m50 1.9361 (solve 2.7 CPU s), now 1.9047 (4.5);
+limit 90 side by side (load 7-12): m50 **2.0276, slower than its own limit 1** (step 3 in the first subspace
+took 2.5864 to 2.4326 first, and local search from there stopped at 2.0276 where from 2.5864 it reached
+1.9361; cut at the limit in the last merger, 26.6 CPU s), now 1.9047 with every merger searched to its
+end (68 s wall, 21.6 CPU s; the other subspaces' plans 2.43-3.20, local search's step 3 proved its plan
+optimal in its neighbourhood at once). Meshes of two axes (bench_plan_speed's held-out models on (8, 8)) never reach this
 code (`prune.too_large`): their plans are unchanged by construction.
 """
 from __future__ import annotations
