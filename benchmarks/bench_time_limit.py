@@ -78,6 +78,14 @@ the local round 1.7517); now the floor (steps 1, 2 and the rounds) comes before 
 every limit's plan is at most limit 1's, and the first subspace is searched again with the others while
 time remains. `--limits 1,30 --best-limit 120` on m50, side by side with this branch's first commit, load
 9-16: 3.0329 at every limit (77 / 69 / 149 s wall: at that load even 120 s did not pass the floor).
+`--limits 1,30 --best-limit 120` now (load 6-15, `/usr/bin/time`: 105 user + 4 sys CPU s for the three
+plans, m50's three 62 + 3 under heavier load): 1.7408 / 1.7408 / 1.7361 (85 / 39 / 123 s wall; limit 1 and
+30 not within their bounds at that load), longer never slower: true, limit 1 1.003x the limit-120 plan and
+1.056x the best known (1.648, m50 at limit 30, load 2-4). The searches run to their end (the pickled
+problem, limit 240, every merger solved: "no bound computed") end at 1.7361 (65 CPU s); with step 3 in
+the first subspace from its least-memory plan and local search from there added (m50's order, as a step
+after the floor) at 1.7358 (92 CPU s; not kept): 1.648 was a plan m50's MIP held where the limit cut it,
+which no search run to its end reproduces.
 A second memory-tight model, not tuned to: Qwen2-7B (bench_plan_speed's OTHER_FAMILIES, vocabulary
 152,064) at 48 x 4,096 on the same mesh (its logits 55.7 GiB whole; the rounded LP fits, no least-memory
 start): limit 1, m50 1.5534 (solve 2.6 CPU s), now 1.5369 (5.0); limit 60 at load ~10 (7-10 CPU s got):
