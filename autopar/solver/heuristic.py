@@ -166,8 +166,9 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     options where no options fit their most sharded layouts: their own plan that needs least memory took
     Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and local search again after a
     merger that improved the plan. Step 3 in the first subspace came before the floor's local search until
-    stop 50: a limit that cut it sent the local search from another plan, and Llama-3-8B at 64 x 4,096 on
-    (4, 4, 4) ended at limit 120 slower than at limit 30 (1.745 against 1.648).
+    stop 50: the local search then started where that MIP ended or the limit cut it, a plan that depended
+    on the limit (Qwen2-7B at 56 x 4,096 on (4, 4, 4): 2.03 s at limit 90 against 1.94 at limit 1;
+    `bench_time_limit.py`).
 
     The local search is in the floor because a merged subspace makes the merged axes do the same: a
     plan whose axes of one link level do different things (on Llama-3-8B at 131,072 tokens over
