@@ -95,7 +95,9 @@ took 2.5864 to 2.4326 first, and local search from there stopped at 2.0276 where
 1.9361; cut at the limit in the last merger, 26.6 CPU s), now 1.9047 with every merger searched to its
 end (68 s wall, 21.6 CPU s; the other subspaces' plans 2.43-3.20, local search's step 3 proved its plan
 optimal in its neighbourhood at once). Meshes of two axes (bench_plan_speed's held-out models on (8, 8)) never reach this
-code (`prune.too_large`): their plans are unchanged by construction.
+code (`prune.too_large`): their plans are unchanged by construction, and bench_plan_speed at limit 60
+(side by side with m50, 06:01 UTC) gave the same plan_hash: qwen3-8b c7e396120e9f (3.1 CPU s both),
+gemma2-9b 571bbfd08c0d (5.2), phi3-mini 5199d4f0562d (1.9).
 """
 from __future__ import annotations
 
