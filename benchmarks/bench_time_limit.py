@@ -64,6 +64,40 @@ Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
 wall 7-30 s against ~2.5-4.3 s allowed: missed; its plan 0.4025 s a step, the limit-60 plan's 0.4029.
+Stop 50, round 2 (s50first, 05:35-06:20 UTC, load average 4-20 on 2 cores: other sessions' CI; a process
+got 3-30% of a core, so wall-clock limits bought a few CPU s and the CPU s below are the measure). Why limit 1
+was 1.82x: traced (the problem the limit-1 call built, pickled, its solve re-run per branch), the first
+subspace's floor is the plan that needs least memory (objective 19.10 s; `ilp.least_memory` 11.3 of the
+solve's 15.8 CPU s), then one round of local search (the LP of the layouts within one mesh axis, rounded:
+3.03, 0.8 CPU s) and nothing else before the limit. Repeating that round while it gains (`heuristic._local`'s
+floor, FLOOR_ROUNDS): 3.03, 2.145, 1.805, 1.743, 1.7408 s, 1.0-1.5 CPU s a round, so **limit 1 gives 1.7408
+(1.056x the best known, 1.648)** in a solve of 21.5 CPU s (m50: 3.0329 in ~16). Why limit 120 ended
+slower than 30: step 3's MIP in the first subspace ran before the floor's local search, so where the limit
+cut it the local search started from another plan (limit 60 on the pickle, m50: the MIP cut at 1.9527, then
+the local round 1.7517); now the floor (steps 1, 2 and the rounds) comes before any step a limit cuts, so
+every limit's plan is at most limit 1's, and the first subspace is searched again with the others while
+time remains. `--limits 1,30 --best-limit 120` on m50, side by side with this branch's first commit, load
+9-16: 3.0329 at every limit (77 / 69 / 149 s wall: at that load even 120 s did not pass the floor).
+`--limits 1,30 --best-limit 120` now (load 6-15, `/usr/bin/time`: 105 user + 4 sys CPU s for the three
+plans, m50's three 62 + 3 under heavier load): 1.7408 / 1.7408 / 1.7361 (85 / 39 / 123 s wall; limit 1 and
+30 not within their bounds at that load), longer never slower: true, limit 1 1.003x the limit-120 plan and
+1.056x the best known (1.648, m50 at limit 30, load 2-4). The searches run to their end (the pickled
+problem, limit 240, every merger solved: "no bound computed") end at 1.7361 (65 CPU s); with step 3 in
+the first subspace from its least-memory plan and local search from there added (m50's order, as a step
+after the floor) at 1.7358 (92 CPU s; not kept): 1.648 was a plan m50's MIP held where the limit cut it,
+which no search run to its end reproduces.
+A second memory-tight model, not tuned to: Qwen2-7B (bench_plan_speed's OTHER_FAMILIES, vocabulary
+152,064) at 48 x 4,096 on the same mesh (its logits 55.7 GiB whole; the rounded LP fits, no least-memory
+start): limit 1, m50 1.5534 (solve 2.6 CPU s), now 1.5369 (5.0); limit 60 at load ~10 (7-10 CPU s got):
+the same two plans. At 56 x 4,096 (logits 65 GiB): limit 1, m50 1.9361 (solve 2.7 CPU s), now 1.9047 (4.5);
+limit 90 side by side (load 7-12): m50 **2.0276, slower than its own limit 1** (step 3 in the first subspace
+took 2.5864 to 2.4326 first, and local search from there stopped at 2.0276 where from 2.5864 it reached
+1.9361; cut at the limit in the last merger, 26.6 CPU s), now 1.9047 with every merger searched to its
+end (68 s wall, 21.6 CPU s; the other subspaces' plans 2.43-3.20, local search's step 3 proved its plan
+optimal in its neighbourhood at once). Meshes of two axes (bench_plan_speed's held-out models on (8, 8)) never reach this
+code (`prune.too_large`): their plans are unchanged by construction, and bench_plan_speed at limit 60
+(side by side with m50, 06:01 UTC) gave the same plan_hash: qwen3-8b c7e396120e9f (3.1 CPU s both),
+gemma2-9b 571bbfd08c0d (5.2), phi3-mini 5199d4f0562d (1.9).
 """
 from __future__ import annotations
 

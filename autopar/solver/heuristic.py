@@ -37,6 +37,13 @@ from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, mo
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
 LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `start_plan`'s, near the minimum
+# The floor's local search (`_local`) repeats its LP rounding while a round gains more than FLOOR_GAIN, at most
+# FLOOR_ROUNDS rounds (each an LP of the neighbourhood and an options model, bounded work whatever the limit).
+# Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its logits whole: the first plan is the one that
+# needs least memory, 19.1 s): rounds gave 3.03, 2.15, 1.81, 1.743, 1.741 s, ~1.2 CPU s each, where one round
+# left limit 1 at 3.03 (1.8x the best known, 1.648).
+FLOOR_ROUNDS = 8
+FLOOR_GAIN = 1e-3      # a round gaining less than 0.1% (the MIP gap's size) ends the floor's search
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,8 @@ class Heuristic:
 
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
                allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False,
-               options: Callable[[dict[str, int]], dict[str, int]] | None = None) -> Heuristic | None:
+               options: Callable[[dict[str, int]], dict[str, int]] | None = None,
+               improving: bool = True) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
     searched among these strategies only (`StrategyILP`'s argument). `floor`: step 1 and step 2's first
@@ -61,10 +69,12 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     sharded layouts giving family options a plan of the same problem fits with (another subspace's),
     called only where no options fit those layouts: step 2 then starts from them instead of the plan
     that needs least memory, and None is returned where that finds no plan (a search that has a plan
-    already then has nothing to gain)."""
+    already then has nothing to gain). `improving`: False, steps 1 and 2 only (`subspace_plan`'s floor)."""
     models = _Models(problem, budget, allowed)
     best = _first(problem, budget, deadline, models, options, floor)
-    return None if best is None else improve(problem, budget, best, deadline, progress, models)
+    if best is None or not improving:
+        return best
+    return improve(problem, budget, best, deadline, progress, models)
 
 
 CARRIED = "Feasible (a neighbouring problem's plan, carried over)"
@@ -147,14 +157,18 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
 def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
-    time limit never gives a slower plan): steps 1 and 2 of the alternation in the first merged-axes
-    subspace of `prune.axis_merges` (`prune.merged_axes`), step 3 there while time remains, and one
-    round of local search from that plan (the layouts within one mesh axis of the plan's, `prune.near`:
-    their LP relaxation rounded): all but step 3 solved whatever the time limit, the floor; then, while time
-    remains, more rounds of local search while the plan improves, the alternation in the other mergers' subspaces
-    (from the best plan's options where no options fit their most sharded layouts: their own plan that
-    needs least memory took Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and
-    local search again after a merger that improved the plan.
+    time limit never gives a slower plan): the floor, solved whatever the time limit and before any step
+    the limit cuts (so every limit's plan is at most the floor's): steps 1 and 2 of the alternation in the
+    first merged-axes subspace of `prune.axis_merges` (`prune.merged_axes`), then rounds of local search
+    from that plan while they gain (the layouts within one mesh axis of the plan's, `prune.near`: their LP
+    relaxation rounded; `_local`'s floor). Then, while time remains, local search with step 3's MIPs while
+    the plan improves, the alternation in each merger's subspace, the first's again (from the best plan's
+    options where no options fit their most sharded layouts: their own plan that needs least memory took
+    Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and local search again after a
+    merger that improved the plan. Step 3 in the first subspace came before the floor's local search until
+    stop 50: the local search then started where that MIP ended or the limit cut it, a plan that depended
+    on the limit (Qwen2-7B at 56 x 4,096 on (4, 4, 4): 2.03 s at limit 90 against 1.94 at limit 1;
+    `bench_time_limit.py`).
 
     The local search is in the floor because a merged subspace makes the merged axes do the same: a
     plan whose axes of one link level do different things (on Llama-3-8B at 131,072 tokens over
@@ -166,10 +180,10 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     best = _local(problem, budget, best, deadline, progress, floor=True)
     best = _local(problem, budget, best, deadline, progress)
     solved = 1
-    for groups in merges[1:]:
+    for k, groups in enumerate(merges):
         if _past(deadline):
             break
-        solved += 1
+        solved = max(solved, k + 1)
         h = _merged(problem, budget, deadline, progress, groups, best.plan[1])
         if h is not None and h.objective_s < best.objective_s * (1 - 1e-9):
             best = _local(problem, budget, h, deadline, progress)
@@ -189,9 +203,10 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
 
     def start(choice):      # called only where no options fit the most sharded layouts `choice`
         return options if options is not None else least_memory_options(problem, choice)
-    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None)
+    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None,
+                   improving=not floor)
     if h is None and options is None:
-        h = start_plan(problem, budget, deadline, progress, allowed, floor)
+        h = start_plan(problem, budget, deadline, progress, allowed, floor, improving=not floor)
     if h is None:
         return None
     names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
@@ -202,21 +217,32 @@ def _local(problem, budget: float, best: Heuristic, deadline: float | None, prog
            floor: bool = False) -> Heuristic:
     """Local search from `best`: the layouts within one mesh axis of its own (`prune.near`) re-solved from
     it with the alternation's step 3, round after round while the plan improves and time remains. `floor`:
-    one round whatever the time, as step 2 solves (the LP relaxation's layouts, rounded, with `best`'s
-    options, then the best options for them: no MIP, whose time has no bound)."""
+    rounds whatever the time, as step 2 solves (`_rounded_near`: no MIP, whose time has no bound), while a
+    round gains more than FLOOR_GAIN, at most FLOOR_ROUNDS."""
     if floor:
-        models = _Models(problem, budget, prune.near(problem, best.plan[0]))
-        model = models.get(best.plan[1])
-        r = model.solve_lazy(None, relax=True)
-        h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
-                                                  "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
-        return best if h is best else replace(h, status=f"{h.status}; local search")
+        for _ in range(FLOOR_ROUNDS):
+            h = _rounded_near(problem, budget, best)
+            if h.objective_s >= best.objective_s * (1 - FLOOR_GAIN):
+                return h
+            best = h
+        return best
     while not _past(deadline):
         h = improve(problem, budget, best, deadline, progress, _Models(problem, budget, prune.near(problem, best.plan[0])))
         if h.objective_s >= best.objective_s * (1 - 1e-9):
             return replace(best, n_variables=h.n_variables, n_constraints=h.n_constraints)
         best = replace(h, status=f"{h.status}; local search")
     return best
+
+
+def _rounded_near(problem, budget: float, best: Heuristic) -> Heuristic:
+    """One round of the floor's local search: the LP relaxation of the layouts within one mesh axis of
+    `best`'s, with its options, rounded, and the best options for those layouts; `best` where no better."""
+    models = _Models(problem, budget, prune.near(problem, best.plan[0]))
+    model = models.get(best.plan[1])
+    r = model.solve_lazy(None, relax=True)
+    h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
+                                              "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+    return h if h is best else replace(h, status=f"{h.status}; local search")
 
 
 def _past(deadline: float | None) -> bool:
