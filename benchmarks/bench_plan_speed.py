@@ -67,10 +67,16 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
   are not priced. Base and branch at once, load 8-12 (wall time is no measure here).
   - gpt3-175b, `--time-limit 3000` (every group searched): base 185.5 CPU s / 1000.8 s wall, 303
     evaluations; branch 180.3 / 996.4, 256 evaluations; both 18599a4f3ad5, a 6.942 s step (dp, 16
-    stages, 192 microbatches, 1F1B). Not the 340a8a94b868 / 6.831 s that s50speed measured at
-    `--time-limit 1000`, load 2.6-4.7, nor its 98-110 CPU s: at this load both checkouts gave the
-    6.942 s plan (`--time-limit 1000` too, base alone: 183.7 CPU s, 566 s wall); unexplained (a
-    wall-clock limit inside the solves is the suspect).
+    stages, 192 microbatches, 1F1B). Again at `--time-limit 1000`, load 0.8-8.5: base 115.6 CPU s /
+    455.3 s wall, branch 112.5 / 451.7, the same plan (18599a4f3ad5, 6.942 s). Not the
+    340a8a94b868 / 6.831 s recorded above for s50speed's branch: m50 (its merge with the other
+    branches) plans 6.942 s at every load tried; the CPU seconds at load 8-12 ran 1.6x those at
+    load 1-8.
+  - gpt3-175b, no options (time limit 60 s), load 1.2-1.7: base 46.9 CPU s / 47.2 s wall, 177
+    evaluations; branch 50.4 / 50.6, 158 evaluations (the deadline bounds both); both 8 of 12 groups
+    solved, 4 not searched (dp with 24, 64, 192 microbatches; tp with 12): 7b8902f0c48a, a 7.493 s
+    step (pp, 8 stages x 2 virtual, 96 microbatches, interleaved), 7.9% slower than the 6.942 s of
+    the full search.
   - Why bounds prune nothing here: the groups' floors before their solve (`screen.pipeline_floor`)
     are 4.34-6.68 s; the compute alone at each decision's fastest strategy, through the bubble, is
     4.34 (no pipeline) and 4.61-5.03 s a group: all under the 6.94 s best, so no group is ruled
