@@ -61,6 +61,32 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     2-5x the CPU (gemma2-9b 6.15 CPU s, 12.4 s wall; qwen3-30b-a3b up to 27.6 s wall).
   - llama3-8b-node (e1619b2ce267, a 1.0047 s step): main 4.74, branch 4.71 CPU s (4.7 s wall) at
     load 2.7; 10 s met.
+* 2026-11-28 (stop 50, s50gpt3; base m50 c741d8f): once a (axis, microbatch count) group has a plan,
+  its cuts and options whose floor at the group's solved layouts (`decisions.stages.layout_work`: the
+  ranks' seconds of a microbatch summed, through the schedule's least T) cannot beat the best found
+  are not priced. Base and branch at once, load 8-12 (wall time is no measure here).
+  - gpt3-175b, `--time-limit 3000` (every group searched): base 185.5 CPU s / 1000.8 s wall, 303
+    evaluations; branch 180.3 / 996.4, 256 evaluations; both 18599a4f3ad5, a 6.942 s step (dp, 16
+    stages, 192 microbatches, 1F1B). Again at `--time-limit 1000`, load 0.8-8.5: base 115.6 CPU s /
+    455.3 s wall, branch 112.5 / 451.7, the same plan (18599a4f3ad5, 6.942 s). Not the
+    340a8a94b868 / 6.831 s recorded above for s50speed's branch: m50 (its merge with the other
+    branches) plans 6.942 s at every load tried; the CPU seconds at load 8-12 ran 1.6x those at
+    load 1-8.
+  - gpt3-175b, no options (time limit 60 s), load 1.2-1.7: base 46.9 CPU s / 47.2 s wall, 177
+    evaluations; branch 50.4 / 50.6, 158 evaluations (the deadline bounds both); both 8 of 12 groups
+    solved, 4 not searched (dp with 24, 64, 192 microbatches; tp with 12): 7b8902f0c48a, a 7.493 s
+    step (pp, 8 stages x 2 virtual, 96 microbatches, interleaved), 7.9% slower than the 6.942 s of
+    the full search.
+  - Why bounds prune nothing here: the groups' floors before their solve (`screen.pipeline_floor`)
+    are 4.34-6.68 s; the compute alone at each decision's fastest strategy, through the bubble, is
+    4.34 (no pipeline) and 4.61-5.03 s a group: all under the 6.94 s best, so no group is ruled
+    out. The steps are 30-40% communication, which no floor bounds before the solve; the 30 s
+    target (issue 37) is missed: it needs communication in the groups' bounds (the LP relaxation's
+    bound, which the solves compute anyway) or fewer, cheaper solves.
+  - llama3-8b at 16 x 4096 on (2, 4, 4) ("dp", "pp", "tp"), `pipeline={}`, time limit 3000: base 41.6
+    CPU s, branch 37.5; both 80f44fdea2e0 (no pipeline chosen, 0.4321 s). Held-out qwen3-8b,
+    phi3-mini, mistral-7b (no pipeline search: `make_plan`): hashes unchanged (9484e72a9a96,
+    bae6d9561bc7, f7558dc40b58).
 """
 from __future__ import annotations
 

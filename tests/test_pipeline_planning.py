@@ -11,7 +11,9 @@ from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
+from autopar.solver.decisions import stages
 from autopar.solver.decisions.stages import Candidate, choose_pipeline
+from autopar.solver.evaluate import evaluate
 from autopar.solver.solve import AT_TIME_LIMIT
 from memory_checks import gpt
 
@@ -96,6 +98,25 @@ def test_the_lower_bound_is_below_the_priced_step(chosen):
     assert floor(Candidate(pp.axis, pp.stages, pp.microbatches, pp.schedule, pp.virtual_stages)) <= plan.estimate.step_time_s
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert 0.5 * flat.estimate.step_time_s < floor(Candidate(None, 1, 1, "1f1b", 1)) <= flat.estimate.step_time_s
+
+
+def test_the_layout_floor_is_below_every_priced_step(monkeypatch):
+    """Once a group has a plan, its cuts and options whose floor at the group's layouts (`layout_work`:
+    the ranks' seconds of a microbatch summed, through the schedule's least T) cannot beat the best
+    found are left unpriced: the floor must never be above what the evaluator prices."""
+    seen = []
+
+    def checked(problem, choice, options=None, staging=None):
+        ev = evaluate(problem, choice, options, staging)
+        p = staging.pipe
+        cand = Candidate(p.axis, p.stages, p.microbatches, p.schedule, p.virtual_stages)
+        seen.append(stages._layout_floor(cand, stages.layout_work(problem, choice)) / ev.step_s)
+        return ev
+    monkeypatch.setattr(stages, "evaluate", checked)
+    model, inputs = _gpt()
+    autopar.plan(model, inputs, autopar.Mesh((2, 2), ("pp", "dp"), device="h100"), batch_axes=("dp",), pipeline={},
+                 **KW)
+    assert seen and max(seen) <= 1 + 1e-9 and max(seen) > 0.5      # a floor, and not a vacuous one
 
 
 def test_schedules_bubble_and_memory():

@@ -29,10 +29,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from ...cost_model.pipeline import check_schedule, in_flight_microbatches
+from ...cost_model.pipeline import check_schedule, in_flight_microbatches, step_floor
 from ...passes.stages import chunk_of, even_boundaries, layer_sequence
 from ...plan_records import PIPELINE_KEYS, PipelinePlan
-from ..evaluate import Evaluation, Staging, evaluate, per_microbatch_seconds, seconds_by_part
+from ..evaluate import (Evaluation, Staging, comm_total, compute_total, evaluate, grad_sync_total,
+                       per_microbatch_seconds, seconds_by_part)
 from ..problem import Problem
 
 # schedules the planner chooses among (each has an executor in runtime/pipeline.py). "zb" runs there too
@@ -375,12 +376,14 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     held = {c: in_flight_microbatches(0, c.stages, c.microbatches, c.schedule, c.virtual_stages) for c in group}
     overflowed = math.inf       # wanting: the fewest in flight of a candidate that fit nowhere
     choices = _option_choices(problem, options)         # the same for every candidate and cut
+    work = functools.cache(lambda: layout_work(problem, choice))
     priced = False
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if wanting else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
         late = hurried or past()
         if (bound[cand] >= win or (math.isfinite(win) and late and priced)
-                or (best is None and held[cand] >= overflowed)):
+                or (best is None and held[cand] >= overflowed)
+                or (best is not None and _layout_floor(cand, work()) * (1 - LAYOUT_FLOOR_SLACK) >= win)):
             continue
         priced = True
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
@@ -398,6 +401,26 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
         if wanting and best is None:
             overflowed = min(overflowed, held[cand])
     return best, least
+
+
+LAYOUT_FLOOR_SLACK = 1e-9   # `_layout_floor` sums the evaluator's terms in another order: rounding, not a margin
+
+
+def layout_work(problem: Problem, choice: Mapping[str, int]) -> float:
+    """A floor on the seconds of one microbatch summed over a pipeline's ranks under `choice`, for any
+    stages, cut and family options (`evaluate_pipeline`): every node's compute and every edge's cost
+    but a parameter gradient's leg (synchronised per step, after the schedule); the runtime's per-node
+    cost, the sends between chunks and the families' seconds, which the evaluator adds, are >= 0."""
+    return compute_total(problem, choice) + comm_total(problem, choice) - grad_sync_total(problem, choice)
+
+
+def _layout_floor(cand: Candidate, work: float) -> float:
+    """A lower bound on `cand`'s step at the layouts whose `layout_work` is `work`: the ranks' times
+    sum to at least `work` a microbatch, so the schedule's T is at least `step_floor`'s (the step ends
+    after T). Used once a plan of the group is priced: cuts and options left unpriced where this
+    cannot beat it (the group's own re-solves, which follow overflows, are unaffected)."""
+    return step_floor(work * cand.microbatches / cand.stages, 0.0, cand.stages, cand.microbatches, cand.schedule,
+                      cand.virtual_stages)
 
 
 def _boundary_choices(problem: Problem, graph, choice, cand: Candidate, seconds) -> list[tuple[str, ...]]:
