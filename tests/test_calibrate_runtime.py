@@ -67,7 +67,6 @@ def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_c
     assert fit_links([none], {}, kernel) == ({}, {}, [], 0.0)
 
 
-
 def test_fit_links_prices_a_small_collective_at_what_the_step_cycle_measured():
     """The per-collective cost is what the cycle measured beyond the ring latency of the link the
     profile prices every axis with (the slowest axis's), not beyond another axis's isolated latency:
@@ -82,6 +81,7 @@ def test_fit_links_prices_a_small_collective_at_what_the_step_cycle_measured():
     for kind, steps in (("all_reduce", 2), ("all_gather", 1)):
         intercept = record["lines"][kind]["intercept_s"]
         assert kernel + overhead + steps * priced.latency == pytest.approx(intercept)
+
 
 def _est(profile, plan_kw):
     torch_model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=2)
