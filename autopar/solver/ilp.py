@@ -295,9 +295,9 @@ class StrategyILP:
         values = self.rounded(lp.values)
         if values is not None:
             obj = self.m.objective(values)
-            gap = max(obj - lp.objective, 0.0) / max(abs(obj), 1e-12)
-            if gap <= MIP_GAP:
-                return MipResult(values, obj, f"Optimal (the LP relaxation rounded, gap {gap:.2%})", lp.solver, gap)
+            answer = _rounded_answer(values, obj, lp)
+            if answer is not None:
+                return answer
             if start is None or obj < self.m.objective(start):
                 start = values
         if lp.solver == "HiGHS":      # a few LPs branching on the relaxation's fractional columns (`branch.py`)
@@ -516,7 +516,14 @@ def _min_max(ilp: StrategyILP, rows: MemoryRows, z: int) -> MipResult:
     x[z] = max(rows.values(x))
     if m.violation(x) > ROW_TOLERANCE:
         return m.solve(None)
-    gap = max(x[z] - lp.objective, 0.0) / max(abs(x[z]), 1e-12)
-    if gap <= MIP_GAP:
-        return MipResult(x, x[z], f"Optimal (the LP relaxation rounded, gap {gap:.2%})", lp.solver, gap)
-    return m.solve(None, start=x)
+    answer = _rounded_answer(x, x[z], lp)
+    return answer if answer is not None else m.solve(None, start=x)
+
+
+def _rounded_answer(values: list[float], objective: float, lp: MipResult) -> MipResult | None:
+    """The rounded plan of LP relaxation `lp` as the answer, where its `objective` is within MIP_GAP of
+    the relaxation's bound (the guarantee the MIP solver's own stop gives); else None."""
+    gap = max(objective - lp.objective, 0.0) / max(abs(objective), 1e-12)
+    if gap > MIP_GAP:
+        return None
+    return MipResult(values, objective, f"Optimal (the LP relaxation rounded, gap {gap:.2%})", lp.solver, gap)
