@@ -60,7 +60,7 @@ class Heuristic:
 def start_plan(problem, budget: float, deadline: float | None, progress: bool = False,
                allowed: dict[str, tuple[int, ...]] | None = None, floor: bool = False,
                options: Callable[[dict[str, int]], dict[str, int]] | None = None,
-               improving: bool = True) -> Heuristic | None:
+               improving: bool = True, models: _Models | None = None) -> Heuristic | None:
     """The best plan the alternation finds by `deadline`; InfeasibleError if no plan fits the budget
     (the plan that needs least memory, solved to optimality, does not). `allowed`: the layouts are
     searched among these strategies only (`StrategyILP`'s argument). `floor`: step 1 and step 2's first
@@ -69,8 +69,9 @@ def start_plan(problem, budget: float, deadline: float | None, progress: bool = 
     sharded layouts giving family options a plan of the same problem fits with (another subspace's),
     called only where no options fit those layouts: step 2 then starts from them instead of the plan
     that needs least memory, and None is returned where that finds no plan (a search that has a plan
-    already then has nothing to gain). `improving`: False, steps 1 and 2 only (`subspace_plan`'s floor)."""
-    models = _Models(problem, budget, allowed)
+    already then has nothing to gain). `improving`: False, steps 1 and 2 only (`subspace_plan`'s floor).
+    `models`: the layout models (and what they found) of an earlier call with the same `allowed` and budget."""
+    models = _Models(problem, budget, allowed) if models is None else models
     best = _first(problem, budget, deadline, models, options, floor)
     if best is None or not improving:
         return best
@@ -110,7 +111,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
     elif known is not None:     # no options fit the most sharded layouts: step 2 from options that fit elsewhere
         options = known(choice)
     else:                       # the plan that needs least, if it fits
-        plan, need = least_memory(problem, models.allowed)
+        plan, need = least_memory(problem, models.allowed, models.least_options, enough=budget)
         if need > budget:
             raise infeasible(problem, budget, need)
         options = plan[1]
@@ -121,7 +122,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
         if (rounded or not floor) and _past(deadline):
             break
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
-        r = model.solve_lazy(None if floor else deadline, relax=True)
+        r = models.relaxed(model) if floor else model.solve_lazy(deadline, relax=True)
         if r.values is not None:
             new = _better(problem, models, best, model.assignment(r.values)[0],
                           "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
@@ -201,12 +202,14 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
     Llama-3-8B at 131,072 tokens over (8, 2, 4) H100)."""
     allowed = prune.merged_axes(problem, *groups)
 
+    models = _Models(problem, budget, allowed)      # both calls below: their models, relaxations, options
+
     def start(choice):      # called only where no options fit the most sharded layouts `choice`
-        return options if options is not None else least_memory_options(problem, choice)
+        return options if options is not None else models.least_options(choice)
     h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None,
-                   improving=not floor)
+                   improving=not floor, models=models)
     if h is None and options is None:
-        h = start_plan(problem, budget, deadline, progress, allowed, floor, improving=not floor)
+        h = start_plan(problem, budget, deadline, progress, allowed, floor, improving=not floor, models=models)
     if h is None:
         return None
     names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
@@ -272,6 +275,8 @@ class _Models:
         self.binding: dict[int, int] = {}
         self.n_cols = self.n_rows = 0
         self.options: dict[tuple, dict[str, int] | None] = {}     # layout choice -> `families_for` it
+        self.least: dict[tuple, dict[str, int]] = {}     # layout choice -> `least_memory_options` for it
+        self.relaxations: dict[int, object] = {}         # id(model) -> its LP relaxation solved to its end
 
     def options_for(self, choice: dict[str, int]) -> dict[str, int] | None:
         """`families_for(choice)`, once per choice (the LP roundings of steps 2 and 3 may meet again)."""
@@ -279,6 +284,21 @@ class _Models:
         if key not in self.options:
             self.options[key] = families_for(self.problem, self.budget, choice, self.memo)
         return self.options[key]
+
+    def least_options(self, choice: dict[str, int]) -> dict[str, int]:
+        """`ilp.least_memory_options(choice)`, once per choice (a subspace's floor asks it of its most
+        sharded layouts twice: for step 2's start, then as `least_memory`'s first step)."""
+        key = tuple(sorted(choice.items()))
+        if key not in self.least:
+            self.least[key] = least_memory_options(self.problem, choice)
+        return self.least[key]
+
+    def relaxed(self, model):
+        """`model.solve_lazy(None, relax=True)`, once per model: solved to its end with no deadline, the same
+        answer each time (a model's rows are added in a fixed order), so a second ask is the first's."""
+        if id(model) not in self.relaxations:
+            self.relaxations[id(model)] = model.solve_lazy(None, relax=True)
+        return self.relaxations[id(model)]
 
     def get(self, options: dict[str, int]):
         key = tuple(sorted(options.items()))
