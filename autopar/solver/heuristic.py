@@ -222,25 +222,28 @@ def _local(problem, budget: float, best: Heuristic, deadline: float | None, prog
     it with the alternation's step 3, round after round while the plan improves and time remains. `floor`:
     rounds whatever the time, as step 2 solves (`_rounded_near`: no MIP, whose time has no bound), while a
     round gains more than FLOOR_GAIN, at most FLOOR_ROUNDS."""
+    views, memo = {}, {}    # `prune.near`'s and the models' `memo` (the problem's alone), for every round
     if floor:
         for _ in range(FLOOR_ROUNDS):
-            h = _rounded_near(problem, budget, best)
+            h = _rounded_near(problem, budget, best, views, memo)
             if h.objective_s >= best.objective_s * (1 - FLOOR_GAIN):
                 return h
             best = h
         return best
     while not _past(deadline):
-        h = improve(problem, budget, best, deadline, progress, _Models(problem, budget, prune.near(problem, best.plan[0])))
+        h = improve(problem, budget, best, deadline, progress,
+                    _Models(problem, budget, prune.near(problem, best.plan[0], views=views), memo))
         if h.objective_s >= best.objective_s * (1 - 1e-9):
             return replace(best, n_variables=h.n_variables, n_constraints=h.n_constraints)
         best = replace(h, status=f"{h.status}; local search")
     return best
 
 
-def _rounded_near(problem, budget: float, best: Heuristic) -> Heuristic:
+def _rounded_near(problem, budget: float, best: Heuristic, views: dict, memo: dict) -> Heuristic:
     """One round of the floor's local search: the LP relaxation of the layouts within one mesh axis of
-    `best`'s, with its options, rounded, and the best options for those layouts; `best` where no better."""
-    models = _Models(problem, budget, prune.near(problem, best.plan[0]))
+    `best`'s, with its options, rounded, and the best options for those layouts; `best` where no better.
+    `views`: `prune.near`'s; `memo`: `StrategyILP`'s."""
+    models = _Models(problem, budget, prune.near(problem, best.plan[0], views=views), memo)
     model = models.get(best.plan[1])
     r = model.solve_lazy(None, relax=True)
     h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
@@ -267,11 +270,12 @@ class _Models:
     """The layout models by their fixed options; a new one starts with the memory rows found
     binding in the last (the liveness points are the same)."""
 
-    def __init__(self, problem, budget: float, allowed: dict[str, tuple[int, ...]] | None = None):
+    def __init__(self, problem, budget: float, allowed: dict[str, tuple[int, ...]] | None = None,
+                 memo: dict | None = None):
         self.problem, self.budget, self.allowed = problem, budget, allowed
         self.built: dict[tuple, object] = {}
         self.shared: dict = {}           # what the models' common layout columns determine (`StrategyILP`)
-        self.memo: dict = {}             # what the problem alone determines, for every model (`StrategyILP`)
+        self.memo = {} if memo is None else memo    # what the problem alone determines, for every model (`StrategyILP`)
         self.binding: dict[int, int] = {}
         self.n_cols = self.n_rows = 0
         self.options: dict[tuple, dict[str, int] | None] = {}     # layout choice -> `families_for` it

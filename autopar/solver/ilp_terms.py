@@ -54,6 +54,8 @@ class FamilyTerms:
         self.z: list[tuple] = []       # (Freed, z variable) for items some allowed gate can free
         shared: dict = {}
         for k, f in enumerate(fam.freed):
+            if not any(self._live(g, f.unless) for g in f.gates):     # frees nothing under these options
+                continue
             key = self._signature(f.expr, (f.gates, f.until if f.unless else None, f.unless))
             if key not in shared:
                 shared[key] = self._freed_var(k, f)
@@ -155,20 +157,29 @@ class FamilyTerms:
             known[id(coef)] = (coef, ids.setdefault(sig, len(ids)))
         return (tuple(gates), round(expr.const, 6), known[id(coef)][1])
 
-    def _merged(self, terms, gates_of):
-        """Terms with equal signatures as (term, total count), in first-seen order. With the layouts free the
-        signatures are the same on every model sharing the layout columns: merged once for all of them."""
+    def _live(self, gate: Gate, unless: tuple[Gate, ...] = ()) -> bool:
+        """Can a term of this gate (and `unless` gates) be nonzero under the model's allowed options?"""
+        return self.gate(gate)[0] != "off" and not any(self.gate(g)[0] == "on" for g in unless)
+
+    def _merged(self, terms, gates_of, live_of):
+        """Terms with equal signatures as (term, total count), in first-seen order, those left out whose gate
+        is off under the model's options or one of whose `unless` gates is on (`live_of`: a term's gate and
+        `unless` gates): they add nothing (a layout model at the default options has most recomputation and
+        offload terms so). With the layouts free the signatures are the same on every model sharing the
+        layout columns: merged once for all of them with the same allowed options."""
         if self.at is None:
             known = self.ilp.shared.setdefault("merged", {})
-            key = (id(terms), len(terms), gates_of)
+            key = (id(terms), len(terms), gates_of, tuple(sorted(self.allowed.items())))
             if key not in known:
-                known[key] = (terms, self._merge(terms, gates_of))    # the list is kept: its id stays its own
+                known[key] = (terms, self._merge(terms, gates_of, live_of))    # the list is kept: its id stays its own
             return known[key][1]
-        return self._merge(terms, gates_of)
+        return self._merge(terms, gates_of, live_of)
 
-    def _merge(self, terms, gates_of):
+    def _merge(self, terms, gates_of, live_of):
         merged: dict = {}
         for t in terms:
+            if not self._live(*live_of(t)):
+                continue
             key = self._signature(t.expr, gates_of(t))
             first, count = merged.get(key, (t, 0.0))
             merged[key] = (first, count + t.count)
@@ -257,7 +268,7 @@ class FamilyTerms:
             for o, g in self.g.get(grp.key, {}).items():
                 if o != grp.allowed[0]:
                     coef[g] = coef.get(g, 0.0) + TIE_S
-        for k, (c, count) in enumerate(self._merged(self.fam.costs, _cost_gates)):
+        for k, (c, count) in enumerate(self._merged(self.fam.costs, _cost_gates, _cost_live)):
             terms = self._gated_lower(f"w_{k}", c.expr, c.gate, 1.0, c.unless)
             if terms is not None:        # the constant of an always-on option is the same in every plan
                 for v, x in terms[0].items():
@@ -275,7 +286,7 @@ class FamilyTerms:
         out = {g: 0.0 for cols in self.g.values() for g in cols.values()}
         if not out:       # the options fixed (a layout model): nothing to branch on first
             return out
-        for c, count in self._merged(self.fam.costs, _cost_gates):
+        for c, count in self._merged(self.fam.costs, _cost_gates, _cost_live):
             kind, g = self.gate(c.gate)
             if kind == "var":
                 out[g] += count * abs(c.expr.bound())
@@ -307,7 +318,7 @@ class FamilyTerms:
         """(L): what the host and disk tiers hold fits their capacity per device."""
         rows: dict[str, list] = {}
         consts: dict[str, float] = {}
-        for k, (h, count) in enumerate(self._merged(self.fam.held, _held_gates)):
+        for k, (h, count) in enumerate(self._merged(self.fam.held, _held_gates, _held_live)):
             terms = self._gated_lower(f"v_{k}", h.expr, h.gate, 1.0 / GIB)
             if terms is not None:
                 row = rows.setdefault(h.tier, {})
@@ -331,6 +342,16 @@ class FamilyTerms:
 def _cost_gates(c) -> tuple:
     """What a cost's gates are in its signature (`FamilyTerms._merged`)."""
     return c.gate, *c.unless
+
+
+def _cost_live(c) -> tuple:
+    """A cost's gate and `unless` gates (`FamilyTerms._live`)."""
+    return c.gate, c.unless
+
+
+def _held_live(h) -> tuple:
+    """A held term's gate (`FamilyTerms._live`)."""
+    return (h.gate,)
 
 
 def _held_gates(h) -> tuple:

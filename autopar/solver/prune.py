@@ -92,23 +92,30 @@ def axis_merges(problem: Problem) -> list[tuple[tuple[int, ...], ...]]:
     return merges
 
 
-def near(problem: Problem, choice: dict[str, int], axes: int = 1) -> Allowed:
+def near(problem: Problem, choice: dict[str, int], axes: int = 1, views: dict | None = None) -> Allowed:
     """Per representative, the strategies that differ from `choice`'s on at most `axes` mesh axes (in
-    the label or placement of some member's tensor): the neighbourhood a local search solves."""
-    n = problem.mesh.ndim
-
-    def per_axis(s) -> tuple:
-        return tuple((s.output[a], tuple(L[a] for L in s.inputs), s.labels[a] if s.labels else None)
-                     for a in range(n))
-
+    the label or placement of some member's tensor): the neighbourhood a local search solves. `views`: a
+    dict the caller keeps for the problem's later calls (each strategy's placements per axis, `_per_axis`)."""
+    n, views = problem.mesh.ndim, {} if views is None else views
     out: Allowed = {}
     for r, members in _groups(problem).items():
         own = [d for d in members if d.leader == r]
-        here = [per_axis(d.strategies[choice[r]]) for d in own]
+        what = [_per_axis(d.strategies, n, views) for d in own]
+        here = [w[choice[r]] for w in what]
         out[r] = tuple(k for k in range(problem.n_choices(r))
-                       if sum(any(per_axis(d.strategies[k])[a] != h[a] for d, h in zip(own, here))
-                              for a in range(n)) <= axes)
+                       if sum(any(w[k][a] != h[a] for w, h in zip(what, here)) for a in range(n)) <= axes)
     return out
+
+
+def _per_axis(strategies: list, n: int, views: dict) -> list[tuple]:
+    """Per strategy, what it does on each of the `n` mesh axes (output and input placements, label), kept in
+    `views` by the list's id (a decision keeps its list; a linked layer's copies share one), the list with it
+    (so that its id stays its own)."""
+    if id(strategies) not in views:
+        views[id(strategies)] = (strategies, [tuple((s.output[a], tuple(L[a] for L in s.inputs),
+                                                     s.labels[a] if s.labels else None) for a in range(n))
+                                              for s in strategies])
+    return views[id(strategies)][1]
 
 
 # A layout model of more columns than this, on a mesh of three or more axes, is solved in subspaces
