@@ -83,7 +83,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, lru_cache
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -470,8 +470,11 @@ def _redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
     return tuple(steps)
 
 
-def _local_bytes(shape: Sequence[int], itemsize: int, layout: Sequence[Code], sizes: Sequence[int]) -> float:
-    """Bytes of the largest local chunk (uneven shards are padded to it, as DTensor's collectives do)."""
+@lru_cache(maxsize=1 << 16)
+def _local_bytes(shape: tuple, itemsize: int, layout: tuple[Code, ...], sizes: tuple[int, ...]) -> float:
+    """Bytes of the largest local chunk (uneven shards are padded to it, as DTensor's collectives do).
+    Cached: a 3-axis mesh's edge tables ask it of the same tensor and layout thousands of times
+    (Hugging Face Llama-3-8B on (4, 4, 4): 590k calls, a few thousand distinct)."""
     s = list(shape)
     for c, n in zip(layout, sizes):
         if c[0] == _S:
@@ -536,11 +539,11 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
                   sizes: tuple[int, ...], links: tuple[Link, ...], names: tuple[str, ...],
                   copy_bandwidth: float) -> ReshardCost:
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
-    cur = list(src)
+    cur = tuple(src)
     after = _local_bytes(shape, itemsize, cur, sizes)
     for i, a, b in _redistribute_steps(src, dst, sizes):
-        before, cur_before = after, tuple(cur)
-        cur[i] = b
+        before, cur_before = after, cur
+        cur = (*cur[:i], b, *cur[i + 1:])
         after = _local_bytes(shape, itemsize, cur, sizes)
         kind = _transition(a, b)
         if kind is None or sizes[i] == 1:
