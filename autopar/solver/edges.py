@@ -140,7 +140,12 @@ class _Tables:
         self.by_strategies: dict = {}
 
     def numbered(self, layouts) -> list[tuple[int, tuple, tuple]]:
-        return [self.numbers.setdefault(L, (len(self.numbers), layout_code(L), L)) for L in layouts]
+        out = []
+        for L in layouts:       # coded once per layout (setdefault would code it on every call)
+            if L not in self.numbers:
+                self.numbers[L] = (len(self.numbers), layout_code(L), L)
+            out.append(self.numbers[L])
+        return out
 
     def gathering(self, a, b) -> bool:
         key = (a[0], b[0])
@@ -189,9 +194,9 @@ class _Tables:
             nb, ngb = self.numbered(b for b, _ in b_keys), self.numbered(gb for _, gb in b_keys)
             cost, fwd, sync = self._seconds(meta, na, nga, nb, ngb, ga, b_keys, grad, param, output)
             saved, temp = self._copies(meta, na, nb, b_keys, keeps)
-            flat = [[self.mesh.reshard_cost(meta.shape, 0, a, b).seconds
-                     if param and flat_gather_axis(a, b, meta.shape, self.mesh.shape) is not None else 0.0
-                     for (b, _) in b_keys] for a in a_keys]
+            flat = [[self.mesh.coded_reshard_cost(meta.shape, 0, a[1], b[1]).seconds
+                     if param and flat_gather_axis(a[2], b[2], meta.shape, self.mesh.shape) is not None else 0.0
+                     for b in nb] for a in na]
             gather = tuple(tuple(self.gathering(a, b) for b in nb) for a in na)
             grad_temp = [[weight_gradient_temporary_bytes(meta.nbytes / shard_count(gb, self.mesh.shape), s is not None)
                           for (_, gb), s in zip(b_keys, row)] for row in sync]

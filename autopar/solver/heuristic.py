@@ -201,7 +201,6 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
     options alternated, each a min-max model of the subspace's size; 66-99 CPU s of the floor on
     Llama-3-8B at 131,072 tokens over (8, 2, 4) H100)."""
     allowed = prune.merged_axes(problem, *groups)
-
     models = _Models(problem, budget, allowed)      # both calls below: their models, relaxations, options
 
     def start(choice):      # called only where no options fit the most sharded layouts `choice`
