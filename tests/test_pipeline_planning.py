@@ -11,9 +11,11 @@ from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
+from autopar.planner.solve import PlanOptions, planning_problem
 from autopar.solver.decisions import stages
 from autopar.solver.decisions.stages import Candidate, choose_pipeline
 from autopar.solver.evaluate import evaluate
+from autopar.solver.ilp import least_seconds
 from autopar.solver.solve import AT_TIME_LIMIT
 from memory_checks import gpt
 
@@ -98,6 +100,9 @@ def test_the_lower_bound_is_below_the_priced_step(chosen):
     assert floor(Candidate(pp.axis, pp.stages, pp.microbatches, pp.schedule, pp.virtual_stages)) <= plan.estimate.step_time_s
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert 0.5 * flat.estimate.step_time_s < floor(Candidate(None, 1, 1, "1f1b", 1)) <= flat.estimate.step_time_s
+    # with a pipeline in hand, the plan without one is ruled out by its layouts' least seconds (an LP)
+    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions(batch_axes=("dp",), symbolic=False))
+    assert 0.5 * flat.estimate.step_time_s < least_seconds(problem) <= flat.estimate.step_time_s
 
 
 def test_the_layout_floor_is_below_every_priced_step(monkeypatch):
