@@ -245,7 +245,8 @@ def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0
     if more and deadline is not None:
         own = time.perf_counter() + FLAT_SHARE * max(deadline - time.perf_counter(), 0.0)
     try:
-        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos, floor=True, problem=problem), None
+        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos, floor=True,
+                              problem=problem), None
     except InfeasibleError as e:
         log.info("no pipeline: infeasible (%s)", e)
         return None, e

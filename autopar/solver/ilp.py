@@ -451,17 +451,18 @@ def most_sharded(p: Problem, allowed: Mapping[str, tuple[int, ...]] | None = Non
 LP_BOUND_SLACK = 1e-6     # relative: HiGHS's LP optimum is within its tolerances (1e-7) of the true minimum
 
 
-def least_seconds(problem: Problem, deadline: float | None = None) -> float:
-    """A lower bound on `Evaluation.objective_s` of every plan of `problem` (any layouts, family options
-    and budget; its step adds only seconds >= 0): the LP relaxation of the layout ILP without memory
+def least_seconds(problem: Problem) -> float:
+    """A lower bound on `Evaluation.objective_s` of every plan of `problem` the solver can return (any
+    layouts, repeated layers sharing theirs as `Problem.rep` links them; any family options and
+    budget; its step adds only seconds >= 0): the LP relaxation of the layout ILP without memory
     rows or families, whose objective is the compute and resharding seconds (the families' seconds,
     `smax(0, ...)`, are >= 0 and the budget only removes plans). 0.0 where the LP is not solved to
-    its optimum by `deadline`. On GPT-3 175B without a pipeline over (16, 8, 8) H100 (263k columns),
+    its optimum. On GPT-3 175B without a pipeline over (16, 8, 8) H100 (263k columns),
     1 CPU s: 7.97 s, where the plan found steps 10.2 s and the compute floor
     (`cost_model.screen.pipeline_floor`) is 4.34 s."""
     ilp = StrategyILP(replace(problem, families=Families()), INF)
     ilp.build()
-    r = ilp.solve_lazy(deadline, relax=True)
+    r = ilp.solve_lazy(None, relax=True)
     return max(r.objective, 0.0) * (1 - LP_BOUND_SLACK) if r.status == "Optimal" else 0.0
 
 
