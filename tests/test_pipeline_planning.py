@@ -11,6 +11,7 @@ from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
+from autopar.planner.pipeline_search import _ordered
 from autopar.planner.solve import PlanOptions, planning_problem
 from autopar.solver.decisions import stages
 from autopar.solver.decisions.stages import Candidate, choose_pipeline
@@ -74,6 +75,16 @@ def test_fixed_keys_are_respected_and_false_forbids(chosen):
     cut = autopar.plan(model, inputs, other, batch_axes=("dp",), **dict(KW, time_limit=0))
     assert cut.pipeline.stages == 1 and cut.solver.status.startswith(AT_TIME_LIMIT)
     assert "0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in cut.solver.status
+
+
+def test_axes_named_for_pipelines_then_slower_links_are_searched_first():
+    """The groups' order (a hint, never a restriction): an axis named for pipelines first, then the
+    axes of slower links (stages across nodes keep the fast links for the layouts' collectives),
+    then the least lower bound."""
+    mesh = autopar.Mesh((2, 2, 8), ("pp", "a", "b"), device="h100")       # a: inter-node, b: NVLink
+    cands = [Candidate(axis, 2 if axis != "b" else 8, m, "1f1b", 1) for axis in ("b", "a", "pp") for m in (2, 4)]
+    order = _ordered(cands, lambda c: 1.0 / c.microbatches + (0.0 if c.axis == "b" else 1.0), mesh)
+    assert [(c.axis, c.microbatches) for c in order] == [("pp", 4), ("pp", 2), ("a", 4), ("a", 2), ("b", 4), ("b", 2)]
 
 
 def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
