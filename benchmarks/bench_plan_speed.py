@@ -101,7 +101,8 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
   - gpt3-175b, `--time-limit 1000`, base and branch at once, load 10-22: base 90.7 CPU s / 613.8 s wall
     (its plan without a pipeline cut at its share of the time left, 25%, under that load), branch
     68.1 / 556.1; both 18599a4f3ad5, a 6.942 s step (dp, 16 stages, 192 microbatches, 1F1B; 48.1% MFU);
-    branch "12 of 13 solved, 1 ruled out by their lower bound" (the plan without a pipeline).
+    branch "12 of 13 solved, 1 ruled out by their lower bound" (the plan without a pipeline). Again at
+    load 7-11: base 92.7 / 575.5 (cut so again), branch 72.5 / 492.3; both 18599a4f3ad5.
   - gpt3-175b, no options (time limit 60 s), alternated branch, base, branch, base at load 6-9: branch
     56.5 and 60.8 s wall, 37.8 and 39.1 CPU s: 10 of 13 groups solved, 1 ruled out, 2 not searched (tp
     with 12, 32), 18599a4f3ad5, 6.942 s (48.1% MFU); base 43.2 and 46.4 s wall, 20.7 and 23.9 CPU s: 5
@@ -109,6 +110,10 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     pipeline took on groups (the dp ones: the faster plan) and runs nearer its limit: 30 s is missed
     further in wall time. Base and branch at once at load 5-6: both 7b8902f0c48a (branch 60.6 s wall,
     18.0 CPU s, 5 groups solved; base 58.1, 17.6, 4); at load 10-20 both 3-4 groups, the same plan.
+    Alternated again at load 5-14: both 7b8902f0c48a, branch 65.6 and 55.4 s wall, 19.2 and 16.2 CPU s,
+    5 of 13 solved (dp with 96 microbatches, 7.501 s, but not 192); base 47.1 and 64.5, 16.5 and 12.1,
+    4 of 12 and 13. The 6.942 s plan at the default needs ~38 CPU s inside the 60 s: under load the
+    answer stays 7.493 s.
   - Why 30 s is still out of reach: no group is ruled out by a bound before its solve. The groups'
     LP floors (the same LP over the stage mesh, the gradients' legs left out, through `step_floor`),
     the least of each group's candidates, are 4.77-5.04 s over dp and pp, 4.99-5.91 over tp (0.2-0.3
