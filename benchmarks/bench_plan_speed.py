@@ -87,6 +87,47 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     CPU s, branch 37.5; both 80f44fdea2e0 (no pipeline chosen, 0.4321 s). Held-out qwen3-8b,
     phi3-mini, mistral-7b (no pipeline search: `make_plan`): hashes unchanged (9484e72a9a96,
     bae6d9561bc7, f7558dc40b58).
+* 2026-11-28 (stop 51, s51gpt3; base main 88ea020): the plan without a pipeline ruled out, once a
+  pipeline is in hand, by the least compute and resharding seconds of its layouts
+  (`solver.ilp.least_seconds`: the LP relaxation of its layout model without memory rows or
+  families, ~1 CPU s on 263k columns, plus its problem's build, 2 CPU s, which its solve reuses
+  otherwise): 7.97 s against the pp groups' 7.493 s, where its solve took ~110 CPU s to its end; and
+  the groups of slower-link axes searched before the faster (`pipeline_search._ordered`: dp before
+  tp here). MFU below is 44.6% x 7.493 / step.
+  - Where the time went before (main, load 3.5-5.5, timers around functions, `--time-limit 1000`):
+    174.4 CPU s / 336.9 s wall: the plan without a pipeline 111.2 CPU s (its subspace search to its
+    end), the 24 group solves (12 groups, 12 re-solves at tighter budgets) 36.2, their 256
+    evaluations 12.2, problem builds 6.0, captures 3.6.
+  - gpt3-175b, `--time-limit 1000`, base and branch at once, load 10-22: base 90.7 CPU s / 613.8 s wall
+    (its plan without a pipeline cut at its share of the time left, 25%, under that load), branch
+    68.1 / 556.1; both 18599a4f3ad5, a 6.942 s step (dp, 16 stages, 192 microbatches, 1F1B; 48.1% MFU);
+    branch "12 of 13 solved, 1 ruled out by their lower bound" (the plan without a pipeline). Again at
+    load 7-11: base 92.7 / 575.5 (cut so again), branch 72.5 / 492.3; both 18599a4f3ad5.
+  - gpt3-175b, no options (time limit 60 s), alternated branch, base, branch, base at load 6-9: branch
+    56.5 and 60.8 s wall, 37.8 and 39.1 CPU s: 10 of 13 groups solved, 1 ruled out, 2 not searched (tp
+    with 12, 32), 18599a4f3ad5, 6.942 s (48.1% MFU); base 43.2 and 46.4 s wall, 20.7 and 23.9 CPU s: 5
+    and 6 of 12 solved, 7b8902f0c48a, 7.493 s (44.6%). The branch spends the seconds the plan without a
+    pipeline took on groups (the dp ones: the faster plan) and runs nearer its limit: 30 s is missed
+    further in wall time. Base and branch at once at load 5-6: both 7b8902f0c48a (branch 60.6 s wall,
+    18.0 CPU s, 5 groups solved; base 58.1, 17.6, 4); at load 10-20 both 3-4 groups, the same plan.
+    Alternated again at load 5-14: both 7b8902f0c48a, branch 65.6 and 55.4 s wall, 19.2 and 16.2 CPU s,
+    5 of 13 solved (dp with 96 microbatches, 7.501 s, but not 192); base 47.1 and 64.5, 16.5 and 12.1,
+    4 of 12 and 13. The 6.942 s plan at the default needs ~38 CPU s inside the 60 s: under load the
+    answer stays 7.493 s.
+  - Why 30 s is still out of reach: no group is ruled out by a bound before its solve. The groups'
+    LP floors (the same LP over the stage mesh, the gradients' legs left out, through `step_floor`),
+    the least of each group's candidates, are 4.77-5.04 s over dp and pp, 4.99-5.91 over tp (0.2-0.3
+    CPU s each), all under 6.942 s: a step is 20-25% more than
+    its layouts' least seconds for memory (the dp plan's layout work is 0.493 s a microbatch against
+    the LP's 0.396; recomputation adds 0.7 s to the pp plan, 2.1 to pp with 48 microbatches), and
+    memory enters no bound before the solve. Every group is then solved (the full search's 68 CPU s:
+    groups ~58, 12 of their 24 solves re-solves after an overflow).
+  - Other models, `pipeline={}`, time limit 1000, base / branch at once: a 24-layer GPT (hidden 4096, 32
+    heads, 256 x 2048) on (8, 4, 4) dp/pp/tp H100: both 9a67ce0799ba (0.3607 s; dp, 8 stages x 3
+    virtual, 16 microbatches, interleaved), 12.62 / 12.56 CPU s (the plan without a pipeline solved:
+    its LP floor is below the pp groups' best); the same with axes named a/b/c: both eadf3b99a9eb,
+    12.19 / 12.17; Llama-3-8B at 16 x 4096 on (2, 4, 4): both 80f44fdea2e0 (0.4321 s), 35.9 / 26.5
+    CPU s (the plan without a pipeline ruled out).
 """
 from __future__ import annotations
 

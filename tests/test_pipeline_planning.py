@@ -11,9 +11,12 @@ from autopar.cost_model.screen import pipeline_floor
 from autopar.estimate import estimate
 from autopar.passes.capture import capture
 from autopar.passes.shape_prop import annotate
+from autopar.planner.pipeline_search import _ordered
+from autopar.planner.solve import PlanOptions, planning_problem
 from autopar.solver.decisions import stages
 from autopar.solver.decisions.stages import Candidate, choose_pipeline
 from autopar.solver.evaluate import evaluate
+from autopar.solver.ilp import least_seconds
 from autopar.solver.solve import AT_TIME_LIMIT
 from memory_checks import gpt
 
@@ -74,6 +77,16 @@ def test_fixed_keys_are_respected_and_false_forbids(chosen):
     assert "0 of 2 (axis, microbatch count) candidates solved, 2 ruled out" in cut.solver.status
 
 
+def test_axes_named_for_pipelines_then_slower_links_are_searched_first():
+    """The groups' order (a hint, never a restriction): an axis named for pipelines first, then the
+    axes of slower links (stages across nodes keep the fast links for the layouts' collectives),
+    then the least lower bound."""
+    mesh = autopar.Mesh((2, 2, 8), ("pp", "a", "b"), device="h100")       # a: inter-node, b: NVLink
+    cands = [Candidate(axis, 2 if axis != "b" else 8, m, "1f1b", 1) for axis in ("b", "a", "pp") for m in (2, 4)]
+    order = _ordered(cands, lambda c: 1.0 / c.microbatches + (0.0 if c.axis == "b" else 1.0), mesh)
+    assert [(c.axis, c.microbatches) for c in order] == [("pp", 4), ("pp", 2), ("a", 4), ("a", 2), ("b", 4), ("b", 2)]
+
+
 def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
     """Out of time with a plan in hand, the search solves nothing more: a group whose lower bound cannot
     beat that plan is ruled out (as with time to spare), one whose bound could is left unsearched."""
@@ -98,6 +111,9 @@ def test_the_lower_bound_is_below_the_priced_step(chosen):
     assert floor(Candidate(pp.axis, pp.stages, pp.microbatches, pp.schedule, pp.virtual_stages)) <= plan.estimate.step_time_s
     flat = autopar.plan(model, inputs, mesh, batch_axes=("dp",), pipeline=False, **KW)
     assert 0.5 * flat.estimate.step_time_s < floor(Candidate(None, 1, 1, "1f1b", 1)) <= flat.estimate.step_time_s
+    # with a pipeline in hand, the plan without one is ruled out by its layouts' least seconds (an LP)
+    problem = planning_problem(cap, annotate(cap.gm), mesh, PlanOptions(batch_axes=("dp",), symbolic=False))
+    assert 0.5 * flat.estimate.step_time_s < least_seconds(problem) <= flat.estimate.step_time_s
 
 
 def test_the_layout_floor_is_below_every_priced_step(monkeypatch):

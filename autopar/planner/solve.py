@@ -172,16 +172,18 @@ def frozen_gc():
 
 
 def solve_captured(cap: Captured, mesh: Mesh, opts: PlanOptions, t0: float, source: tuple | None,
-                   deadline: float | None = None, infos=None, floor: bool = False) -> Plan:
+                   deadline: float | None = None, infos=None, floor: bool = False, problem: Problem | None = None
+                   ) -> Plan:
     """The plan of a captured graph without a pipeline, uncached; `deadline`: when it must be
     done (default: the time limit from now: the capture aside, the whole call within it); `infos`:
     its annotations where the caller made them. `floor`: the solver's first plans (`solver.solve`'s:
     the most sharded plan and the LP relaxation's layouts rounded) are found whatever the deadline (a
-    search's first plan, the same on every run however loaded the machine)."""
+    search's first plan, the same on every run however loaded the machine). `problem`: its
+    `planning_problem` where the caller built it."""
     deadline = deadline_of(opts) if deadline is None else deadline
     phase(opts, "strategies")
     infos = annotate(cap.gm) if infos is None else infos
-    problem = planning_problem(cap, infos, mesh, opts)
+    problem = planning_problem(cap, infos, mesh, opts) if problem is None else problem
     gc.freeze()
     budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
     phase(opts, "solve", f"{len(problem.leaders)} decisions")
