@@ -36,7 +36,7 @@ from .placement import parse_layout
 from .plan import Plan
 from .runtime import rng
 from .runtime.async_output import AsyncOutput
-from .runtime.reshard import Reshard, reshard, traced_coordinate
+from .runtime.reshard import reshard, traced_coordinate
 
 _log = logging.getLogger(__name__)
 
@@ -73,9 +73,9 @@ def per_rank_program(cap: Captured, plan: Plan, program: fx.GraphModule, device_
     names = list(cap.inputs)
     # an output made whole by an all-reduce left pending (async_output.py) is a wrapper subclass
     # holding a c10d work handle: traced, the output is made whole by the plain reshard instead
-    for name, mod in list(program.named_children()):
+    for mod in program.children():
         if isinstance(mod, AsyncOutput):
-            setattr(program, name, Reshard(whole))
+            mod.blocking = True
 
     def fn(*values):
         fed = []

@@ -15,9 +15,10 @@ With a collective timeout (faults.py) the output is made whole by the watched, b
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..compat import dtensor_from, pytree, wrapper_tensor
+from ..compat import dtensor_from, pytree, tracing, wrapper_tensor
 from ..cost_model.comm import async_output_axis
 from .faults import watch_of
 from .reshard import one_collective, reshard
@@ -78,19 +79,42 @@ class _AllReduceLater(torch.autograd.Function):
         return dtensor_from(grad.contiguous(), mesh, whole, shape=shape, stride=stride)
 
 
+class _AllReduceLocalLater(torch.autograd.Function):
+    """`_AllReduceLater` of the plain local partial sum `x`: the gradient of each rank's term is the
+    whole output's gradient, as it arrives."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):  # type: ignore[override]
+        out = x.clone(memory_format=torch.contiguous_format)
+        return Pending(out, dist.all_reduce(out, group=group, async_op=True))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
 class AsyncOutput(torch.nn.Module):
     """Graph op: `y = self.reshard_output_k(x)` for an output that is a partial sum over mesh axis
-    `axis` and whole elsewhere: `y` is this rank's whole value as a `Pending` plain tensor."""
+    `axis` and whole elsewhere: `y` is this rank's whole value as a `Pending` plain tensor. `x` is a
+    DTensor, or this rank's plain local tensor in layout `source` (its op hands it on local:
+    `rewrite.passes_local`), all-reduced as it is with no DTensor made; traced or watched, it moves
+    as a DTensor in `source`. `blocking`: made whole by the plain reshard (a traced program, whose
+    outputs cannot hold a pending work handle: compiled.py)."""
 
-    def __init__(self, axis: int):
+    def __init__(self, axis: int, source: tuple, mesh):
         super().__init__()
-        self.axis = axis
+        self.axis, self.source, self.mesh = axis, tuple(source), mesh
+        self.blocking = False
 
     def forward(self, x):
         if not isinstance(x, DTensor):
-            return x
+            if self.blocking or tracing() or watch_of(self.mesh) is not None:
+                x = dtensor_from(x, self.mesh, self.source)
+            else:
+                return _AllReduceLocalLater.apply(x, self.mesh.get_group(self.axis))
         whole = tuple(Replicate() for _ in range(x.device_mesh.ndim))
-        if watch_of(x.device_mesh) is not None or async_output_axis(x.placements, whole) != self.axis:
+        if (self.blocking or watch_of(x.device_mesh) is not None
+                or async_output_axis(x.placements, whole) != self.axis):
             return reshard(x, whole).to_local()
         return _AllReduceLater.apply(x)
 

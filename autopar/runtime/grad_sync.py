@@ -146,6 +146,7 @@ class _Layout:
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     nbytes: int
+    tables: tuple = ()                          # per member: (its owner's parameter table, its name there)
     flat: torch.Tensor | None = None            # the buffer, kept from step to step
     views: list[torch.Tensor] = field(default_factory=list)     # each member's place in it
     grads: list = field(default_factory=list)   # per member: (parameter, DTensor over its view) or None
@@ -237,8 +238,9 @@ class GradSync:
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
         """`sync_kind`, remembered: a parameter edge's layouts and shapes are the same every step."""
         key = (tuple(placements), tuple(stored), tuple(local.shape), local.dtype)
-        if key not in self._kinds:
-            self._kinds[key] = sync_kind(*key[:2], local, self.mesh.shape)
+        if key not in self._kinds:      # one object per kind: a bucket's kind is matched by identity first
+            made = sync_kind(*key[:2], local, self.mesh.shape)
+            self._kinds[key] = next((k for k in self._kinds.values() if k == made), made)
         return self._kinds[key]
 
     def take(self, name: str, uses: int, kind: SyncKind | None, local: torch.Tensor) -> bool:
@@ -277,10 +279,10 @@ class GradSync:
         open bucket of `kind`; a bucket launched once full."""
         self._done.add(name)
         slot = self._slots.get(name)
-        if slot is not None and slot[0].kind == kind:
+        if slot is not None and (slot[0].kind is kind or slot[0].kind == kind):
             lay, pos = slot
-            if not lay.armed:
-                lay.arm([self._param(n) for n in lay.names], local)
+            if not lay.armed:       # the members' parameters as they are now: one lookup each, no call
+                lay.arm([table[attr] for table, attr in lay.tables], local)
                 self._armed_layouts.append(lay)
             if lay.fill(pos, local):
                 if lay.arrived == len(lay.names):
@@ -325,7 +327,7 @@ class GradSync:
             if old is not None:
                 for n in old[0].names:
                     self._slots.pop(n, None)
-        lay = _Layout(b.kind, tuple(b.names), tuple(b.shapes), b.nbytes)
+        lay = _Layout(b.kind, tuple(b.names), tuple(b.shapes), b.nbytes, tuple(map(self._table, b.names)))
         for k, name in enumerate(b.names):
             self._slots[name] = (lay, k)
 
@@ -342,15 +344,20 @@ class GradSync:
         owning submodule (found once: walking the module tree each backward cost more than the
         lookups), so a parameter replaced since (`load_state_dict(assign=True)`) is the one written."""
         if self._params is None:
-            if self._owners is None:
-                self._owners = {fqn: (self.module.get_submodule(fqn.rpartition(".")[0]), fqn.rpartition(".")[2])
-                                for fqn, _ in self.module.named_parameters(remove_duplicate=False)}
             self._params = {}
         p = self._params.get(name)
         if p is None:
-            owner, attr = self._owners[name]
-            p = self._params[name] = parameter_table(owner)[attr]
+            table, attr = self._table(name)
+            p = self._params[name] = table[attr]
         return p
+
+    def _table(self, name: str) -> tuple[dict, str]:
+        """(the parameter table of parameter `name`'s owning submodule, its name there)."""
+        if self._owners is None:
+            self._owners = {fqn: (self.module.get_submodule(fqn.rpartition(".")[0]), fqn.rpartition(".")[2])
+                            for fqn, _ in self.module.named_parameters(remove_duplicate=False)}
+        owner, attr = self._owners[name]
+        return parameter_table(owner), attr
 
     def _what(self, b: _Bucket) -> str:
         names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))

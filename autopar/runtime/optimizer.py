@@ -163,7 +163,7 @@ class PlannedOptimizer:
         for i, (p, local) in enumerate(self._direct):
             if local is p:
                 continue
-            held = _held(p)        # checked without a new view per parameter and step
+            held = local_tensor(p)     # p is a DTensor: checked without a new view per parameter and step
             if held.data_ptr() == local.data_ptr() and held.shape == local.shape:
                 continue
             now = _local_now(p)

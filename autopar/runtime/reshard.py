@@ -125,22 +125,40 @@ def one_collective(x: DTensor, cur: tuple, layout: tuple, async_op: bool = False
     CPU; gathering a 1,024-element mask 1,100 vs about 300 us), paid per step on the hot path."""
     if over_one_device(x.device_mesh.shape, cur, layout):
         return _relabel(x, layout), None
+    move = collective_move(cur, layout, x.shape, x.device_mesh.shape)
+    if move is None:
+        return None
+    out, work = local_collective(x.to_local(), x.device_mesh, *move, async_op=async_op)
+    return dtensor_from(out, x.device_mesh, layout, shape=x.shape, stride=x.stride()), work
+
+
+def collective_move(cur: Sequence[Placement], layout: Sequence[Placement], shape: Sequence[int],
+                    mesh_shape: Sequence[int]) -> tuple[int, bool] | None:
+    """(mesh axis, gathered) where moving a tensor of global `shape` from `cur` to `layout` is one c10d
+    collective over that axis (`one_collective`): an all-reduce of a partial sum (gathered False) or
+    an all-gather of an even shard on dim 0 (True); None for any other move."""
     changed = [a for a, (c, t) in enumerate(zip(cur, layout)) if c != t]
     if len(changed) != 1 or not isinstance(layout[changed[0]], Replicate):
         return None
     a = changed[0]
-    src, mesh = cur[a], x.device_mesh
-    local = x.to_local()
+    src = cur[a]
     if isinstance(src, Partial) and src.reduce_op == "sum":
-        out = local.clone(memory_format=torch.contiguous_format)
-        work = dist.all_reduce(out, group=mesh.get_group(a), async_op=async_op)
-    elif (isinstance(src, Shard) and src.dim == 0 and local.ndim and x.shape[0] % mesh.size(a) == 0
-          and not any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(cur) if i != a)):
-        out = local.new_empty((local.shape[0] * mesh.size(a), *local.shape[1:]))
-        work = dist.all_gather_into_tensor(out, local.contiguous(), group=mesh.get_group(a), async_op=async_op)
-    else:
-        return None
-    return dtensor_from(out, mesh, layout, shape=x.shape, stride=x.stride()), work
+        return a, False
+    if (isinstance(src, Shard) and src.dim == 0 and len(shape) and shape[0] % mesh_shape[a] == 0
+            and not any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(cur) if i != a)):
+        return a, True
+    return None
+
+
+def local_collective(local: torch.Tensor, mesh, axis: int, gathered: bool, async_op: bool = False) -> tuple:
+    """(a new tensor, the work handle: None unless `async_op`) holding `local` all-gathered on dim 0
+    (`gathered`) or all-reduced over mesh `axis` (`collective_move`)."""
+    if gathered:
+        out = local.new_empty((local.shape[0] * mesh.size(axis), *local.shape[1:]))
+        group = mesh.get_group(axis)
+        return out, dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=async_op)
+    out = local.clone(memory_format=torch.contiguous_format)
+    return out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=async_op)
 
 
 def split_axes(cur: Sequence[Placement], layout: Sequence[Placement], shape: Sequence[int],

@@ -27,8 +27,9 @@ from ..plan import Plan
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .async_output import AsyncOutput
 from .attention import context_executor
+from .early_reshard import LocalCollective
 from .ops import LocalOp, ReplicateOp, ToLocal, mesh_device
-from .reshard import LocalSplit, Reshard, carries_grad, split_axes
+from .reshard import LocalSplit, Reshard, carries_grad, collective_move, split_axes
 
 _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_executor}
 
@@ -42,7 +43,9 @@ def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side
     layout (no Reshard on the edge) and sending its gradient back in it too (unless no gradient can
     flow: an integer or boolean result), "that very layout" up to axes of one device
     (`reshards_edge`), or the program's output where that is whole already (`output_modules`;
-    `whole_outputs`: outputs are made whole).
+    `whole_outputs`: outputs are made whole) or made whole by an `AsyncOutput` (which all-reduces
+    the plain local tensor); a consumer's edge may also be a `LocalSplit` or `LocalCollective` (a
+    tensor no gradient flows through: this rank's block, or one collective of the plain tensor).
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
     almost every op). `side`: the parameter-side nodes' axes (`parameter_side_ops`)."""
     side = side or {}
@@ -65,8 +68,9 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
     grad_flows = carries_grad(val.dtype)
     arrives = output_grad_layout(parse_layout(np.output), side.get(np.name, ()))
     for user in node.users:
-        if user.op == "output" and whole_outputs and not output_modules(False, np.output, mesh_shape):
-            continue
+        if user.op == "output" and whole_outputs and (not output_modules(False, np.output, mesh_shape)
+                                                      or _async_output(np.output, mesh_shape) is not None):
+            continue          # whole already, or all-reduced as it is (`AsyncOutput`)
         up = planned.get(user.name)
         if up is None or up.executor != "local" or user.target is operator.getitem:
             return False
@@ -74,7 +78,8 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
         grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(user.name, ()))
         if not slots or any(not (over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output))
-                                 or local_split_edge(np.output, up.inputs[k], val, mesh_shape) is not None)
+                                 or local_split_edge(np.output, up.inputs[k], val, mesh_shape) is not None
+                                 or local_collective_edge(np.output, up.inputs[k], val, mesh_shape) is not None)
                             or (grad_flows and not over_one_device(mesh_shape, grads[k], arrives)) for k in slots):
             return False
     return True
@@ -87,6 +92,15 @@ def local_split_edge(src: tuple[str, ...], want: tuple[str, ...], val, mesh_shap
     if not isinstance(val, torch.Tensor) or carries_grad(val.dtype):
         return None
     return split_axes(parse_layout(src), parse_layout(want), tuple(val.shape), mesh_shape)
+
+
+def local_collective_edge(src: tuple[str, ...], want: tuple[str, ...], val, mesh_shape) -> tuple | None:
+    """(mesh axis, gathered) of an edge into a `LocalOp` that runs as a `LocalCollective` (the one c10d
+    collective of a plain local tensor): a tensor no gradient flows through (`carries_grad`) whose move
+    is one all-gather or all-reduce (`reshard.collective_move`); None for any other edge."""
+    if not isinstance(val, torch.Tensor) or carries_grad(val.dtype):
+        return None
+    return collective_move(parse_layout(src), parse_layout(want), tuple(val.shape), mesh_shape)
 
 
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
@@ -155,14 +169,20 @@ def _outputs(prog: _Program, node: fx.Node):
         v = prog.env[a] if isinstance(a, fx.Node) else a
         src = prog.planned.get(a.name) if isinstance(a, fx.Node) else None
         handed_whole = (src is not None and v.op == "call_module"      # its op's local result is whole
-                        and getattr(prog.root.get_submodule(v.target), "local_out", False))
+                        and getattr(prog.root.get_submodule(v.target), "local_out", False)
+                        and not output_modules(False, src.output, prog.mesh.shape))
         if _is_tensor(a) and not prog.sharded and not handed_whole:
-            axis = None if src is None else async_output_axis(parse_layout(src.output), parse_layout(whole))
+            axis = None if src is None else _async_output(src.output, prog.mesh.shape)
             v = prog.add_module(f"reshard_output_{k}", Reshard(parse_layout(whole)) if axis is None
-                                else AsyncOutput(axis), v)
+                                else AsyncOutput(axis, parse_layout(src.output), prog.mesh), v)
             v = prog.add_module(f"to_local_output_{k}", ToLocal(), v)
         outs.append(v)
     return pytree.tree_unflatten(outs, spec)
+
+
+def _async_output(src: tuple[str, ...], mesh_shape) -> int | None:
+    """The axis an output in layout `src` is made whole over by an `AsyncOutput`, else None."""
+    return async_output_axis(parse_layout(src), parse_layout(tuple("R" for _ in mesh_shape)))
 
 
 def _inputs(prog: _Program, node: fx.Node, np) -> tuple:
@@ -181,14 +201,26 @@ def _inputs(prog: _Program, node: fx.Node, np) -> tuple:
             if reshards_edge(src.executor if src else None, src.output if src else None, want, prog.mesh.shape):
                 side = prog.side
                 grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
-                split = (local_split_edge(src.output, want, a.meta.get("val"), tuple(prog.mesh.shape))
-                         if prog.pass_local and src is not None and np.executor == "local" else None)
-                v = prog.add_module(f"reshard_{node.name}_{slot}",
-                                    Reshard(parse_layout(want), grad_to) if split is None else
-                                    LocalSplit(parse_layout(want), parse_layout(src.output), split, prog.mesh), v)
+                edge = _edge_module(prog, src, want, grad_to, a, np)
+                v = prog.add_module(f"reshard_{node.name}_{slot}", edge, v)
             slot += 1
         new_leaves.append(v)
     return pytree.tree_unflatten(new_leaves, spec)
+
+
+def _edge_module(prog: _Program, src, want: tuple[str, ...], grad_to, a: fx.Node, np) -> torch.nn.Module:
+    """The module on an edge that needs a move from `src`'s output to `want`: a `LocalSplit` or
+    `LocalCollective` where the tensor can carry no gradient and the consumer is a `LocalOp`, else a
+    `Reshard`."""
+    if prog.pass_local and src is not None and np.executor == "local":
+        mesh_shape, val = tuple(prog.mesh.shape), a.meta.get("val")
+        split = local_split_edge(src.output, want, val, mesh_shape)
+        if split is not None:
+            return LocalSplit(parse_layout(want), parse_layout(src.output), split, prog.mesh)
+        move = local_collective_edge(src.output, want, val, mesh_shape)
+        if move is not None:
+            return LocalCollective(parse_layout(want), parse_layout(src.output), move, prog.mesh)
+    return Reshard(parse_layout(want), grad_to)
 
 
 def _executor(prog: _Program, node: fx.Node, np, plan: Plan, pass_local: bool) -> torch.nn.Module:

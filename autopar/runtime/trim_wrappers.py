@@ -44,6 +44,7 @@ from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, over_one_device, parse_layout
 from ..plan import Plan
 from . import rng
+from .early_reshard import LocalCollective
 from .grad_sync import GradSync, write_grad
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
 from .reshard import LocalSplit, Reshard, carries_grad, reduce_local_grad, to_layout
@@ -243,7 +244,8 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(mod, (ParamEdge, LocalSplit)) or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
+        if isinstance(mod, (ParamEdge, LocalSplit, LocalCollective)) \
+                or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
                 or node.meta.get("autopar_local") or (node.target is operator.getitem and node.args[0] in local):
             local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
                                     # gather's member handed on local: layer_gather.py)
