@@ -18,7 +18,8 @@ PAIRS = [((S0, S0), (R, S0)), ((S0, S0), (R, R)), ((S0, S0), (S0, R)), ((S0, S0)
          ((S0, P), (S0, S0)), ((P, S0), (R, R)), ((S0, P), (R, S0)), ((S1, S0), (R, R)), ((R, P), (S1, R)),
          ((S0, R), (S1, R)), ((R, R), (S0, P))]
 _KINDS = {"all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-          "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+          "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "_reduce_scatter_base_": "reduce_scatter", "all_reduce": "all_reduce",
           "allreduce_": "all_reduce", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
 
 
@@ -41,8 +42,8 @@ def _issued(rank, world_size):
             op = func.overloadpacket.__name__
             if op in _KINDS:
                 group = next(a for a in (*args, *(kwargs or {}).values())
-                             if isinstance(a, str) and a in axis_of or hasattr(a, "group_name"))
-                name = group if isinstance(group, str) else group.group_name
+                             if isinstance(a, str) and a in axis_of or isinstance(a, torch.ScriptObject))
+                name = group if isinstance(group, str) else torch.distributed.ProcessGroup.unbox(group).group_name
                 self.seen.append(f"{_KINDS[op]}@{axis_of[name]}")
             return func(*args, **(kwargs or {}))
 
