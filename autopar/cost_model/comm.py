@@ -61,14 +61,15 @@ one latency and launch per step (`bucket_launch_time`), and the last bucket of e
 the backward ends, is exposed whole (`final_bucket_time` adds back what the overlap took off it).
 
 Resharding between layouts (`reshard_cost`) is priced step by step as the runtime moves the tensor
-(`runtime/reshard.py`, DTensor's redistribute: `redistribute_steps`), each collective on the local
+(`redistribute_steps`: DTensor's greedy redistribute, which `runtime/direct_reshard.py` issues step by
+step as c10d collectives), each collective on the local
 tensor as it is at that step. Where two axes split one dim, an outer axis's change first gathers
 the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one.
 `tests/test_reshard_pricing.py` checks the priced collectives against those the runtime issues.
 
 Each collective of a reshard also pays the local copies torch makes around it
 (`local_copy_bytes`, at the profile's memory bandwidth, read + write; torch 2.13's functional
-collectives, which DTensor's redistribute and the runtime issue): an all-reduce clones its input
+collectives, which DTensor's redistribute issues; `runtime/direct_reshard.py` makes the same): an all-reduce clones its input
 (the functional all_reduce is out of place; the runtime's own clones too); an all-gather on a dim
 other than 0 gets the chunks stacked on dim 0 and concatenates them on that dim (a copy of the
 gathered tensor, `_maybe_view_chunk_cat`) unless every dim before it is 1 long; a reduce-scatter on
@@ -439,8 +440,8 @@ def _shards(layout, dim: int, below: int) -> tuple[int, ...]:
 @cache
 def redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, Code, Code], ...]:
-    """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`):
-    nothing where only axes of one device change (a relabelling); else every axis going to a Partial
+    """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`;
+    `runtime/direct_reshard.py` issues these very steps): nothing where only axes of one device change (a relabelling); else every axis going to a Partial
     (or between two Partial kinds) goes to Replicate, the local tensor zeroed or kept after (free),
     and DTensor's redistribute runs its greedy plan to that layout (torch 2.13,
     `_redistribute.generate_greedy_transform_infos`), read from it:

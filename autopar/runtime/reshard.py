@@ -31,7 +31,9 @@ from .faults import watched
 
 
 def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
-    """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P; watched
+    """Redistribute x to layout (no autograd): the steps DTensor's redistribute would take, issued as
+    c10d collectives on the local tensor where each is one (`one_collective`, `local_split`,
+    `direct_reshard.direct_steps`), DTensor's redistribute else; plus exact R/S -> P; watched
     (`faults.py`) when the module was built with a collective timeout."""
     layout = tuple(layout)
     cur = tuple(x.placements)
