@@ -17,7 +17,8 @@
 3. `autopar.estimate` prices each plan (one microbatch; gradient sync in buckets as the runtime
    runs it, runtime/grad_sync.py; the profile's runtime_op_overhead per
    node of the rank's graph, collective_overhead per collective, optimizer_param_overhead per
-   parameter); the plan then trains on 4 forked gloo ranks (AdamW, `dmodel.optimizer`); the median step (forward,
+   parameter); the plan then trains on 4 forked gloo ranks (AdamW, `dmodel.optimizer`; glibc's malloc keeping
+   freed memory, `autopar.runtime.cpu_allocator`, as calibration's ranks have it); the median step (forward,
    backward, optimizer; barrier to barrier; the slowest rank's time) is the measurement, as
    calibration takes medians too. Plans are measured `--rounds` times round-robin (plan A, B, C,
    D, A, B, ...) so a change of load hits every plan alike; the measurement is the median over
@@ -98,7 +99,10 @@ def _train(rank, world_size, plan, profile_path, steps):
     import logging
 
     import torch.distributed as dist
+
+    from autopar.runtime.cpu_allocator import keep_freed_memory
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    keep_freed_memory()                    # the CPU ranks' allocator, as calibration's ranks have it
     model, batch = build()
     mesh = autopar.Mesh((2, 2), AXES, device=profile_path)
     batch_axes = plan.options.get("batch_axes") or []

@@ -127,6 +127,8 @@ def test_calibrate_writes_a_profile_a_mesh_accepts(tmp_path, capsys):
     assert p.optimizer_element_time > 0
     assert p.rng_element_time > 0 and "rng_element_time" in raw["_notes"]    # a CPU's generator is slow
     assert raw["_measured"]["launch"]["ranks"] == 2 and raw["_measured"]["launch"]["cores"] == os.cpu_count()
+    # the CPU ranks measured with the allocator setting the training ranks use (glibc here)
+    assert raw["_measured"]["launch"]["keeps_freed_memory"] is True
     assert all(k in raw["_notes"] for k in ("runtime_op_overhead", "collective_overhead", "optimizer_param_overhead"))
     assert raw["_measured"]["per_rank"][0]["runtime"]["graph_nodes"] > 0
     # the offload tiers: a real file round trip and the host optimizer step, measured

@@ -3,7 +3,9 @@ the runtime's reshard (`Reshard`, which the rewrite puts on every edge that chan
 gloo ranks and the collectives it calls, in order and on which mesh axis, are those
 `Mesh.reshard_cost` lists. Nested sharding (two axes splitting one dim) is where a per-axis count
 goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. One known difference: a shard
-moved to another dim is priced as NCCL's all-to-all; gloo's DTensor path gathers the whole tensor."""
+moved to another dim is priced as NCCL's all-to-all; gloo's DTensor path gathers the whole tensor.
+Every pair without such a step the runtime issues itself, step by step as c10d collectives on the
+local tensor (`runtime/direct_reshard.py`), not through DTensor's redistribute."""
 from __future__ import annotations
 
 import torch
@@ -18,15 +20,14 @@ PAIRS = [((S0, S0), (R, S0)), ((S0, S0), (R, R)), ((S0, S0), (S0, R)), ((S0, S0)
          ((S0, P), (S0, S0)), ((P, S0), (R, R)), ((S0, P), (R, S0)), ((S1, S0), (R, R)), ((R, P), (S1, R)),
          ((S0, R), (S1, R)), ((R, R), (S0, P))]
 _KINDS = {"all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-          "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+          "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "_reduce_scatter_base_": "reduce_scatter", "all_reduce": "all_reduce",
           "allreduce_": "all_reduce", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
 
 
 def _issued(rank, world_size):
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autopar.runtime.reshard import reshard
 
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     dm = mesh.device_mesh()
@@ -41,30 +42,50 @@ def _issued(rank, world_size):
             op = func.overloadpacket.__name__
             if op in _KINDS:
                 group = next(a for a in (*args, *(kwargs or {}).values())
-                             if isinstance(a, str) and a in axis_of or hasattr(a, "group_name"))
-                name = group if isinstance(group, str) else group.group_name
+                             if isinstance(a, str) and a in axis_of or isinstance(a, torch.ScriptObject))
+                name = group if isinstance(group, str) else torch.distributed.ProcessGroup.unbox(group).group_name
                 self.seen.append(f"{_KINDS[op]}@{axis_of[name]}")
             return func(*args, **(kwargs or {}))
 
-    out = []
-    for src, dst in PAIRS:
-        torch.manual_seed(0)
-        whole = torch.randn(8, 12)
-        x = distribute_tensor(whole, dm, [R if isinstance(p, Partial) else p for p in src])
-        terms = 2 ** sum(isinstance(p, Partial) for p in src)
-        if terms > 1:                                     # a sum of equal terms over each partial axis
-            x = DTensor.from_local(x.to_local() / terms, dm, src, run_check=False)
-        rec = Record()
-        with rec:
-            y = reshard(x, dst)
-        assert torch.allclose(y.full_tensor(), x.full_tensor())
-        out.append((rec.seen, mesh.reshard_cost((8, 12), 4, src, dst).collectives))
-    return out
+    redistributed = []
+    dtensor_redistribute = DTensor.redistribute
+
+    def counted(self, *args, **kwargs):
+        redistributed.append(1)
+        return dtensor_redistribute(self, *args, **kwargs)
+    DTensor.redistribute = counted
+    try:
+        return [_pair(src, dst, dm, mesh, Record, redistributed) for src, dst in PAIRS]
+    finally:
+        DTensor.redistribute = dtensor_redistribute
+
+
+def _pair(src, dst, dm, mesh, Record, redistributed):
+    """(collectives issued, collectives priced, whether DTensor's redistribute ran) moving src -> dst."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from autopar.runtime.reshard import reshard
+    torch.manual_seed(0)
+    whole = torch.randn(8, 12)
+    x = distribute_tensor(whole, dm, [R if isinstance(p, Partial) else p for p in src])
+    terms = 2 ** sum(isinstance(p, Partial) for p in src)
+    if terms > 1:                                     # a sum of equal terms over each partial axis
+        x = DTensor.from_local(x.to_local() / terms, dm, src, run_check=False)
+    rec = Record()
+    redistributed.clear()
+    with rec:
+        y = reshard(x, dst)
+    via_dtensor = bool(redistributed)
+    assert torch.allclose(y.full_tensor(), x.full_tensor())
+    return rec.seen, mesh.reshard_cost((8, 12), 4, src, dst).collectives, via_dtensor
 
 
 def test_priced_collectives_are_those_the_reshard_issues(rank_pool):
     def on_gloo(priced):        # gloo's all-gather where a shard changes dim (module docstring)
         return tuple(p.replace("all_to_all", "all_gather") for p in priced)
-    wrong = [(src, dst, issued, priced) for (src, dst), (issued, priced) in zip(PAIRS, rank_pool(4).run(_issued)[0])
+    seen = rank_pool(4).run(_issued)[0]
+    wrong = [(src, dst, issued, priced) for (src, dst), (issued, priced, _) in zip(PAIRS, seen)
              if tuple(issued) != on_gloo(priced)]
     assert not wrong, "\n".join(map(str, wrong))
+    # DTensor's redistribute runs exactly the moves with a step that takes a shard to another dim
+    assert [via for _, _, via in seen] == [any(p.startswith("all_to_all") for p in priced) for _, priced, _ in seen]

@@ -35,7 +35,8 @@ ranks; any other figure's median over ranks.
   against the buckets alone -> grad_sync_overlap (the share of the early buckets' transfer the
   backward hides; `runtime_costs.measure_overlap`).
 
-`_measured.launch` records ranks, mesh, cores and the load average before and after: the figures
+`_measured.launch` records ranks, mesh, cores, the load average before and after, and whether the
+CPU ranks' malloc kept freed memory (`runtime/cpu_allocator.py`, set on every CPU rank): the figures
 hold for that launch (with 4 ranks on 2 cores every rate is a shared one).
 
 Figures not measured (memory capacity, host link on GPU, devices per node) come from `--base`.
@@ -75,6 +76,7 @@ def calibrate(out: str | Path, *, world_size: int = 2, mesh: tuple[int, ...] | N
     launch = {"ranks": world_size, "mesh": list(mesh), "cores": os.cpu_count(), "ranks_per_core":
               world_size / (os.cpu_count() or 1), "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     comp = [r[1] for r in results]
+    launch["keeps_freed_memory"] = all(c["keeps_freed_memory"] for c in comp)
     base_p = load_profile(base)
     profile, axes_fit, collectives = fitted_profile(results, base_p, device, world_size, mesh, name)
     path = save_profile(profile, out)

@@ -60,8 +60,8 @@ BURST_REPEATS = 4
 
 def measure_step_collectives(mesh_shape, names, device: str, quick: bool) -> dict:
     """Collectives as a training step issues them: every rank computes a burst, then moves a DTensor
-    with the runtime's own `to_layout` (DTensor redistribute: Partial -> Replicate is an all_reduce,
-    Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once; then a burst and the
+    with the runtime's own `to_layout` (one c10d collective, as a step's reshards issue theirs:
+    Partial -> Replicate is an all_reduce, Shard(0) -> Replicate an all_gather) over one mesh axis, all ranks at once; then a burst and the
     same over the next axis, cycling over the axes of more than one device as a step's collectives
     move from one group to another (a collective on the group of the one before meets peers already
     in step: small all_gathers after 4 matmuls add 2 ms on one axis, 3.4 ms cycling over two).

@@ -8,6 +8,7 @@ import os
 import tempfile
 import time
 
+from ..runtime.cpu_allocator import keep_freed_memory
 from .collectives import measure_isolated, measure_step_collectives
 from .device import RATE_ROUNDS, measure_device, measure_rates, median_rates
 from .rank import device_sync
@@ -23,11 +24,14 @@ def _rank_main(rank: int, world: int, init_file: str, mesh_shape, names, device:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    # the CPU ranks' allocator, as the runs it prices have it (runtime/cpu_allocator.py)
+    kept = device != "cuda" and keep_freed_memory()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         sync = device_sync(device)
         dist.barrier()
         compute = measure_device(device, quick)      # every rank at once: shared cores, as in training
+        compute["keeps_freed_memory"] = kept
         rounds = [{k: compute[k] for k in ("matmul_flops", "matmul_n", "attention")}]
         dist.barrier()
         axes = measure_isolated(mesh_shape, names, device, quick)

@@ -61,14 +61,15 @@ one latency and launch per step (`bucket_launch_time`), and the last bucket of e
 the backward ends, is exposed whole (`final_bucket_time` adds back what the overlap took off it).
 
 Resharding between layouts (`reshard_cost`) is priced step by step as the runtime moves the tensor
-(`runtime/reshard.py`, DTensor's redistribute: `_redistribute_steps`), each collective on the local
+(`redistribute_steps`: DTensor's greedy redistribute, which `runtime/direct_reshard.py` issues step by
+step as c10d collectives), each collective on the local
 tensor as it is at that step. Where two axes split one dim, an outer axis's change first gathers
 the inner one whole: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one.
 `tests/test_reshard_pricing.py` checks the priced collectives against those the runtime issues.
 
 Each collective of a reshard also pays the local copies torch makes around it
 (`local_copy_bytes`, at the profile's memory bandwidth, read + write; torch 2.13's functional
-collectives, which DTensor's redistribute and the runtime issue): an all-reduce clones its input
+collectives, which DTensor's redistribute issues; `runtime/direct_reshard.py` makes the same): an all-reduce clones its input
 (the functional all_reduce is out of place; the runtime's own clones too); an all-gather on a dim
 other than 0 gets the chunks stacked on dim 0 and concatenates them on that dim (a copy of the
 gathered tensor, `_maybe_view_chunk_cat`) unless every dim before it is 1 long; a reduce-scatter on
@@ -423,7 +424,7 @@ def layout_code(layout: Sequence[Placement]) -> tuple[Code, ...]:
 @cache      # a few hundred distinct pairs
 def _transition(cur: Code, tgt: Code) -> Collective | None:
     """The collective taking one mesh axis from cur to tgt, as DTensor's redistribute issues it
-    (None: a local step). tgt is never Partial here (`_redistribute_steps` goes to R first)."""
+    (None: a local step). tgt is never Partial here (`redistribute_steps` goes to R first)."""
     if cur == tgt or cur[0] == _R:                          # R -> S(d) slices
         return None
     if cur[0] == _P:
@@ -437,10 +438,10 @@ def _shards(layout, dim: int, below: int) -> tuple[int, ...]:
 
 
 @cache
-def _redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
+def redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, Code, Code], ...]:
-    """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`):
-    nothing where only axes of one device change (a relabelling); else every axis going to a Partial
+    """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`;
+    `runtime/direct_reshard.py` issues these very steps): nothing where only axes of one device change (a relabelling); else every axis going to a Partial
     (or between two Partial kinds) goes to Replicate, the local tensor zeroed or kept after (free),
     and DTensor's redistribute runs its greedy plan to that layout (torch 2.13,
     `_redistribute.generate_greedy_transform_infos`), read from it:
@@ -503,7 +504,7 @@ def reshard_cost(global_shape: Sequence[int], itemsize: int, src: Sequence[Place
                  launch_overhead: float = 0.0, copy_bandwidth: float = math.inf) -> ReshardCost:
     """Cost of redistributing a tensor from layout `src` to `dst` (one placement per mesh axis).
 
-    Axis by axis in the steps the runtime takes (`_redistribute_steps`: DTensor's redistribute), each
+    Axis by axis in the steps the runtime takes (`redistribute_steps`: DTensor's redistribute), each
     collective on the local tensor as it is at that step. Shard dims must be normalised (>= 0).
     Collectives on different axes are charged one after another (no overlap). Works the same for
     gradients flowing backward (pass the gradient layouts). `launch_overhead` is charged once per
@@ -541,7 +542,7 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
     cur = tuple(src)
     after = _local_bytes(shape, itemsize, cur, sizes)
-    for i, a, b in _redistribute_steps(src, dst, sizes):
+    for i, a, b in redistribute_steps(src, dst, sizes):
         before, cur_before = after, cur
         cur = (*cur[:i], b, *cur[i + 1:])
         after = _local_bytes(shape, itemsize, cur, sizes)

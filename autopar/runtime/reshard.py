@@ -26,11 +26,14 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import dtensor_from, tracing
 from ..placement import layout_str, over_one_device
+from .direct_reshard import direct_steps
 from .faults import watched
 
 
 def to_layout(x: DTensor, layout: Sequence[Placement]) -> DTensor:
-    """Redistribute x to layout (no autograd): DTensor's collectives plus exact R/S -> P; watched
+    """Redistribute x to layout (no autograd): the steps DTensor's redistribute would take, issued as
+    c10d collectives on the local tensor where each is one (`one_collective`, `local_split`,
+    `direct_reshard.direct_steps`), DTensor's redistribute else; plus exact R/S -> P; watched
     (`faults.py`) when the module was built with a collective timeout."""
     layout = tuple(layout)
     cur = tuple(x.placements)
@@ -55,7 +58,8 @@ def _to_layout(x: DTensor, cur: tuple, layout: tuple) -> DTensor:
     mid = tuple(Replicate() if isinstance(c, Partial) and isinstance(m, Partial) and c != m else m
                 for c, m in zip(cur, mid))
     # traced (the compile backend): DTensor's functional collectives, which trace; c10d's do not
-    issued = None if mid == cur or tracing() else (one_collective(x, cur, mid) or local_split(x, cur, mid))
+    issued = None if mid == cur or tracing() else (one_collective(x, cur, mid) or local_split(x, cur, mid)
+                                                   or direct_steps(x, cur, mid))
     y = x if mid == cur else issued[0] if issued is not None else x.redistribute(x.device_mesh, mid)
     if to_partial:
         local = _first_keeps(y.to_local(), x.device_mesh, [i for i in to_partial if layout[i].reduce_op == "sum"])
