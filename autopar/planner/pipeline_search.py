@@ -134,6 +134,8 @@ class _Groups:
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
         self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
+        self.priced = 0.0   # seconds of the costliest pricing of a group solved (from its solve's end to the next solve)
+        self.solved_at: float | None = None     # when the last solve ended (None: none, or the flat plan since)
         self.flat: Plan | None = None
         self.why: InfeasibleError | None = None
 
@@ -141,6 +143,8 @@ class _Groups:
         """`choose_pipeline`'s `solve_at`: `first`, no plan that fits is in hand (the plan without a
         pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`)."""
         t = time.perf_counter()
+        if self.solved_at is not None:      # since the last solve: its group's pricing
+            self.priced = max(self.priced, t - self.solved_at)
         cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
         if (axis, m) not in self.problems:
@@ -151,16 +155,22 @@ class _Groups:
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
         try:
-            result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
+            result = solve(per_step_view(problem, m), self.budget * stages * scale, self._solve_limit(),
                            start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
         finally:
-            self.took = max(self.took, time.perf_counter() - t)
+            self.solved_at = time.perf_counter()
+            self.took = max(self.took, self.solved_at - t)
         self.statuses[axis, m] = result.status
         self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
+
+    def _solve_limit(self) -> float | None:
+        """A group's solve ends in time for its pricing (as long as the costliest so far) by the deadline."""
+        left = remaining(self.deadline)
+        return None if left is None else max(left - self.priced, 0.0)
 
     def out_of_time(self, after: float = 0.0) -> bool:
         """A group as long as the costliest so far, started `after` seconds from now, would end past the deadline."""
@@ -178,6 +188,7 @@ class _Groups:
             return replace(found, pruned=found.pruned + 1)
         if found.best is not None and self.out_of_time():
             return replace(found, unsearched=found.unsearched + ((None, 1),))
+        self.solved_at = None
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
                                     self.deadline, more)
         flat = self.flat
