@@ -284,7 +284,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
-        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # no time for this axis' re-solves
+        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # start where its overflow pointed
         put_off = state.tighten(key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS, later)
         if put_off is not None:
             waiting.append(put_off)
