@@ -60,6 +60,28 @@ first and schedules holding more left where it fits nowhere): 76 s / 21 CPU s (7
 44 (78 s step) beside main's last two runs, 67 / 50 alone at load 3.7 (78 s; this and the first
 without the in-flight order): the same time within the noise, **the bound missed by up to 14% by both**; past the deadline with no plan in hand the
 256-microbatch group is solved three times (its ranks' peak stayed 77.6 GiB at two budget scales).
+Stop 51 (s51405, 2026-11-28 07:00-07:40 UTC; T=60, side by side with main 88ea020 unless said, load
+average 4-20 on 2 cores). Why the bound was missed: main, at load 3.6 alone, 72.8 s wall / 37.2 CPU s
+against 68.2 allowed (an 81.8 s step): the 64-microbatch group, which overflowed (126.3 GiB: its last
+rank holds the head's state and the logits returned whole, 87 GiB saved at the end of its forward,
+against 74), was solved twice more (95.8 and 99.7 GiB: a whole-model budget does not reach that rank)
+before the 128 and 256 groups, and the 256 group's re-solves ran past the deadline with no plan in
+hand. Whether main re-solved the 64 group depended on the load (`tighten` put it off only when the time
+left looked short), hence its 74-93 s steps. Now, with no plan in hand, a group that overflowed always
+waits for the groups of its axis with more microbatches, and those start at the scale its overflow
+suggests: the 128 group at x0.557 fits at its first solve; and a group's solve ends in time for its
+pricing (as long as the costliest pricing so far) before the deadline. Runs (wall / CPU s, allowed,
+step): load 6.6-8.7, main 90.5 / 22.8 against 68.3 (**missed by 32%**: 64 re-solved once, then 128 at
+x0.408, an 80.58 s step), now 67.7 / 20.9 against 68.5 (within; 74.59 s); at load 8 (both put the 64
+group off, the load pressing main too) main 74.8 / 15.2 and 74.9 / 19.6, now 73.7 / 14.5 and
+75.1 / 20.3, all within their 75.5-77.9 s allowed (captures of 8.6-10.7 s), steps 74.37-76.57 s; alone at load
+6.5, now 50.3 / 23.3 (within; 74.30 s, the 128 group's solve finished: optimal for the alternation).
+Before the solve's pricing reserve (the first change alone, side by side at load 5.6-6.4): main 90.6 /
+22.6, now 82.4 / 22.3, both past the ~72.5 s allowed (the 128 solve, cut at the deadline, then 8 s wall
+of pricing and 5 of assembly at ~0.3 of a core). The plan now: pp 16 x 128 microbatches, 1F1B, 74.30 s
+where the 128 group's solve ends before the deadline, 74.37-76.57 s where the deadline cuts it (main:
+74.6-93 s). Unchanged where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, side
+by side, load 10-20): plan_hash 18599a4f3ad5 both (6.942 s, dp 16 x 192 1F1B; 89.4 / 90.3 CPU s).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
