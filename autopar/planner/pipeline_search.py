@@ -134,8 +134,9 @@ class _Groups:
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
         self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
-        self.priced = 0.0   # seconds of the costliest pricing of a group solved (from its solve's end to the next solve)
-        self.solved_at: float | None = None     # when the last solve ended (None: none, or the flat plan since)
+        self.priced = 0.0   # CPU seconds of the costliest pricing of a group solved (its solve's end to the next solve)
+        self.solved_at: float | None = None     # CPU clock when the last solve ended (None: none, or the flat plan since)
+        self.started = (time.perf_counter(), time.process_time())
         self.flat: Plan | None = None
         self.why: InfeasibleError | None = None
 
@@ -144,7 +145,7 @@ class _Groups:
         pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`)."""
         t = time.perf_counter()
         if self.solved_at is not None:      # since the last solve: its group's pricing
-            self.priced = max(self.priced, t - self.solved_at)
+            self.priced = max(self.priced, time.process_time() - self.solved_at)
         cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
         if (axis, m) not in self.problems:
@@ -161,16 +162,21 @@ class _Groups:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
         finally:
-            self.solved_at = time.perf_counter()
-            self.took = max(self.took, self.solved_at - t)
+            self.solved_at = time.process_time()
+            self.took = max(self.took, time.perf_counter() - t)
         self.statuses[axis, m] = result.status
         self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
 
     def _solve_limit(self) -> float | None:
-        """A group's solve ends in time for its pricing (as long as the costliest so far) by the deadline."""
+        """A group's solve ends in time for its pricing by the deadline: as many CPU seconds as the costliest
+        so far, at the share of a core the search has had (on a loaded machine a pricing of 0.8 CPU s took
+        1.5-10 s wall: its CPU seconds, not its wall time, carry over to the next group)."""
         left = remaining(self.deadline)
-        return None if left is None else max(left - self.priced, 0.0)
+        if left is None or not self.priced:
+            return left
+        wall, cpu = time.perf_counter() - self.started[0], time.process_time() - self.started[1]
+        return max(left - self.priced * max(wall / max(cpu, 1e-9), 1.0), 0.0)     # a pricing runs on one core
 
     def out_of_time(self, after: float = 0.0) -> bool:
         """A group as long as the costliest so far, started `after` seconds from now, would end past the deadline."""
