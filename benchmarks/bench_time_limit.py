@@ -80,8 +80,20 @@ Before the solve's pricing reserve (the first change alone, side by side at load
 22.6, now 82.4 / 22.3, both past the ~72.5 s allowed (the 128 solve, cut at the deadline, then 8 s wall
 of pricing and 5 of assembly at ~0.3 of a core). The plan now: pp 16 x 128 microbatches, 1F1B, 74.30 s
 where the 128 group's solve ends before the deadline, 74.37-76.57 s where the deadline cuts it (main:
-74.6-93 s). Unchanged where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, side
-by side, load 10-20): plan_hash 18599a4f3ad5 both (6.942 s, dp 16 x 192 1F1B; 89.4 / 90.3 CPU s).
+74.6-93 s). The reserve first took the pricing's wall time: under a load spike the 64 group's pricing
+took 9.8 s wall for 0.8 CPU s, the 128 solve was cut early, an 88.5 s step (60.0 s wall; main beside it
+71.1 / 20.9, 74.30 s, within); it now takes the pricing's CPU seconds at the share of a core the search
+has had. With that, side by side: load 11-14, main 77.3 / 18.3 against 71.2 (**missed by 8.5%**), now
+72.2 / 17.4 against 71.3 (**missed by 1.3%**: the solve ran 2.7 s past its limit, then pricing 4.7 s and
+assembly 2.9 s wall at ~0.23 of a core), both an 88.5 s step (the 128 solve cut before its MIP improved
+the rounded LP); load 10-11, main 77.6 / 17.3 against 73.3 (missed by 5.9%), now 72.3 / 16.1 against
+72.9 (within), both 76.57 s. So: within the bound in 6 of 8 runs (main 3 of 7), the path to the first
+plan the same under any load (64, then 128 at x0.557), the step 74.30 s where the 128 solve ends before
+the deadline and up to 88.5 s where a heavily loaded machine cuts it (main the same there). Unchanged
+where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, side by side, load 10-20):
+plan_hash 18599a4f3ad5 both (6.942 s, dp 16 x 192 1F1B; 89.4 / 90.3 CPU s); tests/test_pipeline_planning's
+GPT over (2, 2) pp/dp with pipeline={"axis": "pp", "schedule": "1f1b"} at the budget unbounded, 0.5 and
+0.3 of its peak: 62b76d22f351, fd7ccfd4f989, 7ca67a4af0d2 both (the last: 2 overflowed, 4 at x0.747).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
