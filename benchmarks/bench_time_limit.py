@@ -87,7 +87,7 @@ has had. With that, side by side: load 11-14, main 77.3 / 18.3 against 71.2 (**m
 72.2 / 17.4 against 71.3 (**missed by 1.3%**: the solve ran 2.7 s past its limit, then pricing 4.7 s and
 assembly 2.9 s wall at ~0.23 of a core), both an 88.5 s step (the 128 solve cut before its MIP improved
 the rounded LP); load 10-11, main 77.6 / 17.3 against 73.3 (missed by 5.9%), now 72.3 / 16.1 against
-72.9 (within), both 76.57 s. So: within the bound in 6 of 8 runs (main 3 of 7), the path to the first
+72.9 (within), both 76.57 s. So: within the bound in 7 of 9 runs (main 3 of 8), the path to the first
 plan the same under any load (64, then 128 at x0.557), the step 74.30 s where the 128 solve ends before
 the deadline and up to 88.5 s where a heavily loaded machine cuts it (main the same there). Unchanged
 where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, side by side, load 10-20):

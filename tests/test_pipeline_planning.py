@@ -103,7 +103,8 @@ def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatche
     def priced(mesh, group, solved, budget, floor, beat, out_of_time, past):     # m=2 fits below 0.4 of the budget
         m, scale = solved
         fits = m == 4 or scale < 0.4
-        return (SimpleNamespace(evaluation=SimpleNamespace(step_s=m / 2)) if fits else None), budget * (1 if fits else 2)
+        found = SimpleNamespace(evaluation=SimpleNamespace(step_s=m / 2)) if fits else None
+        return found, budget * (1 if fits else 2)
     monkeypatch.setattr(stages, "_best_of", priced)
     found = choose_pipeline(None, [Candidate("pp", 2, m, "1f1b", 1) for m in (2, 4)], solve_at, 1.0,
                             floor=lambda c: 0.1)

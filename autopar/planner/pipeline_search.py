@@ -134,8 +134,8 @@ class _Groups:
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
         self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
-        self.priced = 0.0   # CPU seconds of the costliest pricing of a group solved (its solve's end to the next solve)
-        self.solved_at: float | None = None     # CPU clock when the last solve ended (None: none, or the flat plan since)
+        self.priced = 0.0   # CPU seconds of the costliest pricing of a group (its solve's end to the next solve)
+        self.solved_at: float | None = None     # CPU clock at the last solve's end (None: none, or flat plan since)
         self.started = (time.perf_counter(), time.process_time())
         self.flat: Plan | None = None
         self.why: InfeasibleError | None = None

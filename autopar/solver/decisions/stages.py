@@ -251,22 +251,21 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     Once `out_of_time(0)`, the best found so far is the answer (the search goes on only while
     neither it nor `incumbent_s` exists); the groups' bounds, which cost no solve, are still
     weighed, so a group is counted unsearched only where its bound could beat the answer (the
-    status is then the same under any load where the bounds decide). With no plan in hand, a group
-    that overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
-    bytes in flight per rank) is still to be searched (`_Search.tighten`), whatever the time left, so
-    the path to the first plan that fits does not depend on the machine's speed; the groups put off
-    are solved again after the others, the most microbatches first, where none fits yet or, with a
-    plan in hand, while time remains and their bound could beat it (on Llama-3-405B over
-    (128, 16, 8) at time_limit=60 the group of 64 microbatches' two re-solves, peaks of 96 and 100
-    GiB against 74, took ~27 s before the group of 128 was solved, which then fit at its first solve
-    at the scale 64's overflow suggests). Out of time with no plan in hand, or after a group of its
-    axis was put off, a group starts at the budget scale the last overflow of its axis suggests (the
-    ranks' state, parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B the
-    groups of 64, 128 and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks of
-    126, 88 and 78 GiB), and the groups of an axis with fewer microbatches than one that
-    overflowed (larger microbatches, more bytes in flight) are left. `past()`: the deadline has passed,
-    which stops the pricing of a group solved (a few evaluations a candidate, not a group's solve;
-    default: `out_of_time(0)`)."""
+    status is then the same under any load where the bounds decide). With no plan in hand, a group that
+    overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer bytes in
+    flight per rank) is still to be searched (`_Search.tighten`), whatever the time left, so the path to
+    the first plan that fits depends on the machine's speed only where the deadline cuts it; the groups
+    put off are solved again after the others, the most microbatches first, where none fits yet or, with
+    a plan in hand, while time remains and their bound could beat it (on Llama-3-405B over (128, 16, 8)
+    at time_limit=60 the group of 64 microbatches' two re-solves, peaks of 96 and 100 GiB against 74,
+    took ~27 s before the group of 128 was solved, which then fit at its first solve at the scale 64's
+    overflow suggests). Out of time with no plan in hand, or after a group of its axis was put off, a
+    group starts at the budget scale the last overflow of its axis suggests (the ranks' state,
+    parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B the groups of 64, 128
+    and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB),
+    and the groups of an axis with fewer microbatches than one that overflowed (larger microbatches, more
+    bytes in flight) are left. `past()`: the deadline has passed, which stops the pricing of a group
+    solved (a few evaluations a candidate, not a group's solve; default: `out_of_time(0)`)."""
     state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time,
                     past if past is not None else lambda: out_of_time(0.0))
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
