@@ -35,6 +35,7 @@ from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, 
 from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
 from ..solver.evaluate import Staging
+from ..solver.heuristic import families_for
 from ..solver.ilp import most_sharded
 from ..solver.solve import AT_TIME_LIMIT, solve
 
@@ -155,9 +156,15 @@ class _Groups:
         problem = self.problems[axis, m]
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
+        view, budget = per_step_view(problem, m), self.budget * stages * scale
         try:
-            result = solve(per_step_view(problem, m), self.budget * stages * scale, self._solve_limit(),
-                           start=start, floor=first)
+            if not first and scale < 1.0 and families_for(view, budget, most_sharded(view)) is None:
+                # a re-solve with a plan in hand would seek the plan of least memory, which no deadline bounds
+                # (Llama-3-405B's 16-microbatch group at x0.111: 159 CPU s, to find it needs 252 GiB a device)
+                log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: no memory options fit "
+                         "its most sharded layouts; not solved, a plan is in hand", axis, m, scale)
+                return None
+            result = solve(view, budget, self._solve_limit(), start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
