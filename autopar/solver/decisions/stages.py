@@ -259,7 +259,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     a plan in hand, while time remains and their bound could beat it (on Llama-3-405B over (128, 16, 8)
     at time_limit=60 the group of 64 microbatches' two re-solves, peaks of 96 and 100 GiB against 74,
     took ~27 s before the group of 128 was solved, which then fit at its first solve at the scale 64's
-    overflow suggests). Out of time with no plan in hand, or after a group of its axis was put off, a
+    overflow suggests). With no plan in hand, out of time or after a group of its axis was put off, a
     group starts at the budget scale the last overflow of its axis suggests (the ranks' state,
     parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B the groups of 64, 128
     and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB),
@@ -283,7 +283,7 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
-        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # start where its overflow pointed
+        pressed = hurried or (math.isinf(beat) and any(k[0] == key[0] for k, _, _ in waiting))
         put_off = state.tighten(key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS, later)
         if put_off is not None:
             waiting.append(put_off)
