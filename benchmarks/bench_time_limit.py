@@ -94,6 +94,18 @@ where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, sid
 plan_hash 18599a4f3ad5 both (6.942 s, dp 16 x 192 1F1B; 89.4 / 90.3 CPU s); tests/test_pipeline_planning's
 GPT over (2, 2) pp/dp with pipeline={"axis": "pp", "schedule": "1f1b"} at the budget unbounded, 0.5 and
 0.3 of its peak: 62b76d22f351, fd7ccfd4f989, 7ca67a4af0d2 both (the last: 2 overflowed, 4 at x0.747).
+At T=300 (08:00-08:15 UTC, load 4-25): main 325.1 s wall / 65.3 CPU s against 334 (within; 74.28 s: it
+reached only the 16 group, at 328 s). The first change alone (faster to its plan) reached the 16 group's
+re-solve at x0.111 with time left: **694.6 s wall / 196.7 CPU s**, 587 s of it `ilp.least_memory` (not
+bounded by the deadline) finding that group needs 252 GiB a device. Now a re-solve with a plan in hand
+whose most sharded layouts fit no memory options is left (a model of the options alone, 0.4 CPU s here),
+and with a plan in hand a group starts at the whole budget (the 256 group had started at the 16 group's
+x0.111: a 163.5 s step): 201.8 s wall / 42.2 CPU s at load 21, 74.28 s (the 16 group's solve at the
+whole budget, 147 s wall, left no time for another). Open: where time remains after the groups (the run
+before that last change, at load 4-14), the plan without a pipeline is solved, its first plans whatever
+the limit: still in its solve at 660 s wall (stopped there); GPT-3 175B at --time-limit 1000 with the
+guard: plan_hash 18599a4f3ad5 again (309 s wall, 168.7 CPU s: 110 of them in the plan without a pipeline
+at load 4, against 27 at load 10-20 before: not explained, perhaps HiGHS's threads on idle cores).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
