@@ -106,6 +106,11 @@ before that last change, at load 4-14), the plan without a pipeline is solved, i
 the limit: still in its solve at 660 s wall (stopped there); GPT-3 175B at --time-limit 1000 with the
 guard: plan_hash 18599a4f3ad5 again (309 s wall, 168.7 CPU s: 110 of them in the plan without a pipeline
 at load 4, against 27 at load 10-20 before: not explained, perhaps HiGHS's threads on idle cores).
+The final code at T=60, side by side at load 8-12 (08:15-08:20 UTC): now 48.1 s wall / 23.0 CPU s against
+71 (within; 74.30 s); main re-solved the 64 group twice, overflowed with 128 at x1.0 and then with the
+16 group at x0.749 (4,295 GiB: the logits of a 128-sequence microbatch whole), all with no plan in hand,
+and was in that group's least-memory re-solve past the deadline: **still running at ~170 s wall, 172
+CPU s** (stopped there).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);
