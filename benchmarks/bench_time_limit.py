@@ -109,7 +109,7 @@ at load 4, against 27 at load 10-20 before: not explained, perhaps HiGHS's threa
 The final code at T=60, side by side at load 8-12 (08:15-08:20 UTC): now 48.1 s wall / 23.0 CPU s against
 71 (within; 74.30 s); main re-solved the 64 group twice, overflowed with 128 at x1.0 and then with the
 16 group at x0.749 (4,295 GiB: the logits of a 128-sequence microbatch whole), all with no plan in hand,
-and was in that group's least-memory re-solve past the deadline: **still running at ~170 s wall, 172
+and was in that group's least-memory re-solve past the deadline: **still running at ~260 s wall, ~170
 CPU s** (stopped there).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
