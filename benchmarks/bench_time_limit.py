@@ -60,6 +60,57 @@ first and schedules holding more left where it fits nowhere): 76 s / 21 CPU s (7
 44 (78 s step) beside main's last two runs, 67 / 50 alone at load 3.7 (78 s; this and the first
 without the in-flight order): the same time within the noise, **the bound missed by up to 14% by both**; past the deadline with no plan in hand the
 256-microbatch group is solved three times (its ranks' peak stayed 77.6 GiB at two budget scales).
+Stop 51 (s51405, 2026-11-28 07:00-07:40 UTC; T=60, side by side with main 88ea020 unless said, load
+average 4-20 on 2 cores). Why the bound was missed: main, at load 3.6 alone, 72.8 s wall / 37.2 CPU s
+against 68.2 allowed (an 81.8 s step): the 64-microbatch group, which overflowed (126.3 GiB: its last
+rank holds the head's state and the logits returned whole, 87 GiB saved at the end of its forward,
+against 74), was solved twice more (95.8 and 99.7 GiB: a whole-model budget does not reach that rank)
+before the 128 and 256 groups, and the 256 group's re-solves ran past the deadline with no plan in
+hand. Whether main re-solved the 64 group depended on the load (`tighten` put it off only when the time
+left looked short), hence its 74-93 s steps. Now, with no plan in hand, a group that overflowed always
+waits for the groups of its axis with more microbatches, and those start at the scale its overflow
+suggests: the 128 group at x0.557 fits at its first solve; and a group's solve ends in time for its
+pricing (as long as the costliest pricing so far) before the deadline. Runs (wall / CPU s, allowed,
+step): load 6.6-8.7, main 90.5 / 22.8 against 68.3 (**missed by 32%**: 64 re-solved once, then 128 at
+x0.408, an 80.58 s step), now 67.7 / 20.9 against 68.5 (within; 74.59 s); at load 8 (both put the 64
+group off, the load pressing main too) main 74.8 / 15.2 and 74.9 / 19.6, now 73.7 / 14.5 and
+75.1 / 20.3, all within their 75.5-77.9 s allowed (captures of 8.6-10.7 s), steps 74.37-76.57 s; alone at load
+6.5, now 50.3 / 23.3 (within; 74.30 s, the 128 group's solve finished: optimal for the alternation).
+Before the solve's pricing reserve (the first change alone, side by side at load 5.6-6.4): main 90.6 /
+22.6, now 82.4 / 22.3, both past the ~72.5 s allowed (the 128 solve, cut at the deadline, then 8 s wall
+of pricing and 5 of assembly at ~0.3 of a core). The plan now: pp 16 x 128 microbatches, 1F1B, 74.30 s
+where the 128 group's solve ends before the deadline, 74.37-76.57 s where the deadline cuts it (main:
+74.6-93 s). The reserve first took the pricing's wall time: under a load spike the 64 group's pricing
+took 9.8 s wall for 0.8 CPU s, the 128 solve was cut early, an 88.5 s step (60.0 s wall; main beside it
+71.1 / 20.9, 74.30 s, within); it now takes the pricing's CPU seconds at the share of a core the search
+has had. With that, side by side: load 11-14, main 77.3 / 18.3 against 71.2 (**missed by 8.5%**), now
+72.2 / 17.4 against 71.3 (**missed by 1.3%**: the solve ran 2.7 s past its limit, then pricing 4.7 s and
+assembly 2.9 s wall at ~0.23 of a core), both an 88.5 s step (the 128 solve cut before its MIP improved
+the rounded LP); load 10-11, main 77.6 / 17.3 against 73.3 (missed by 5.9%), now 72.3 / 16.1 against
+72.9 (within), both 76.57 s. So: within the bound in 7 of 9 runs (main 3 of 8), the path to the first
+plan the same under any load (64, then 128 at x0.557), the step 74.30 s where the 128 solve ends before
+the deadline and up to 88.5 s where a heavily loaded machine cuts it (main the same there). Unchanged
+where the first group fits: GPT-3 175B (bench_plan_speed, --time-limit 1000, side by side, load 10-20):
+plan_hash 18599a4f3ad5 both (6.942 s, dp 16 x 192 1F1B; 89.4 / 90.3 CPU s); tests/test_pipeline_planning's
+GPT over (2, 2) pp/dp with pipeline={"axis": "pp", "schedule": "1f1b"} at the budget unbounded, 0.5 and
+0.3 of its peak: 62b76d22f351, fd7ccfd4f989, 7ca67a4af0d2 both (the last: 2 overflowed, 4 at x0.747).
+At T=300 (08:00-08:15 UTC, load 4-25): main 325.1 s wall / 65.3 CPU s against 334 (within; 74.28 s: it
+reached only the 16 group, at 328 s). The first change alone (faster to its plan) reached the 16 group's
+re-solve at x0.111 with time left: **694.6 s wall / 196.7 CPU s**, 587 s of it `ilp.least_memory` (not
+bounded by the deadline) finding that group needs 252 GiB a device. Now a re-solve with a plan in hand
+whose most sharded layouts fit no memory options is left (a model of the options alone, 0.4 CPU s here),
+and with a plan in hand a group starts at the whole budget (the 256 group had started at the 16 group's
+x0.111: a 163.5 s step): 201.8 s wall / 42.2 CPU s at load 21, 74.28 s (the 16 group's solve at the
+whole budget, 147 s wall, left no time for another). Open: where time remains after the groups (the run
+before that last change, at load 4-14), the plan without a pipeline is solved, its first plans whatever
+the limit: still in its solve at 660 s wall (stopped there); GPT-3 175B at --time-limit 1000 with the
+guard: plan_hash 18599a4f3ad5 again (309 s wall, 168.7 CPU s: 110 of them in the plan without a pipeline
+at load 4, against 27 at load 10-20 before: not explained, perhaps HiGHS's threads on idle cores).
+The final code at T=60, side by side at load 8-12 (08:15-08:20 UTC): now 48.1 s wall / 23.0 CPU s against
+71 (within; 74.30 s); main re-solved the 64 group twice, overflowed with 128 at x1.0 and then with the
+16 group at x0.749 (4,295 GiB: the logits of a 128-sequence microbatch whole), all with no plan in hand,
+and was in that group's least-memory re-solve past the deadline: **still running at ~260 s wall, ~170
+CPU s** (stopped there).
 Gemma-2-9B (bench_plan_speed's held-out config) at limit 1, 2026-11-28, load 4-6, unchanged by this
 stop: 4.2-5.6 CPU s a call, main and now alike (capture 1.2-1.8, strategies 0.8-1.2, the first plan
 ~2.0: the most sharded plan's options, the layout model's build and LP, the rounded plan's options);

@@ -3,6 +3,7 @@ and virtual stages, jointly with layouts and memory, priced per pipeline rank by
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import autopar
@@ -99,6 +100,29 @@ def test_at_the_time_limit_only_groups_whose_bound_could_win_go_unsearched():
                             floor=lambda c: bound[c.microbatches],
                             incumbent_s=2.0)
     assert (found.best, found.solved, found.pruned, found.unsearched) == (None, 0, 1, (("pp", 2), ("pp", 8)))
+
+
+def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatches(monkeypatch):
+    """A group every pipeline of which overflows a rank, with no plan in hand, is solved again only after
+    the groups of its axis with more microbatches (fewer bytes in flight per rank), whatever the time
+    left, and those start at the budget scale its overflow suggests; its re-solves follow, while they
+    could beat the plan found (here they do)."""
+    calls = []
+
+    def solve_at(axis, m, scale, first):
+        calls.append((m, round(scale, 3), first))
+        return m, scale
+
+    def priced(mesh, group, solved, budget, floor, beat, out_of_time, past):     # m=2 fits below 0.4 of the budget
+        m, scale = solved
+        fits = m == 4 or scale < 0.4
+        found = SimpleNamespace(evaluation=SimpleNamespace(step_s=m / 2)) if fits else None
+        return found, budget * (1 if fits else 2)
+    monkeypatch.setattr(stages, "_best_of", priced)
+    found = choose_pipeline(None, [Candidate("pp", 2, m, "1f1b", 1) for m in (2, 4)], solve_at, 1.0,
+                            floor=lambda c: 0.1)
+    assert calls == [(2, 1.0, True), (4, 0.475, True), (2, 0.475, False), (2, 0.226, False)]
+    assert found.best.evaluation.step_s == 1.0 and found.solved == 2
 
 
 def test_the_lower_bound_is_below_the_priced_step(chosen):

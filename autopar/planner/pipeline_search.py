@@ -35,6 +35,7 @@ from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, 
 from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
                                       per_step_view)
 from ..solver.evaluate import Staging
+from ..solver.heuristic import families_for
 from ..solver.ilp import least_seconds, most_sharded
 from ..solver.solve import AT_TIME_LIMIT, solve
 
@@ -134,6 +135,9 @@ class _Groups:
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
         self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
+        self.priced = 0.0   # CPU seconds of the costliest pricing of a group (its solve's end to the next solve)
+        self.solved_at: float | None = None     # CPU clock at the last solve's end (None: none, or flat plan since)
+        self.started = (time.perf_counter(), time.process_time())
         self.flat: Plan | None = None
         self.why: InfeasibleError | None = None
 
@@ -141,6 +145,8 @@ class _Groups:
         """`choose_pipeline`'s `solve_at`: `first`, no plan that fits is in hand (the plan without a
         pipeline counted), so the solver's first plans come whatever the time (`solver.solve`'s `floor`)."""
         t = time.perf_counter()
+        if self.solved_at is not None:      # since the last solve: its group's pricing
+            self.priced = max(self.priced, time.process_time() - self.solved_at)
         cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
         mesh = self.mesh
         if (axis, m) not in self.problems:
@@ -150,17 +156,34 @@ class _Groups:
         problem = self.problems[axis, m]
         stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
+        view, budget = per_step_view(problem, m), self.budget * stages * scale
         try:
-            result = solve(per_step_view(problem, m), self.budget * stages * scale, remaining(self.deadline),
-                           start=start, floor=first)
+            if not first and scale < 1.0 and families_for(view, budget, most_sharded(view)) is None:
+                # a re-solve with a plan in hand would seek the plan of least memory, which no deadline bounds
+                # (Llama-3-405B's 16-microbatch group at x0.111: 159 CPU s, to find it needs 252 GiB a device)
+                log.info("pipeline group axis=%s microbatches=%d, whole-model budget x%.3f: no memory options fit "
+                         "its most sharded layouts; not solved, a plan is in hand", axis, m, scale)
+                return None
+            result = solve(view, budget, self._solve_limit(), start=start, floor=first)
         except InfeasibleError as e:
             log.info("pipeline candidate axis=%s microbatches=%d: infeasible (%s)", axis, m, e)
             return None
         finally:
+            self.solved_at = time.process_time()
             self.took = max(self.took, time.perf_counter() - t)
         self.statuses[axis, m] = result.status
         self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
+
+    def _solve_limit(self) -> float | None:
+        """A group's solve ends in time for its pricing by the deadline: as many CPU seconds as the costliest
+        so far, at the share of a core the search has had (on a loaded machine a pricing of 0.8 CPU s took
+        1.5-10 s wall: its CPU seconds, not its wall time, carry over to the next group)."""
+        left = remaining(self.deadline)
+        if left is None or not self.priced:
+            return left
+        wall, cpu = time.perf_counter() - self.started[0], time.process_time() - self.started[1]
+        return max(left - self.priced * max(wall / max(cpu, 1e-9), 1.0), 0.0)     # a pricing runs on one core
 
     def out_of_time(self, after: float = 0.0) -> bool:
         """A group as long as the costliest so far, started `after` seconds from now, would end past the deadline."""
@@ -187,7 +210,8 @@ class _Groups:
             problem = planning_problem(*self.captured[1], self.mesh, self.opts)
             if least_seconds(problem) >= beat:
                 return replace(found, pruned=found.pruned + 1)
-        # not counted in `took`: its solve has its own share of the time (FLAT_SHARE), not a group's
+        # not counted in `took` (its solve has its own share of the time, FLAT_SHARE) nor in `priced`
+        self.solved_at = None
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
                                     self.deadline, more, problem)
         return found

@@ -25,7 +25,6 @@ import functools
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -252,18 +251,21 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     Once `out_of_time(0)`, the best found so far is the answer (the search goes on only while
     neither it nor `incumbent_s` exists); the groups' bounds, which cost no solve, are still
     weighed, so a group is counted unsearched only where its bound could beat the answer (the
-    status is then the same under any load where the bounds decide). With no plan in hand and no
-    time for a re-solve as long as the last and then another group (`_Search.tighten`), a group that
-    overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer
-    bytes in flight per rank) is still to be searched; its re-solves come only where none of
-    those fits. Out of time with no plan in hand, or after a group of its axis was put off so, a
+    status is then the same under any load where the bounds decide). With no plan in hand, a group that
+    overflowed waits while a group of the same axis with more microbatches (smaller ones: fewer bytes in
+    flight per rank) is still to be searched (`_Search.tighten`), whatever the time left, so the path to
+    the first plan that fits depends on the machine's speed only where the deadline cuts it; the groups
+    put off are solved again after the others, the most microbatches first, where none fits yet or, with
+    a plan in hand, while time remains and their bound could beat it (on Llama-3-405B over (128, 16, 8)
+    at time_limit=60 the group of 64 microbatches' two re-solves, peaks of 96 and 100 GiB against 74,
+    took ~27 s before the group of 128 was solved, which then fit at its first solve at the scale 64's
+    overflow suggests). With no plan in hand, out of time or after a group of its axis was put off, a
     group starts at the budget scale the last overflow of its axis suggests (the ranks' state,
-    parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B over (128, 16, 8)
-    the groups of 64, 128 and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks
-    of 126, 88 and 78 GiB), and the groups of an axis with fewer microbatches than one that
-    overflowed (larger microbatches, more bytes in flight) are left. `past()`: the deadline has passed,
-    which stops the pricing of a group solved (a few evaluations a candidate, not a group's solve;
-    default: `out_of_time(0)`)."""
+    parameters and optimizer, does not shrink with the microbatch: on Llama-3-405B the groups of 64, 128
+    and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB),
+    and the groups of an axis with fewer microbatches than one that overflowed (larger microbatches, more
+    bytes in flight) are left. `past()`: the deadline has passed, which stops the pricing of a group
+    solved (a few evaluations a candidate, not a group's solve; default: `out_of_time(0)`)."""
     state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time,
                     past if past is not None else lambda: out_of_time(0.0))
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
@@ -281,13 +283,15 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
             continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
-        pressed = hurried or any(k[0] == key[0] for k, _, _ in waiting)     # no time for this axis' re-solves
+        pressed = hurried or (math.isinf(beat) and any(k[0] == key[0] for k, _, _ in waiting))
         put_off = state.tighten(key, group, state.tighter.get(key[0], 1.0) if pressed else 1.0, TIGHTEN_ROUNDS, later)
         if put_off is not None:
             waiting.append(put_off)
-    for key, scale, rounds in waiting:          # the groups put off, where nothing fits yet
-        if math.isinf(state.beat()):
-            state.tighten(key, [c for c in cands if (c.axis, c.microbatches) == key], scale, rounds, False)
+    for key, scale, rounds in reversed(waiting):     # the groups put off, the most microbatches first
+        group = [c for c in cands if (c.axis, c.microbatches) == key]
+        beat = state.beat()
+        if math.isinf(beat) or not (out_of_time(0.0) or (floor is not None and min(map(floor, group)) >= beat)):
+            state.tighten(key, group, scale, rounds, False)
     return Searched(state.best, state.least, state.solved, state.pruned, tuple(state.unsearched))
 
 
@@ -318,10 +322,8 @@ class _Search:
         """One group solved at `scale` and priced, and solved again with the budget lowered by the
         overflow while no pipeline fits, at most `rounds` times; the best found is kept. Returns (key,
         scale, re-solves left) where the re-solves are put off (`later`: a group of the same axis with
-        more microbatches is still to come; no plan in hand and no time for a re-solve as long as this
-        group's last and then another group), else None."""
+        more microbatches is still to come; no plan in hand), else None."""
         while True:
-            t = time.perf_counter()
             beat = self.beat()
             found_plan = self.solve_at(key[0], key[1], scale, math.isinf(beat))
             if found_plan is None:          # no plan of this microbatch fits even the relaxed budget
@@ -344,7 +346,7 @@ class _Search:
             if rounds == 0 or (math.isfinite(beat) and self.out_of_time(0.0)):
                 return None
             rounds -= 1
-            if later and math.isinf(beat) and self.out_of_time(time.perf_counter() - t):
+            if later and math.isinf(beat):
                 return key, scale, rounds
 
 
