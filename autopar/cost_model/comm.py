@@ -441,8 +441,9 @@ def _shards(layout, dim: int, below: int) -> tuple[int, ...]:
 def redistribute_steps(src: tuple[Code, ...], dst: tuple[Code, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, Code, Code], ...]:
     """The single-axis steps (axis, from, to) the runtime takes from src to dst (`runtime/reshard.py`;
-    `runtime/direct_reshard.py` issues these very steps): nothing where only axes of one device change (a relabelling); else every axis going to a Partial
-    (or between two Partial kinds) goes to Replicate, the local tensor zeroed or kept after (free),
+    `runtime/direct_reshard.py` issues these very steps): nothing where only axes of one device
+    change (a relabelling); else every axis going to a Partial (or between two Partial kinds) goes to
+    Replicate, the local tensor zeroed or kept after (free),
     and DTensor's redistribute runs its greedy plan to that layout (torch 2.13,
     `_redistribute.generate_greedy_transform_infos`), read from it:
       1. if src shards anything, the axes from the innermost out, each straight to its target, but

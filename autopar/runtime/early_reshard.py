@@ -61,19 +61,18 @@ class EarlyReshard(Reshard):
         return super().extra_repr() + " (issued early, waited at first use)"
 
 
-class LocalCollective(Reshard):
+class LocalCollective(EarlyReshard):
     """Graph op: `y = self.reshard_x(x)` on an edge where a tensor no gradient flows through moves from
     `source` by one c10d collective (`reshard.collective_move`: `move` is its (axis, gathered)) to
     `layout`: the collective on the plain local tensor (`x` plain, or a DTensor in `source`), `y` the
     plain result. Issued early (`early`, set by `early_reshards`), `y` is valid after
-    `self.reshard_x.wait(y)`. Traced (the compile backend) it moves the DTensor as `Reshard` does, so
-    that every rank traces the same graph."""
+    `self.reshard_x.wait(y)` (`EarlyReshard.wait`). Traced (the compile backend) it moves the DTensor
+    as `Reshard` does, so that every rank traces the same graph."""
 
     def __init__(self, layout, source, move: tuple[int, bool], mesh):
         super().__init__(layout)
         self.source, self.move, self.mesh = tuple(source), tuple(move), mesh
         self.early = False
-        self._work = None
 
     def forward(self, x):
         if tracing() or watch_of(self.mesh) is not None:     # watched: the blocking, watched move
@@ -82,12 +81,6 @@ class LocalCollective(Reshard):
             return to_layout(x, self.layout).to_local()
         local = x.to_local() if isinstance(x, DTensor) else x
         y, self._work = local_collective(local, self.mesh, *self.move, async_op=self.early)
-        return y
-
-    def wait(self, y):
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
         return y
 
     def extra_repr(self) -> str:
