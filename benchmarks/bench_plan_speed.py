@@ -128,6 +128,11 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     its LP floor is below the pp groups' best); the same with axes named a/b/c: both eadf3b99a9eb,
     12.19 / 12.17; Llama-3-8B at 16 x 4096 on (2, 4, 4): both 80f44fdea2e0 (0.4321 s), 35.9 / 26.5
     CPU s (the plan without a pipeline ruled out).
+  - Main after stop 51's merges (8611a6d, with s51405's search order and the lead's fix: the plan
+    without a pipeline no longer counted as a group's length from the call's start), `--model
+    gpt3-175b`, load 2-3 (the benchmark alone but for the tail of a helper's run): 54.6 s wall, 60.8
+    CPU s (capture 3.8 s), 12 of 13 candidates solved, 1 ruled out by its bound: 18599a4f3ad5, a
+    6.942 s step (dp, 16 stages, 192 microbatches, 1F1B; ~48.1% MFU). 30 s: missed.
 """
 from __future__ import annotations
 

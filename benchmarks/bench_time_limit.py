@@ -175,6 +175,12 @@ plan 4.2, the floor's six local rounds ~5.5, which its 1.25x needs: one round le
 longer never slower: true. bench_plan_speed at limit 60, main / branch side by side, same plan_hash:
 qwen3-8b c7e396120e9f (3.16 / 2.80 CPU s), phi3-mini 5199d4f0562d (1.83 / 1.71), mistral-7b
 f6869b283524 (2.23 / 1.97), gemma2-9b 571bbfd08c0d (5.39 / 4.67), olmo2-7b 9078598f0bb2 (2.52 / 2.17).
+Main after stop 51's merges (8611a6d, 2026-11-28 08:21-08:25 UTC, load 2-3, `--llama3-405b 60`, which
+runs the default limits too): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x the limit-120 plan) in
+13.4 s wall (capture 0.62 s: the bound, 1.8 s, missed; ~35 s at the start of the stop), limit 30:
+1.7361 in 30.6 s, limit 120: 1.7361 in 85.6 s; longer never slower: true. Llama-3-405B at T=60:
+50.8 s wall, 51.8 CPU s, capture 1.16 s: within (allowed 67.3 s), a 74.30 s step (pp 16 x 128
+microbatches, 1F1B), "4 of 9 candidates solved, 5 not searched".
 """
 from __future__ import annotations
 
