@@ -23,6 +23,7 @@ tensor-parallel moves through DTensor took 250-850 us each (two gathers of a 256
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,27 @@ from ..compat import dtensor_from
 from ..cost_model.comm import layout_code, redistribute_steps
 
 _R, _S, _P = 0, 1, 2          # comm's placement codes: (_R,), (_S, dim), (_P, reduce op)
+
+
+def local_collective(local: torch.Tensor, mesh, axis: int, gathered: bool, async_op: bool = False) -> tuple:
+    """(a new tensor, the work handle: None unless `async_op`) holding `local` all-gathered on dim 0
+    (`gathered`) or all-reduced over mesh `axis` (`reshard.collective_move`)."""
+    if gathered:
+        out = local.new_empty((local.shape[0] * mesh.size(axis), *local.shape[1:]))
+        group = mesh.get_group(axis)
+        return out, dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=async_op)
+    out = local.clone(memory_format=torch.contiguous_format)
+    return out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=async_op)
+
+
+def local_block(local: torch.Tensor, axes: Sequence[tuple[int, int]], coord: Sequence[int],
+                mesh_shape: Sequence[int]) -> torch.Tensor:
+    """This rank's block of `local` split along `axes` ((mesh axis, dim): `reshard.split_axes`), in mesh order
+    as DTensor's chunks."""
+    for a, d in axes:
+        k = local.shape[d] // mesh_shape[a]
+        local = local.narrow(d, coord[a] * k, k)
+    return local
 
 
 def direct_steps(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
@@ -46,7 +68,7 @@ def direct_steps(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
     local, coord = x.to_local(), mesh.get_coordinate()
     for axis, a, b in steps:
         if sizes[axis] > 1:
-            local = _step(local, a, b, sizes[axis], mesh.get_group(axis), coord[axis])
+            local = _step(local, a, b, mesh, axis, coord)
     return dtensor_from(local, mesh, layout, shape=x.shape, stride=x.stride()), None
 
 
@@ -64,25 +86,21 @@ def _takes(shape, src: tuple, steps: tuple, sizes: tuple) -> bool:
     return all(len(c) <= 2 for c in src)
 
 
-def _step(local: torch.Tensor, a: tuple, b: tuple, n: int, group, index: int) -> torch.Tensor:
-    """`local` after one step over an axis of `n` devices (`group`, this rank at `index` on it)."""
+def _step(local: torch.Tensor, a: tuple, b: tuple, mesh, axis: int, coord) -> torch.Tensor:
+    """`local` after one step over mesh `axis` (this rank at `coord` on the mesh), on the runtime's
+    own collectives and slices (`local_collective`, `local_block`)."""
+    n = mesh.size(axis)
     if a[0] == _P and b[0] == _R:
-        out = local.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
-        return out
+        return local_collective(local, mesh, axis, gathered=False)[0]
     if a[0] == _P:
         d = b[1]
         k = local.shape[d] // n
         chunks = local.unflatten(d, (n, k)).movedim(d, 0).contiguous()
         out = local.new_empty((*local.shape[:d], k, *local.shape[d + 1:]))
-        dist.reduce_scatter_tensor(out.view(-1), chunks.view(-1), group=group)
+        dist.reduce_scatter_tensor(out.view(-1), chunks.view(-1), group=mesh.get_group(axis))
         return out
     if a[0] == _S:
         d = a[1]
-        stacked = local.new_empty((n, *local.shape))
-        dist.all_gather_into_tensor(stacked.view(n * local.shape[0], *local.shape[1:]), local.contiguous(),
-                                    group=group)
+        stacked = local_collective(local, mesh, axis, gathered=True)[0].view(n, *local.shape)
         return stacked.movedim(0, d).reshape(*local.shape[:d], n * local.shape[d], *local.shape[d + 1:])
-    d = b[1]                                   # R -> S(d)
-    k = local.shape[d] // n
-    return local.narrow(d, index * k, k)
+    return local_block(local, ((axis, b[1]),), coord, mesh.shape)     # R -> S(d)

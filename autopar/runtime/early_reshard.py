@@ -28,7 +28,8 @@ from ..placement import layout_str
 from . import rng
 from .faults import watch_of
 from .ops import LocalOp
-from .reshard import Reshard, local_collective, one_collective, to_layout
+from .direct_reshard import local_collective
+from .reshard import Reshard, one_collective, to_layout
 
 
 class EarlyReshard(Reshard):

@@ -20,13 +20,12 @@ import threading
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import dtensor_from, tracing
 from ..placement import layout_str, over_one_device
-from .direct_reshard import direct_steps
+from .direct_reshard import direct_steps, local_block, local_collective
 from .faults import watched
 
 
@@ -154,17 +153,6 @@ def collective_move(cur: Sequence[Placement], layout: Sequence[Placement], shape
     return None
 
 
-def local_collective(local: torch.Tensor, mesh, axis: int, gathered: bool, async_op: bool = False) -> tuple:
-    """(a new tensor, the work handle: None unless `async_op`) holding `local` all-gathered on dim 0
-    (`gathered`) or all-reduced over mesh `axis` (`collective_move`)."""
-    if gathered:
-        out = local.new_empty((local.shape[0] * mesh.size(axis), *local.shape[1:]))
-        group = mesh.get_group(axis)
-        return out, dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=async_op)
-    out = local.clone(memory_format=torch.contiguous_format)
-    return out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=async_op)
-
-
 def split_axes(cur: Sequence[Placement], layout: Sequence[Placement], shape: Sequence[int],
                mesh_shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
     """((mesh axis, dim), ...) where moving a tensor of global `shape` from `cur` to `layout` only splits
@@ -183,16 +171,6 @@ def split_axes(cur: Sequence[Placement], layout: Sequence[Placement], shape: Seq
             return None
         size[d] //= mesh_shape[a]
     return tuple((a, layout[a].dim) for a in changed)
-
-
-def local_block(local: torch.Tensor, axes: Sequence[tuple[int, int]], coord: Sequence[int],
-                mesh_shape: Sequence[int]) -> torch.Tensor:
-    """This rank's block of `local` split along `axes` ((mesh axis, dim): `split_axes`), in mesh order
-    as DTensor's chunks."""
-    for a, d in axes:
-        k = local.shape[d] // mesh_shape[a]
-        local = local.narrow(d, coord[a] * k, k)
-    return local
 
 
 def local_split(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
