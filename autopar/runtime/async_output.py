@@ -15,11 +15,11 @@ With a collective timeout (faults.py) the output is made whole by the watched, b
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..compat import dtensor_from, pytree, tracing, wrapper_tensor
 from ..cost_model.comm import async_output_axis
+from .direct_reshard import local_collective
 from .faults import watch_of
 from .reshard import one_collective, reshard
 
@@ -84,13 +84,12 @@ class _AllReduceLocalLater(torch.autograd.Function):
     whole output's gradient, as it arrives."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group):  # type: ignore[override]
-        out = x.clone(memory_format=torch.contiguous_format)
-        return Pending(out, dist.all_reduce(out, group=group, async_op=True))
+    def forward(ctx, x: torch.Tensor, mesh, axis: int):  # type: ignore[override]
+        return Pending(*local_collective(x, mesh, axis, gathered=False, async_op=True))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
+        return grad, None, None
 
 
 class AsyncOutput(torch.nn.Module):
@@ -111,7 +110,7 @@ class AsyncOutput(torch.nn.Module):
             if self.blocking or tracing() or watch_of(self.mesh) is not None:
                 x = dtensor_from(x, self.mesh, self.source)
             else:
-                return _AllReduceLocalLater.apply(x, self.mesh.get_group(self.axis))
+                return _AllReduceLocalLater.apply(x, self.mesh, self.axis)
         whole = tuple(Replicate() for _ in range(x.device_mesh.ndim))
         if (self.blocking or watch_of(x.device_mesh) is not None
                 or async_output_axis(x.placements, whole) != self.axis):
