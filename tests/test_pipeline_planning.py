@@ -159,6 +159,45 @@ def test_the_layout_floor_is_below_every_priced_step(monkeypatch):
     assert seen and max(seen) <= 1 + 1e-9 and max(seen) > 0.5      # a floor, and not a vacuous one
 
 
+def test_the_microbatch_floor_is_below_every_priced_step(monkeypatch):
+    """With a plan in hand a group is ruled out before its solve where `microbatch_floor` at its problem's
+    LP bound (gradients synced once a step included) cannot beat it: that floor must never be above what
+    the evaluator prices, at any of the search's candidates."""
+    seen, least = [], {}
+
+    def checked(problem, choice, options=None, staging=None):
+        ev = evaluate(problem, choice, options, staging)
+        p = staging.pipe
+        if id(problem) not in least:
+            least[id(problem)] = least_seconds(stages.per_step_view(problem, p.microbatches))
+        cand = Candidate(p.axis, p.stages, p.microbatches, p.schedule, p.virtual_stages)
+        seen.append(stages.microbatch_floor(cand, least[id(problem)]) / ev.step_s)
+        return ev
+    monkeypatch.setattr(stages, "evaluate", checked)
+    model, inputs = _gpt()
+    autopar.plan(model, inputs, autopar.Mesh((2, 2), ("pp", "dp"), device="h100"), pipeline={}, **KW)
+    assert seen and max(seen) <= 1 + 1e-9 and max(seen) > 0.3      # a floor, and not a vacuous one
+
+
+def test_a_group_whose_costlier_bound_cannot_win_is_not_solved():
+    """With a step in hand, a group the cheap floor cannot rule out but its costlier bound can is counted
+    ruled out and not solved; without a step in hand the costlier bound is not asked."""
+    cands = [Candidate("pp", 2, m, "1f1b", 1) for m in (2, 4)]
+    asked = []
+
+    def bound(c):
+        asked.append(c.microbatches)
+        return 3.0
+
+    def never(*_):
+        raise AssertionError("solved a group its bound rules out")
+    found = choose_pipeline(None, cands, never, 1.0, floor=lambda c: 0.5, incumbent_s=2.0, bound=bound)
+    assert (found.best, found.solved, found.pruned) == (None, 0, 2) and asked == [2, 4]
+    asked.clear()
+    found = choose_pipeline(None, cands, lambda *_: None, 1.0, floor=lambda c: 0.5, bound=bound)
+    assert found.solved == 2 and asked == []
+
+
 def test_schedules_bubble_and_memory():
     # equal stages: 1F1B and GPipe take (m + p - 1) t; interleaving divides the fill by v; zero bubble
     # fills with F + B - W only

@@ -32,8 +32,8 @@ from .cache import PlanCache
 from .pipeline import fixed_pipeline, lifted, stage_options
 from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, phase, planning_problem,
                       remaining, solve_captured)
-from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline, node_chunks,
-                                      per_step_view)
+from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline,
+                                      microbatch_floor, node_chunks, per_step_view)
 from ..solver.evaluate import Staging
 from ..solver.heuristic import families_for
 from ..solver.ilp import least_seconds, most_sharded
@@ -88,14 +88,15 @@ def _search(model: torch.nn.Module, args: tuple, kwargs: dict | None, mesh: Mesh
     run = _Groups(model, args, kwargs, mesh, opts, captured, deadline)
     # axes named for pipelines first, then the plan without one (unless a pipeline found is faster than
     # its floor, or the time is out), then the other axes
-    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor, past=run.past)
+    found = choose_pipeline(mesh, hinted, run.solve_at, run.budget, run.out_of_time, floor, past=run.past,
+                            bound=run.bound)
     if unpiped:
         found = run.flat_after(found, floor, t0, len(cands) > len(hinted))
     flat = run.flat
     rest = choose_pipeline(mesh, [c for c in cands if c not in hinted], run.solve_at, run.budget, run.out_of_time,
                            floor, min(flat.estimate.step_time_s if flat is not None else math.inf,
                                       found.best.evaluation.step_s if found.best is not None else math.inf),
-                           past=run.past)
+                           past=run.past, bound=run.bound)
     found = _merged(found, rest)
     if found.best is None or (flat is not None and flat.estimate.step_time_s <= found.best.evaluation.step_s):
         if flat is not None:
@@ -134,6 +135,7 @@ class _Groups:
         self.problems: dict[tuple, object] = {}   # (axis, microbatches) -> its problem
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
+        self.least: dict[tuple, float] = {}       # (axis, microbatches) -> `least_seconds` of its problem's view
         self.took = 0.0     # seconds of the costliest group so far (the first is tried whatever the time left)
         self.priced = 0.0   # CPU seconds of the costliest pricing of a group (its solve's end to the next solve)
         self.solved_at: float | None = None     # CPU clock at the last solve's end (None: none, or flat plan since)
@@ -147,14 +149,9 @@ class _Groups:
         t = time.perf_counter()
         if self.solved_at is not None:      # since the last solve: its group's pricing
             self.priced = max(self.priced, time.process_time() - self.solved_at)
-        cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
-        mesh = self.mesh
-        if (axis, m) not in self.problems:
-            self.problems[axis, m] = planning_problem(cap, infos, mesh.stage_mesh(axis),
-                                                      _stage_opts(self.stage_opts, mesh, axis))
-            gc.freeze()
-        problem = self.problems[axis, m]
-        stages = 1 if axis is None else mesh.shape[mesh.axis_index(axis)]
+        problem = self._problem(axis, m)
+        cap = self.captured[m][0]
+        stages = 1 if axis is None else self.mesh.shape[self.mesh.axis_index(axis)]
         start = _carried(problem, self.plans, axis, m) if (axis, m) not in self.plans else None
         view, budget = per_step_view(problem, m), self.budget * stages * scale
         try:
@@ -174,6 +171,24 @@ class _Groups:
         self.statuses[axis, m] = result.status
         self.plans[axis, m] = (problem, result.choice, result.options)
         return problem, result.choice, result.options, cap.gm.graph
+
+    def _problem(self, axis, m: int):
+        """The group's problem (one microbatch of `m` on the mesh without `axis`), built once."""
+        if (axis, m) not in self.problems:
+            cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
+            self.problems[axis, m] = planning_problem(cap, infos, self.mesh.stage_mesh(axis),
+                                                      _stage_opts(self.stage_opts, self.mesh, axis))
+            gc.freeze()
+        return self.problems[axis, m]
+
+    def bound(self, c: Candidate) -> float:
+        """`choose_pipeline`'s `bound`: `microbatch_floor` at the LP bound of the group's problem as its
+        solve sees it (`ilp.least_seconds` of `per_step_view`: 0.06-0.11 CPU s on GPT-3 175B's stage
+        meshes, after the problem's build, 0.5-0.8 s, which the group's solve reuses)."""
+        key = (c.axis, c.microbatches)
+        if key not in self.least:
+            self.least[key] = least_seconds(per_step_view(self._problem(*key), c.microbatches))
+        return microbatch_floor(c, self.least[key])
 
     def _solve_limit(self) -> float | None:
         """A group's solve ends in time for its pricing by the deadline: as many CPU seconds as the costliest

@@ -236,7 +236,8 @@ class Searched:
 
 def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: float,
                     out_of_time: OutOfTime = lambda after=0.0: False, floor: Floor | None = None,
-                    incumbent_s: float = math.inf, past: Callable[[], bool] | None = None) -> Searched:
+                    incumbent_s: float = math.inf, past: Callable[[], bool] | None = None,
+                    bound: Floor | None = None) -> Searched:
     """The fastest candidate whose every pipeline rank fits `budget`. `solve_at(axis, microbatches,
     scale, first)` -> (problem of one microbatch on the mesh without `axis`, its layout choice, its
     family options, the captured graph), the ILP's whole-model budget scaled by `scale`; None when
@@ -265,9 +266,11 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     and 256 microbatches at the whole budget all overflowed the 74 GiB, peaks of 126, 88 and 78 GiB),
     and the groups of an axis with fewer microbatches than one that overflowed (larger microbatches, more
     bytes in flight) are left. `past()`: the deadline has passed, which stops the pricing of a group
-    solved (a few evaluations a candidate, not a group's solve; default: `out_of_time(0)`)."""
+    solved (a few evaluations a candidate, not a group's solve; default: `out_of_time(0)`). `bound(candidate)`:
+    a costlier lower bound (its group's problem built, an LP solved: `microbatch_floor`), asked with a
+    step in hand and time left, where `floor` cannot rule the group out."""
     state = _Search(mesh, solve_at, budget, floor, incumbent_s, out_of_time,
-                    past if past is not None else lambda: out_of_time(0.0))
+                    past if past is not None else lambda: out_of_time(0.0), bound)
     keys = list(dict.fromkeys((c.axis, c.microbatches) for c in cands))
     waiting: list[tuple[tuple, float, int]] = []     # (group, scale, re-solves left) put off by `tighten`
     for i, key in enumerate(keys):
@@ -281,6 +284,9 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
                                                                           for k in state.overflowed)):
             state.unsearched.append(key)
             continue
+        if state.bounded(group, beat):
+            state.pruned += 1
+            continue
         state.solved += 1
         later = any(k[0] == key[0] and k[1] > key[1] for k in keys[i + 1:])
         pressed = hurried or (math.isinf(beat) and any(k[0] == key[0] for k, _, _ in waiting))
@@ -290,7 +296,8 @@ def choose_pipeline(mesh, cands: list[Candidate], solve_at: SolveAt, budget: flo
     for key, scale, rounds in reversed(waiting):     # the groups put off, the most microbatches first
         group = [c for c in cands if (c.axis, c.microbatches) == key]
         beat = state.beat()
-        if math.isinf(beat) or not (out_of_time(0.0) or (floor is not None and min(map(floor, group)) >= beat)):
+        if math.isinf(beat) or not (out_of_time(0.0) or (floor is not None and min(map(floor, group)) >= beat)
+                                    or state.bounded(group, beat)):
             state.tighten(key, group, scale, rounds, False)
     return Searched(state.best, state.least, state.solved, state.pruned, tuple(state.unsearched))
 
@@ -305,6 +312,7 @@ class _Search:
     incumbent_s: float
     out_of_time: OutOfTime
     past: Callable[[], bool]
+    bound: Floor | None
     best: Chosen | None = None
     least: float = math.inf
     solved: int = 0
@@ -316,6 +324,10 @@ class _Search:
     def beat(self) -> float:
         """The step to beat: the best found's, or the caller's plan's."""
         return min(self.incumbent_s, self.best.evaluation.step_s if self.best is not None else math.inf)
+
+    def bounded(self, group: list[Candidate], beat: float) -> bool:
+        """`bound` rules the group out against a step in hand (`beat`)."""
+        return self.bound is not None and math.isfinite(beat) and min(map(self.bound, group)) >= beat
 
     def tighten(self, key: tuple, group: list[Candidate], scale: float, rounds: int,
                 later: bool) -> tuple[tuple, float, int] | None:
@@ -423,6 +435,26 @@ def _layout_floor(cand: Candidate, work: float) -> float:
     cannot beat it (the group's own re-solves, which follow overflows, are unaffected)."""
     return step_floor(work * cand.microbatches / cand.stages, 0.0, cand.stages, cand.microbatches, cand.schedule,
                       cand.virtual_stages)
+
+
+def microbatch_floor(cand: Candidate, seconds: float) -> float:
+    """A lower bound on `cand`'s step where `seconds` is one below every plan of its group's problem as
+    the ILP sees it (`per_step_view`; e.g. its LP relaxation, `ilp.least_seconds`): W + G/m >= `seconds`,
+    W the seconds of one microbatch summed over the p ranks (compute, collectives, and the runtime's and
+    families' seconds, >= 0), G their gradient legs summed (synchronised once per step). The schedule's T
+    >= q W / p, q = m + (p - 1) / v (`step_floor`), and the rank that syncs most ends at least its G / p
+    after its last backward, itself at most one microbatch's fill before T >= m W / p: the step >= (m - 1)
+    W / p + G / p. The least of the larger of the two over W, G >= 0 with W + G/m >= seconds: q m seconds
+    / (p (q + 1)). Unlike `_layout_floor` this needs no solve, and counts the gradients a plan pays for
+    fitting no memory: GPT-3 175B over (16, 8, 8) H100 piped over tp, whose stage mesh has only
+    inter-node links to sync 175B gradients over: 7.2-7.4 s for 32-96 microbatches, where the compute
+    floor (`cost_model.screen.pipeline_floor`) is ~4.9-6.9 and the steps solved 20-24 s. None (0.0)
+    for the zero-bubble schedule, whose weight gradients sync per microbatch."""
+    if cand.schedule == "zb":
+        return 0.0
+    p, m = cand.stages, cand.microbatches
+    q = m + (p - 1) / cand.virtual_stages
+    return q * m * seconds / (p * (q + 1))
 
 
 def _boundary_choices(problem: Problem, graph, choice, cand: Candidate, seconds) -> list[tuple[str, ...]]:
