@@ -133,6 +133,34 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     gpt3-175b`, load 2-3 (the benchmark alone but for the tail of a helper's run): 54.6 s wall, 60.8
     CPU s (capture 3.8 s), 12 of 13 candidates solved, 1 ruled out by its bound: 18599a4f3ad5, a
     6.942 s step (dp, 16 stages, 192 microbatches, 1F1B; ~48.1% MFU). 30 s: missed.
+* 2026-11-28 (stop 52, s52gpt3; base main bcf0cdd): a group ruled out before its solve where its
+  problem's LP bound (`ilp.least_seconds` of `per_step_view`, 0.06-0.11 CPU s after the problem's
+  build, which the solve reuses) through `stages.microbatch_floor` cannot beat the step in hand. Last
+  stop's group floors left the gradients' legs out (4.77-5.91 s); kept in, the LP without memory buys
+  its few collectives a microbatch with a whole step's gradient sync, which a pipeline pays once after
+  its schedule: the floor is q m O / (p (q + 1)) (q = m + (p - 1) / v). Per group, memory-free LP
+  objective O -> floor (least over the group's candidates) -> the step its solve gives: tp 48 1.2615 ->
+  7.42 -> 20.22; tp 96 0.6444 -> 7.65 -> 19.96; tp 32 1.8773 -> 7.29 -> 23.85; tp 12 4.1901 -> 5.86 ->
+  21.85 (solved); dp 192 0.4753 -> 5.67 -> 6.942; dp 64 1.3775 -> 5.43 -> 7.532; pp 96 0.5205 -> 6.18 ->
+  7.493. Tried, not kept: the joint LP with memory rows and families (tp 48 2.27, floor ~13.7) costs
+  1.6-2.1 CPU s a group, 8 on pp 12 and 38-48 on tp 12; with the options fixed at the most sharded
+  layouts' least-memory ones it is no bound (pp 96: 0.954 against the plan's 0.493 layout work); each
+  group started at its axis' last overflow scale with a plan in hand: 49.4 -> 48.0 CPU s, the same plan,
+  other groups' plans changed (pp 12 9.022 -> 9.019 s, dp 24 fits at x0.763): not worth the change.
+  - gpt3-175b, `--time-limit 1000`, base and branch at once (load 7-8): base 75.4 CPU s / 298 s wall,
+    12 of 13 solved, 1 ruled out; branch **49.4 / 226**, 9 of 13 solved, 4 ruled out (tp 48, 96, 32
+    and the plan without a pipeline): a 6.942 s step both (dp, 16 stages, 192 microbatches, 1F1B). This
+    script, branch (load 10-21): 49.4 CPU s, 18599a4f3ad5 (main's plan).
+  - gpt3-175b, no options (time limit 60), at once at load 9-10: base 12.7 CPU s, branch 11.4 in their
+    60 s: both 4 of 13 groups (pp), 7.493 s. At the default the tp groups come last, after dp's: the
+    floor saves nothing before the 6.942 s plan, found after ~30 CPU s of groups (capture 1-4, pp 4
+    groups ~11, the plan without a pipeline's LP bound ~4, dp 96 and 192 ~9): **30 s missed**. With
+    every group's bound known no earlier group is ruled out (all dp and pp floors 5.1-6.2 s < 6.942).
+  - Other models, `pipeline={}`, time limit 1000, base / branch at once (load 9-25): the 24-layer GPT
+    (hidden 4096, 256 x 2048) on (8, 4, 4) dp/pp/tp: both 9a67ce0799ba (0.3607 s), 12.7 / 12.1 CPU s,
+    branch 10 of 12 groups solved, 2 ruled out (base 12 of 12); Llama-3-8B at 16 x 4096 on (2, 4, 4):
+    both 80f44fdea2e0 (0.4321 s), 24.4 / 26.6 CPU s, 9 of 10 solved both (where the floor rules nothing
+    out its LPs are the cost, ~0.1 s a group on GPT-3's stage meshes; the rest is the load's noise).
 """
 from __future__ import annotations
 

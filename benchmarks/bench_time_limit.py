@@ -181,6 +181,13 @@ runs the default limits too): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x the 
 1.7361 in 30.6 s, limit 120: 1.7361 in 85.6 s; longer never slower: true. Llama-3-405B at T=60:
 50.8 s wall, 51.8 CPU s, capture 1.16 s: within (allowed 67.3 s), a 74.30 s step (pp 16 x 128
 microbatches, 1F1B), "4 of 9 candidates solved, 5 not searched".
+Stop 52 (s52gpt3, 2026-11-28 10:01 UTC, `--gpt3-175b 60` alone through `gpt3_175b(60)`, base main bcf0cdd
+and branch at once, load 9-10): both 7.4932 s (pp 8 x 2 virtual, 96 microbatches), 4 of 13 groups solved
+in 11-13 CPU s of their 60 s (base 63.2 s wall, 12.7 CPU s; branch 57.8, 11.4). Alone at load 3.7
+before the change (09:27 UTC): 59.6 s wall, 39.6 CPU s, 6.942 s found at 29.8 s wall, then the groups
+of dp 64 and 24 and tp 48 and 96 until the limit. The branch rules out tp 32, 48 and 96 before their
+solves (`stages.microbatch_floor`, bench_plan_speed's history): a full search 75.4 -> 49.4 CPU s, but
+the default's 60 s are still spent on dp's groups and tp 12. **30 s: missed.**
 """
 from __future__ import annotations
 

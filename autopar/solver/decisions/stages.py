@@ -445,11 +445,12 @@ def microbatch_floor(cand: Candidate, seconds: float) -> float:
     >= q W / p, q = m + (p - 1) / v (`step_floor`), and the rank that syncs most ends at least its G / p
     after its last backward, itself at most one microbatch's fill before T >= m W / p: the step >= (m - 1)
     W / p + G / p. The least of the larger of the two over W, G >= 0 with W + G/m >= seconds: q m seconds
-    / (p (q + 1)). Unlike `_layout_floor` this needs no solve, and counts the gradients a plan pays for
-    fitting no memory: GPT-3 175B over (16, 8, 8) H100 piped over tp, whose stage mesh has only
-    inter-node links to sync 175B gradients over: 7.2-7.4 s for 32-96 microbatches, where the compute
-    floor (`cost_model.screen.pipeline_floor`) is ~4.9-6.9 and the steps solved 20-24 s. None (0.0)
-    for the zero-bubble schedule, whose weight gradients sync per microbatch."""
+    / (p (q + 1)). Unlike `_layout_floor` this needs no solve, and it counts the gradients' sync, which
+    the LP without memory rows buys where the layouts of fewer collectives a microbatch hold every
+    parameter: GPT-3 175B over (16, 8, 8) H100 piped over tp, whose stage mesh has only inter-node
+    links: 7.29, 7.42 and 7.65 s for 32, 48 and 96 microbatches against the 6.942 s step found over dp
+    (their plans step 20-24 s); 5.86 s for 12 (solved). 0.0 for the zero-bubble schedule, whose weight
+    gradients sync per microbatch."""
     if cand.schedule == "zb":
         return 0.0
     p, m = cand.stages, cand.microbatches
