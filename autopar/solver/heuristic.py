@@ -37,6 +37,8 @@ from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, mo
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
 LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `start_plan`'s, near the minimum
+LEAST_ROUNDED = "Feasible (the LP relaxation's layouts, each at its least memory)"    # `_least_of_support`'s
+SHARE = 1e-6       # an LP column above this is in the relaxation's support (HiGHS's tolerances are ~1e-7)
 # The floor's local search (`_local`) repeats its LP rounding while a round gains more than FLOOR_GAIN, at most
 # FLOOR_ROUNDS rounds (each an LP of the neighbourhood and an options model, bounded work whatever the limit).
 # Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its logits whole: the first plan is the one that
@@ -126,8 +128,22 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
         if r.values is not None:
             new = _better(problem, models, best, model.assignment(r.values)[0],
                           "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
+            if new is None:         # no plan yet, and that rounding fits no options: round to least memory
+                new = _better(problem, models, best, _least_of_support(problem, model, r.values),
+                              LEAST_ROUNDED, r.solver, 1.0)
             rounded, best = rounded or new is not best, new
     return best
+
+
+def _least_of_support(problem, model, values: list[float]) -> dict[str, int]:
+    """Each decision at its smallest-memory strategy among those the LP relaxation `values` of `model`
+    gives a share (`most_sharded` among them): where rounding each to its largest share breaks the
+    budget, this one keeps every decision's own bytes at most the relaxation's (a least of the shares is
+    at most their weighted sum), a first plan that often fits, found in the time of an evaluation. On
+    Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its logits whole) the plan that needs least
+    memory took the floor 3.6 of its 13 CPU s (`ilp.least_memory`, min-max LPs of 63k columns)."""
+    return most_sharded(problem, {r: tuple(i for i, j in cols.items() if values[j] > SHARE)
+                                  for r, cols in model.x.items()})
 
 
 def _free(problem) -> bool:
