@@ -181,6 +181,25 @@ runs the default limits too): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x the 
 1.7361 in 30.6 s, limit 120: 1.7361 in 85.6 s; longer never slower: true. Llama-3-405B at T=60:
 50.8 s wall, 51.8 CPU s, capture 1.16 s: within (allowed 67.3 s), a 74.30 s step (pp 16 x 128
 microbatches, 1F1B), "4 of 9 candidates solved, 5 not searched".
+Stop 52 (s52t1, 2026-11-28 09:30-10:30 UTC; load average 5-28 on 2 cores from other sessions, so CPU s of the
+call, main bcf0cdd and the branch side by side at once). Where limit 1 went on Llama-3-8B (4, 4, 4), main
+(py-spy, then timed): capture 0.7-0.9, strategies 3.2-3.6 (edge tables 2.1: 148k reshards priced), solve 9-11:
+the first subspace's steps 1 and 2 6.3 CPU s, most of it its plan that needs least memory (`ilp.least_memory`:
+min-max LPs of 63k columns), objective 19.10 s, then six local rounds (0.6-0.8 CPU s each: 3.03, 2.145, 1.805,
+1.743, 1.7408). The memory rows' sweep asked every edge of every model whether its copy tables held a byte (8%
+of the call); now worked out once per table. The relaxation of the least-memory options (solved already,
+`_Models.relaxed`) rounded each decision to its largest share, which fit no options; rounding each to the
+least-memory strategy among those the relaxation gives a share (`heuristic._least_of_support`: its own bytes
+at most the relaxation's) fits: the first subspace's steps give 2.1109 s (1.22x the best known) in 1.4 CPU s,
+where main's gave 19.10 in 6.3; then three local rounds, 1.7517, 1.7437, 1.7428. Side by side (load 12-13):
+main 14.92 CPU s (strategies 3.60, solve 10.55), 67 s wall, 1.7408; now **7.53 CPU s** (strategies 3.09, solve
+3.72), 43 s wall, 1.7428 (1.0041x the best known). `--limits 1,30 --best-limit 120` now (load 10-17): 1.7428 /
+1.7428 / **1.7358** (the best known; main 1.7361) in 38.5 / 38.7 / 129 s wall; longer never slower: true,
+limit 1 1.004x the limit-120 plan. **The bound is still missed**: 6.8 CPU s after the capture against ~1.2
+allowed (strategies 3.1, of which edge tables 1.9; the first plan 1.4; three rounds 1.6). Qwen2-7B 56 x 4,096
+(4, 4, 4) (its rounding fits: the path is not taken) 7.26 / 6.73 CPU s, the same plan (64b4ad99602b, 1.9047).
+Gemma-2-9B (8, 8) limit 1: 4.41 / 4.37 CPU s (capture 1.7, strategies 1.05, first plan 1.6; same plan
+5af4f2c2b8ec): unchanged, the bound missed there too.
 """
 from __future__ import annotations
 

@@ -197,8 +197,9 @@ class _Tables:
                      if param and flat_gather_axis(a[2], b[2], meta.shape, self.mesh.shape) is not None else 0.0
                      for b in nb] for a in na]
             gather = tuple(tuple(self.gathering(a, b) for b in nb) for a in na)
-            grads = [meta.nbytes / shard_count(gb, self.mesh.shape) for _, gb in b_keys]    # once per class, not per pair
-            grad_temp = [[weight_gradient_temporary_bytes(g, s is not None) for g, s in zip(grads, row)] for row in sync]
+            grads = [meta.nbytes / shard_count(gb, self.mesh.shape) for _, gb in b_keys]   # per class, not per pair
+            grad_temp = [[weight_gradient_temporary_bytes(g, s is not None) for g, s in zip(grads, row)]
+                         for row in sync]
             self.tables[key] = (cost, saved, _or_none(temp), fwd, sync if any(any(r) for r in sync) else None,
                                 _or_none(flat), gather, _or_none(grad_temp), any(any(r) for r in saved))
         return self.tables[key]
