@@ -193,19 +193,20 @@ least-memory strategy among those the relaxation gives a share (`heuristic._leas
 at most the relaxation's) fits: the first subspace's steps give 2.1109 s (1.22x the best known) in 1.4 CPU s,
 where main's gave 19.10 in 6.3; then three local rounds, 1.7517, 1.7437, 1.7428. Side by side (load 12-13):
 main 14.92 CPU s (strategies 3.60, solve 10.55), 67 s wall, 1.7408; now **7.53 CPU s** (strategies 3.09, solve
-3.72), 43 s wall, 1.7428 (1.0041x the best known). `--limits 1,30 --best-limit 120` now (load 10-17): 1.7428 /
-1.7428 / **1.7358** (the best known; main 1.7361) in 38.5 / 38.7 / 129 s wall; longer never slower: true,
-limit 1 1.004x the limit-120 plan. **The bound is still missed**: 6.8 CPU s after the capture against ~1.2
-allowed (strategies 3.1, of which edge tables 1.9; the first plan 1.4; three rounds 1.6). Qwen2-7B 56 x 4,096
-(4, 4, 4) (its rounding fits: the path is not taken) 7.26 / 6.73 CPU s, the same plan (64b4ad99602b, 1.9047).
-Gemma-2-9B (8, 8) limit 1: 4.41 / 4.37 CPU s (capture 1.7, strategies 1.05, first plan 1.6; same plan
-5af4f2c2b8ec): unchanged, the bound missed there too. Other families on (4, 4, 4), limit 1, main / now side by
-side (load 9-25; the new first plan not taken: their roundings fit): Qwen3-8B 48 x 4,096 13.79 / 12.01 CPU s,
-Gemma-2-9B 32 x 4,096 18.38 / 16.34, the same plans (7a9b9d022850, 7812259b8273). bench_plan_speed at limit
-60, main / now side by side, the same plan_hash: gemma2-9b 571bbfd08c0d (5.20 / 5.13 CPU s), qwen3-8b
-c7e396120e9f (3.00 / 2.98), llama3-8b e71dfad374bd (cut at the limit at load ~20 in both), phi3-mini
-5199d4f0562d, mistral-7b f6869b283524, granite-3-8b f99c30973b7f, olmo2-7b 9078598f0bb2, llama3-8b-node
-0adf415fa18b (5.74 / 5.35).
+3.72), 43 s wall, 1.7428 (1.0041x the best known). A second pair at the final commit (load 11-12): main 15.29,
+now 7.61 CPU s (strategies 3.63 -> 3.18, solve 10.89 -> 3.65), 90 / 58 s wall. `--limits 1,30 --best-limit
+120` now (load 10-17): 1.7428 / 1.7428 / **1.7358** (the best known; main 1.7361) in 38.5 / 38.7 / 129 s wall;
+longer never slower: true, limit 1 1.004x the limit-120 plan. **The bound is still missed**: 6.8 CPU s after
+the capture against ~1.2 allowed (strategies 3.1, of which edge tables 1.9; the first plan 1.4; three rounds
+1.6). Qwen2-7B 56 x 4,096 (4, 4, 4) (its rounding fits: the path is not taken) 7.26 / 6.73 CPU s, the same
+plan (64b4ad99602b, 1.9047). Gemma-2-9B (8, 8) limit 1: 4.41 / 4.37 CPU s (capture 1.7, strategies 1.05, first
+plan 1.6; same plan 5af4f2c2b8ec): unchanged, the bound missed there too. Other families on (4, 4, 4), limit
+1, main / now side by side (load 9-25; the new first plan not taken: their roundings fit): Qwen3-8B 48 x 4,096
+13.79 / 12.01 CPU s, Gemma-2-9B 32 x 4,096 18.38 / 16.34, the same plans (7a9b9d022850, 7812259b8273).
+bench_plan_speed at limit 60, main / now side by side, the same plan_hash: gemma2-9b 571bbfd08c0d (5.20 / 5.13
+CPU s), qwen3-8b c7e396120e9f (3.00 / 2.98), llama3-8b e71dfad374bd (cut at the limit at load ~20 in both),
+phi3-mini 5199d4f0562d, mistral-7b f6869b283524, granite-3-8b f99c30973b7f, olmo2-7b 9078598f0bb2,
+llama3-8b-node 0adf415fa18b (5.74 / 5.35).
 """
 from __future__ import annotations
 
