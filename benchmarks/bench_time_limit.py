@@ -188,6 +188,32 @@ before the change (09:27 UTC): 59.6 s wall, 39.6 CPU s, 6.942 s found at 29.8 s 
 of dp 64 and 24 and tp 48 and 96 until the limit. The branch rules out tp 32, 48 and 96 before their
 solves (`stages.microbatch_floor`, bench_plan_speed's history): a full search 75.4 -> 49.4 CPU s, but
 the default's 60 s are still spent on dp's groups and tp 12. **30 s: missed.**
+Stop 52 (s52t1, 2026-11-28 09:30-10:30 UTC; load average 5-28 on 2 cores from other sessions, so CPU s of the
+call, main bcf0cdd and the branch side by side at once). Where limit 1 went on Llama-3-8B (4, 4, 4), main
+(py-spy, then timed): capture 0.7-0.9, strategies 3.2-3.6 (edge tables 2.1: 148k reshards priced), solve 9-11:
+the first subspace's steps 1 and 2 6.3 CPU s, most of it its plan that needs least memory (`ilp.least_memory`:
+min-max LPs of 63k columns), objective 19.10 s, then six local rounds (0.6-0.8 CPU s each: 3.03, 2.145, 1.805,
+1.743, 1.7408). The memory rows' sweep asked every edge of every model whether its copy tables held a byte (8%
+of the call); now worked out once per table. The relaxation of the least-memory options (solved already,
+`_Models.relaxed`) rounded each decision to its largest share, which fit no options; rounding each to the
+least-memory strategy among those the relaxation gives a share (`heuristic._least_of_support`: its own bytes
+at most the relaxation's) fits: the first subspace's steps give 2.1109 s (1.22x the best known) in 1.4 CPU s,
+where main's gave 19.10 in 6.3; then three local rounds, 1.7517, 1.7437, 1.7428. Side by side (load 12-13):
+main 14.92 CPU s (strategies 3.60, solve 10.55), 67 s wall, 1.7408; now **7.53 CPU s** (strategies 3.09, solve
+3.72), 43 s wall, 1.7428 (1.0041x the best known). A second pair at the final commit (load 11-12): main 15.29,
+now 7.61 CPU s (strategies 3.63 -> 3.18, solve 10.89 -> 3.65), 90 / 58 s wall. `--limits 1,30 --best-limit
+120` now (load 10-17): 1.7428 / 1.7428 / **1.7358** (the best known; main 1.7361) in 38.5 / 38.7 / 129 s wall;
+longer never slower: true, limit 1 1.004x the limit-120 plan. **The bound is still missed**: 6.8 CPU s after
+the capture against ~1.2 allowed (strategies 3.1, of which edge tables 1.9; the first plan 1.4; three rounds
+1.6). Qwen2-7B 56 x 4,096 (4, 4, 4) (its rounding fits: the path is not taken) 7.26 / 6.73 CPU s, the same
+plan (64b4ad99602b, 1.9047). Gemma-2-9B (8, 8) limit 1: 4.41 / 4.37 CPU s (capture 1.7, strategies 1.05, first
+plan 1.6; same plan 5af4f2c2b8ec): unchanged, the bound missed there too. Other families on (4, 4, 4), limit
+1, main / now side by side (load 9-25; the new first plan not taken: their roundings fit): Qwen3-8B 48 x 4,096
+13.79 / 12.01 CPU s, Gemma-2-9B 32 x 4,096 18.38 / 16.34, the same plans (7a9b9d022850, 7812259b8273).
+bench_plan_speed at limit 60, main / now side by side, the same plan_hash: gemma2-9b 571bbfd08c0d (5.20 / 5.13
+CPU s), qwen3-8b c7e396120e9f (3.00 / 2.98), llama3-8b e71dfad374bd (cut at the limit at load ~20 in both),
+phi3-mini 5199d4f0562d, mistral-7b f6869b283524, granite-3-8b f99c30973b7f, olmo2-7b 9078598f0bb2,
+llama3-8b-node 0adf415fa18b (5.74 / 5.35).
 """
 from __future__ import annotations
 

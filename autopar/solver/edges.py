@@ -43,10 +43,8 @@ class EdgeTable:
     gathers: tuple[tuple[bool, ...], ...] = ()     # [a][b] does the reshard gather some mesh axis (Shard -> Replicate)
     grad_temp: list[list[float]] | None = None     # [a][b] bytes of a parameter's gradient as the consumer makes it,
                                                    # alive in its backward until bucketed (weight_gradient_temporary_bytes)
-
-    @property
-    def keeps_copy(self) -> bool:
-        return any(any(row) for row in self.saved)
+    keeps_copy: bool = False           # some entry of `saved` is not 0 (worked out once per table, not per edge:
+                                       # the memory rows' sweep asked it of every edge for every model built)
 
 
 def grad_layout_in(s: Strategy, slot: int, parameter_side: bool = False) -> tuple:
@@ -108,10 +106,10 @@ def _edge(tables: _Tables, node, src, slot: int | None, infos, decisions, ng, sa
         b_keys, b_of = tables.classes_of(v.strategies, slot, node.name in side)
         dst = node.name
     keeps = slot is not None and grad and saves.get(node.name, True)
-    table, saved, temp, fwd, sync, flat, gather, grad_temp = tables.table_for(
+    table, saved, temp, fwd, sync, flat, gather, grad_temp, kept = tables.table_for(
         meta, a_keys, b_keys, grad, keeps, u.kind == "param", slot is None, src.name in side)
     return EdgeTable(src.name, dst, -1 if slot is None else slot, a_of, b_of, table, saved,
-                     temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather, grad_temp=grad_temp)
+                     temp=temp, fwd=fwd, sync=sync, flat=flat, gathers=gather, grad_temp=grad_temp, keeps_copy=kept)
 
 
 def _classes(keys):
@@ -186,7 +184,8 @@ class _Tables:
 
     def table_of(self, meta: TensorMeta, a_keys, b_keys, grad: bool, keeps: bool, param: bool, output: bool,
                  side: bool):
-        """(cost, saved, temp, fwd, sync, flat, gathers, grad_temp) of an edge (`EdgeTable`'s fields)."""
+        """(cost, saved, temp, fwd, sync, flat, gathers, grad_temp, keeps_copy) of an edge (`EdgeTable`'s fields;
+        temp None where every entry is 0)."""
         key = (meta, tuple(a_keys), tuple(b_keys), grad, keeps, param, output, side)
         if key not in self.tables:
             ga = [output_grad_layout(a, side_axes(side, len(a))) for a in a_keys]
@@ -198,10 +197,11 @@ class _Tables:
                      if param and flat_gather_axis(a[2], b[2], meta.shape, self.mesh.shape) is not None else 0.0
                      for b in nb] for a in na]
             gather = tuple(tuple(self.gathering(a, b) for b in nb) for a in na)
-            grad_temp = [[weight_gradient_temporary_bytes(meta.nbytes / shard_count(gb, self.mesh.shape), s is not None)
-                          for (_, gb), s in zip(b_keys, row)] for row in sync]
-            self.tables[key] = (cost, saved, temp, fwd, sync if any(any(r) for r in sync) else None,
-                                _or_none(flat), gather, _or_none(grad_temp))
+            grads = [meta.nbytes / shard_count(gb, self.mesh.shape) for _, gb in b_keys]   # per class, not per pair
+            grad_temp = [[weight_gradient_temporary_bytes(g, s is not None) for g, s in zip(grads, row)]
+                         for row in sync]
+            self.tables[key] = (cost, saved, _or_none(temp), fwd, sync if any(any(r) for r in sync) else None,
+                                _or_none(flat), gather, _or_none(grad_temp), any(any(r) for r in saved))
         return self.tables[key]
 
     def _seconds(self, meta: TensorMeta, na, nga, nb, ngb, ga, b_keys, grad: bool, param: bool, output: bool):

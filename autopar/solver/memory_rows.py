@@ -61,7 +61,7 @@ class MemoryRows:
         made = sorted((p.grad_since(n), n) for n in params if p.decisions[n].grad_bytes)
         temps_at: dict[int, list[int]] = {}
         for k, e in enumerate(p.edges):
-            if e.temp and any(any(row) for row in e.temp):
+            if e.temp:          # None where every entry is 0 (`edges.EdgeTable`)
                 temps_at.setdefault(e.dst_pos, []).append(k)
         grad_temps_at: dict[int, list[int]] = {}      # point index -> edges (memory_timeline.backward_temps)
         for k, e in enumerate(p.edges):
