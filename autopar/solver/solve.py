@@ -48,8 +48,9 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
     layout model is the joint model and its solve is the answer. The status is in `status_words`'
     words; how the solver got there is logged. `start`: a (layout choice, family options) to improve
     instead of the heuristic's first plans (`heuristic.resume_plan`), where it fits the budget.
-    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`: a
-    caller with no other plan to return)."""
+    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`, the
+    floor of `subspace_plan`: a caller with no other plan to return); without it every step, the search
+    for the plan that needs least memory included, stops at the time limit, and the status says so."""
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
     r = _solve(problem, memory_budget, deadline, t0, progress, start, floor)
