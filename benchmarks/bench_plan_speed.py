@@ -133,6 +133,14 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     gpt3-175b`, load 2-3 (the benchmark alone but for the tail of a helper's run): 54.6 s wall, 60.8
     CPU s (capture 3.8 s), 12 of 13 candidates solved, 1 ruled out by its bound: 18599a4f3ad5, a
     6.942 s step (dp, 16 stages, 192 microbatches, 1F1B; ~48.1% MFU). 30 s: missed.
+* 2026-11-28 (stop 52, s52dead: every search inside a call takes its deadline; `bench_time_limit.py`):
+  the default limit, `--no-symbolic`, main bcf0cdd and branch alternated at load 9-11: llama3-8b
+  8dfe3f835b9d both (7.78 / 7.07 CPU s), qwen3-8b c7e396120e9f both (2.83 / 2.70), gemma2-9b
+  571bbfd08c0d both (5.69 / 5.70). The branch at `--time-limit 10` and `30` (load 7-9; the bound is
+  (T + capture) x 1.1, "capture" the capture phase): qwen3-8b 5.84 s wall / 2.66 CPU s (capture 1.87) and
+  7.58 / 2.96, gemma2-9b 17.76 / 5.13 (capture 7.86: bound 19.6) and 13.14 / 5.21, mistral-7b 5.43 /
+  2.15 and 4.75 / 2.36, qwen3-30b-a3b 11.90 / 4.51 (bound 13.6) and 9.63 / 4.98: all within, each the
+  plan of the default limit (same plan_hash: the limit does not bind on these).
 """
 from __future__ import annotations
 
