@@ -26,13 +26,13 @@ the joint model then starts from it (`solve.solve`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from . import prune
 from .evaluate import evaluate
 from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, most_sharded
+from .ilp import past as _past
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
@@ -260,10 +260,6 @@ def _rounded_near(problem, budget: float, best: Heuristic, views: dict, memo: di
     h = best if r.values is None else _better(problem, models, best, model.assignment(r.values)[0],
                                               "Feasible (the LP relaxation's layouts, rounded)", r.solver, 1.0)
     return h if h is best else replace(h, status=f"{h.status}; local search")
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() >= deadline
 
 
 def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:

@@ -463,7 +463,7 @@ def least_seconds(problem: Problem, deadline: float | None = None) -> float:
     its optimum (`deadline` cut it). On GPT-3 175B without a pipeline over (16, 8, 8) H100 (263k columns),
     1 CPU s: 7.97 s, where the plan found steps 10.2 s and the compute floor
     (`cost_model.screen.pipeline_floor`) is 4.34 s."""
-    if _past(deadline):
+    if past(deadline):
         return 0.0
     ilp = StrategyILP(replace(problem, families=Families()), INF)
     ilp.build()
@@ -505,7 +505,7 @@ def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None
     which frees most, where the deadline had passed before the search began), priced: its
     min-max models (Llama-3-405B's 16-microbatch stage: 587 s) had no bound."""
     sharded = most_sharded(problem, allowed)
-    if _past(deadline):
+    if past(deadline):
         return _priced(problem, sharded)
     if not any(len(g.allowed) > 1 for g in problem.families.groups):
         found = _least_peak(problem, deadline, allowed=allowed)
@@ -533,7 +533,8 @@ def _priced(problem: Problem, choice: dict[str, int], options: dict[str, int] | 
     return Least((choice, options), float(math.ceil(need + FEASIBILITY_SLACK_BYTES)), cut=True)
 
 
-def _past(deadline: float | None) -> bool:
+def past(deadline: float | None) -> bool:
+    """`deadline` (a `perf_counter` time; None: none) has passed."""
     return deadline is not None and time.perf_counter() >= deadline
 
 
@@ -551,7 +552,7 @@ def least_memory_options(problem: Problem, choice: dict[str, int]) -> dict[str, 
 def _least_peak(problem: Problem, deadline: float | None, **fixed) -> Least | None:
     """The plan of least peak memory, `fixed` as `StrategyILP` takes it, and the budget it needs; by
     `deadline`, the best found (`Least.cut`), None where none was (or the deadline had passed)."""
-    if _past(deadline):
+    if past(deadline):
         return None
     ilp = StrategyILP(problem, memory_budget=INF, **fixed)
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
@@ -584,7 +585,7 @@ def _min_max(ilp: StrategyILP, rows: MemoryRows, z: int, deadline: float | None 
         return m.solve(_left(deadline))
     lp = m.solve(_left(deadline), relax=True)
     if lp.values is None:
-        return lp if _past(deadline) else m.solve(_left(deadline))
+        return lp if past(deadline) else m.solve(_left(deadline))
     x = ilp.values_of(*ilp.assignment(lp.values))
     x[z] = max(rows.values(x))
     if m.violation(x) > ROW_TOLERANCE:
