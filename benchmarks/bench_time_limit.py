@@ -210,7 +210,18 @@ by 3.8% and 3.9% at load 8.5**, the same path (the 64 group overflows, the 128 g
 76.57 s, its solve cut), which this change does not touch: the process got ~0.2 of a core, the 128
 group's first plans (the floor, made whatever the time: no plan in hand) ended 1.3 s before the deadline,
 then its pricing until a pipeline fit (6.7 s wall, ~1.3 CPU s) and the plan's assembly (4.0 s wall).
-The call's CPU seconds (16) are well inside 60; at load 3 (stop 51) the same path took 50.8 s wall.
+Again at load 13 (10:07): main 77.2 / 13.9 against 73.6 (missed by 4.9%), now 85.4 / 14.4 against 78.5
+(missed by 8.8%; a load spike to 30: its 128 group's floor ended 3.7 s past the deadline, pricing 7.0 s,
+assembly 3.3 s wall; main's 0.5, 5.8 and 4.0), both 76.57 s. The call's CPU seconds (14-16) are well
+inside 60; at load 3 (stop 51) the same path took 50.8 s wall. What is left there: with no plan in hand
+the first plans, the pricing to the first pipeline that fits and the assembly (which prices the chosen
+pipeline again, as `_best_of` had) all run past the deadline, ~2.5 CPU s, 10-14 s wall at 0.2 of a core.
+The whole script on this branch (10:00-10:07, load 12-13): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x
+the limit-120 plan) in 28.3 s wall (capture 1.29: missed, as before), limit 30: 1.7408 in 35.1 s (allowed
+34.0: missed by 3%; this path, `make_plan`'s floor, is unchanged), limit 120: 1.7361 in 125.2 s (within);
+longer never slower: true; Llama-3-405B at T=60: 73.3 s wall / 24.3 CPU s, capture 8.88 s, allowed 75.8:
+**within**, a 74.30 s step (the 128 group's solve ended). A second T=300 run alone (09:53, load 18-26):
+215.2 s wall / 25.8 CPU s, capture 11.2: within, 74.28 s (again no group after the 128 one: out of time).
 """
 from __future__ import annotations
 
