@@ -222,6 +222,12 @@ the limit-120 plan) in 28.3 s wall (capture 1.29: missed, as before), limit 30: 
 longer never slower: true; Llama-3-405B at T=60: 73.3 s wall / 24.3 CPU s, capture 8.88 s, allowed 75.8:
 **within**, a 74.30 s step (the 128 group's solve ended). A second T=300 run alone (09:53, load 18-26):
 215.2 s wall / 25.8 CPU s, capture 11.2: within, 74.28 s (again no group after the 128 one: out of time).
+The chosen pipeline is no longer priced twice (`_pipelined_plan` hands `assemble` the evaluation `_best_of`
+made with the same problem, choice, options and staging): side by side at load 11.6-11.8 (10:19), main
+86.5 s wall / 17.6 CPU s against 85.0 (missed by 1.8%), now 83.1 / 16.3 against 80.0 (missed by 3.9%;
+captures 17.3 and 12.7 s), both plan_hash eafecf85fee2 (76.57 s); from the last group's pricing to the
+answer ~3.0 s wall, main ~4.0. Tiny GPT over (2, 2) pp/dp, pipeline pp 1F1B at the budget unbounded, 0.5
+and 0.3 of its peak, and `pipeline={}` on (2, 2) and (2, 2, 2): the same plan_hash as main.
 """
 from __future__ import annotations
 

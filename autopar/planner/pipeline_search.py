@@ -234,8 +234,9 @@ def _pipelined_plan(found: Searched, run: _Groups, mesh: Mesh, opts: PlanOptions
     sub = mesh.stage_mesh(c.axis)
     staging = Staging(best.pipeline, node_chunks(best.problem, cap.gm.graph, best.pipeline),
                       mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
+    # priced as the search priced it (`stages._best_of`: the same problem, choice, options and staging)
     plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(run.stage_opts, mesh, c.axis), best.options,
-                    staging if c.stages > 1 else None)
+                    *((staging, best.evaluation) if c.stages > 1 else ()))
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
