@@ -214,8 +214,8 @@ Again at load 13 (10:07): main 77.2 / 13.9 against 73.6 (missed by 4.9%), now 85
 (missed by 8.8%; a load spike to 30: its 128 group's floor ended 3.7 s past the deadline, pricing 7.0 s,
 assembly 3.3 s wall; main's 0.5, 5.8 and 4.0), both 76.57 s. The call's CPU seconds (14-16) are well
 inside 60; at load 3 (stop 51) the same path took 50.8 s wall. What is left there: with no plan in hand
-the first plans, the pricing to the first pipeline that fits and the assembly (which prices the chosen
-pipeline again, as `_best_of` had) all run past the deadline, ~2.5 CPU s, 10-14 s wall at 0.2 of a core.
+the first plans, the pricing to the first pipeline that fits and the assembly (which priced the chosen
+pipeline again until the change below) all run past the deadline, ~2.5 CPU s, 10-14 s wall at 0.2 of a core.
 The whole script on this branch (10:00-10:07, load 12-13): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x
 the limit-120 plan) in 28.3 s wall (capture 1.29: missed, as before), limit 30: 1.7408 in 35.1 s (allowed
 34.0: missed by 3%; this path, `make_plan`'s floor, is unchanged), limit 120: 1.7361 in 125.2 s (within);
