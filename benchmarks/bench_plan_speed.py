@@ -161,6 +161,17 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     branch 10 of 12 groups solved, 2 ruled out (base 12 of 12); Llama-3-8B at 16 x 4096 on (2, 4, 4):
     both 80f44fdea2e0 (0.4321 s), 24.4 / 26.6 CPU s, 9 of 10 solved both (where the floor rules nothing
     out its LPs are the cost, ~0.1 s a group on GPT-3's stage meshes; the rest is the load's noise).
+* 2026-11-28 (stop 52, s52dead: every search inside a call takes its deadline; `bench_time_limit.py`):
+  the default limit, `--no-symbolic`, main bcf0cdd and branch alternated at load 9-11: llama3-8b
+  8dfe3f835b9d both (7.78 / 7.07 CPU s), qwen3-8b c7e396120e9f both (2.83 / 2.70), gemma2-9b
+  571bbfd08c0d both (5.69 / 5.70). The branch at `--time-limit 10` and `30` (load 7-9; the bound is
+  (T + capture) x 1.1, "capture" the capture phase): qwen3-8b 5.84 s wall / 2.66 CPU s (capture 1.87) and
+  7.58 / 2.96, gemma2-9b 17.76 / 5.13 (capture 7.86: bound 19.6) and 13.14 / 5.21, mistral-7b 5.43 /
+  2.15 and 4.75 / 2.36, qwen3-30b-a3b 11.90 / 4.51 (bound 13.6) and 9.63 / 4.98: all within, each the
+  plan of the default limit (same plan_hash: the limit does not bind on these). gpt3-175b, no options
+  but `--no-symbolic`, side by side with the chosen pipeline assembled from its search's evaluation
+  (load 9-11): main 59.1 s wall / 51.5 CPU s, branch 59.8 / 51.4, both fab55e0dfb59 (6.942 s, dp 16 x
+  192, 1F1B; 11 of 13 groups solved, 1 ruled out, 1 not searched).
 """
 from __future__ import annotations
 

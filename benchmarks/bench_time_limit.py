@@ -214,6 +214,53 @@ bench_plan_speed at limit 60, main / now side by side, the same plan_hash: gemma
 CPU s), qwen3-8b c7e396120e9f (3.00 / 2.98), llama3-8b e71dfad374bd (cut at the limit at load ~20 in both),
 phi3-mini 5199d4f0562d, mistral-7b f6869b283524, granite-3-8b f99c30973b7f, olmo2-7b 9078598f0bb2,
 llama3-8b-node 0adf415fa18b (5.74 / 5.35).
+Stop 52 (s52dead, 2026-11-28 09:27-10:50 UTC, load average 4-11 on 2 cores from other sessions; main
+bcf0cdd side by side unless said; the 405B rows run through `llama3_405b` alone, this script's Llama-3-8B
+limits left out, one run of the whole script below). What ignored the deadline: `ilp.least_memory` (its
+min-max LPs and MIPs had no time limit), reached by a group's solve with a plan in hand at the whole
+budget and by the plan without a pipeline; and that plan, weighed after a pipeline was found, solved
+its floor whatever the time (`heuristic.subspace_plan`'s first subspace and local rounds). Now every
+search takes the call's deadline: the least-memory search stops there with the best plan found (with
+none, the most sharded layouts with the options found for them, priced; `Least.cut`), and a solve with
+another plan in hand (`floor` off: a group's re-solve, the plan without a pipeline once a pipeline is
+in hand, `least_seconds`) stops every step there, the subspace floor included; the status says so
+("best found at the time limit: the plan that needs least memory found by then"), and where that plan
+does not fit, the error names the time limit, not the model. With no plan in hand the first plans are
+still made whatever the time (the floor). T=300, side by side from 09:28 (load 4-10): main **over 684 s
+wall (stopped there; 4.5 CPU min)**: after the 64 group's re-solves (197 s) its log went silent: the plan
+without a pipeline's floor, whose least-memory search seeks a plan for 8,018 GiB of logits (2,048 x 8,192
+x 128,256, returned whole); on the way it spent 63 s wall in the 2-microbatch group's least-memory
+search at the whole budget (infeasible, 2,013 GiB). Now: 229.3 s wall / 48.2 CPU s, capture 3.29 s,
+allowed 333.6: **within**, a 74.30 s step (pp 16 x 128, 1F1B), "3 of 9 candidates solved, 6 not searched
+(pp with 2, 256 microbatches; no pipeline; tp ...)" (the 16 group's solve took 100 s wall at this load,
+so no other group started). The plan without a pipeline alone, with a pipeline in hand and a 30 s
+deadline (`_flat(..., floor=False)`, load 7-8): 31.6 s wall / 15.7 CPU s (strategies 9.4 s wall of it),
+"no plan fits ...: the least-memory plan found by the time limit needs 8017.551 GiB per device (...; the
+search stopped there: raise time_limit)"; main's floor there: over 480 s. T=60, side by side: load 9.7,
+main 127.8 s wall / 15.0 CPU s against 92.4 allowed (capture 24.0 s), now 130.5 / 15.7 against 95.9
+(capture 27.3); load 8.5, main 76.8 / 16.2 against 73.9, now 75.8 / 16.1 against 73.0: **both missed,
+by 3.8% and 3.9% at load 8.5**, the same path (the 64 group overflows, the 128 group at x0.557 fits:
+76.57 s, its solve cut), which this change does not touch: the process got ~0.2 of a core, the 128
+group's first plans (the floor, made whatever the time: no plan in hand) ended 1.3 s before the deadline,
+then its pricing until a pipeline fit (6.7 s wall, ~1.3 CPU s) and the plan's assembly (4.0 s wall).
+Again at load 13 (10:07): main 77.2 / 13.9 against 73.6 (missed by 4.9%), now 85.4 / 14.4 against 78.5
+(missed by 8.8%; a load spike to 30: its 128 group's floor ended 3.7 s past the deadline, pricing 7.0 s,
+assembly 3.3 s wall; main's 0.5, 5.8 and 4.0), both 76.57 s. The call's CPU seconds (14-16) are well
+inside 60; at load 3 (stop 51) the same path took 50.8 s wall. What is left there: with no plan in hand
+the first plans, the pricing to the first pipeline that fits and the assembly (which priced the chosen
+pipeline again until the change below) all run past the deadline, ~2.5 CPU s, 10-14 s wall at 0.2 of a core.
+The whole script on this branch (10:00-10:07, load 12-13): Llama-3-8B (4, 4, 4) limit 1: 1.7408 (1.0027x
+the limit-120 plan) in 28.3 s wall (capture 1.29: missed, as before), limit 30: 1.7408 in 35.1 s (allowed
+34.0: missed by 3%; this path, `make_plan`'s floor, is unchanged), limit 120: 1.7361 in 125.2 s (within);
+longer never slower: true; Llama-3-405B at T=60: 73.3 s wall / 24.3 CPU s, capture 8.88 s, allowed 75.8:
+**within**, a 74.30 s step (the 128 group's solve ended). A second T=300 run alone (09:53, load 18-26):
+215.2 s wall / 25.8 CPU s, capture 11.2: within, 74.28 s (again no group after the 128 one: out of time).
+The chosen pipeline is no longer priced twice (`_pipelined_plan` hands `assemble` the evaluation `_best_of`
+made with the same problem, choice, options and staging): side by side at load 11.6-11.8 (10:19), main
+86.5 s wall / 17.6 CPU s against 85.0 (missed by 1.8%), now 83.1 / 16.3 against 80.0 (missed by 3.9%;
+captures 17.3 and 12.7 s), both plan_hash eafecf85fee2 (76.57 s); from the last group's pricing to the
+answer ~3.0 s wall, main ~4.0. Tiny GPT over (2, 2) pp/dp, pipeline pp 1F1B at the budget unbounded, 0.5
+and 0.3 of its peak, and `pipeline={}` on (2, 2) and (2, 2, 2): the same plan_hash as main.
 """
 from __future__ import annotations
 

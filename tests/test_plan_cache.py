@@ -13,6 +13,7 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.planner.cache import NOT_KEYED, PlanCache
 from autopar.planner.solve import PlanOptions, fingerprint
+from autopar.solver.heuristic import LEAST_STATUS, STOPPED
 from autopar.solver.solve import ALTERNATED, AT_TIME_LIMIT, OPTIMAL, OPTIMAL_ALTERNATION, status_words
 
 # one value per option that changes the plan, other than its default
@@ -71,6 +72,9 @@ def test_status_words():
                         timed_out=True) == AT_TIME_LIMIT
     assert status_words("Feasible (the most sharded plan)", 1.0, timed_out=True) == AT_TIME_LIMIT
     assert "gap" not in status_words("Feasible (solved in subspaces: ...)", math.nan, timed_out=False)
+    # the plan that needs least memory: proven the answer, or the best the time limit left
+    assert not status_words(LEAST_STATUS, 1.0, timed_out=True).startswith(AT_TIME_LIMIT)
+    assert status_words(LEAST_STATUS + STOPPED, 1.0, timed_out=True).startswith(AT_TIME_LIMIT)
 
 
 def test_a_solved_plan_says_optimal_in_its_report():

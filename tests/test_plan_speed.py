@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autopar  # noqa: E402
-from autopar.solver import ilp, mip, solve  # noqa: E402
+from autopar.solver import heuristic, ilp, mip, solve  # noqa: E402
 
 
 def _plan(time_limit, budget=None, shape=(2, 2, 2), **kw):
@@ -154,3 +154,39 @@ def test_branching_takes_the_weighty_fractional_option_first():
     b = branch(m, [0.0] * 4, rounded, None, max_lps=3, first=first)
     assert b.proven and b.values == [1.0, 0.0, 1.0, 0.0] and b.lps == 3
     assert not branch(m, [0.0] * 4, rounded, None, max_lps=3).proven      # the most fractional first: not in 3
+
+
+def test_a_search_given_a_passed_deadline_returns_at_once_saying_so():
+    """Every search inside a planning call takes the call's deadline (issue 37). The search for the plan
+    that needs least memory, its deadline passed, returns at once the cheapest plan it can price (the most
+    sharded layouts, each memory option freeing most) and says it was cut; a solve with another plan in
+    hand (`floor` off, as a pipeline search's) stops there too, and where that plan does not fit, says
+    the time limit, not the model, is why; so does the floor of a search in subspaces with another plan
+    in hand."""
+    import time
+    from autopar.errors import InfeasibleError
+    from autopar.passes.capture import capture
+    from autopar.passes.shape_prop import annotate
+    from autopar.planner.solve import PlanOptions, planning_problem
+    from autopar.solver.evaluate import evaluate
+    from memory_checks import gpt
+    model, inputs = gpt(layers=2)
+    cap = capture(model, inputs, None)
+    infos = annotate(cap.gm)
+    problem = planning_problem(cap, infos, autopar.Mesh((2, 2), ("dp", "tp"), device="h100"), PlanOptions(symbolic=False))
+    t = time.process_time()
+    cut = ilp.least_memory(problem, deadline=time.perf_counter())
+    assert time.process_time() - t < 0.2 and cut.cut
+    assert cut.need >= evaluate(problem, *cut.plan).peak_bytes
+    least = ilp.least_memory(problem)
+    assert not least.cut and least.need < cut.need
+    assert solve.solve(problem, cut.need, time_limit=0.0).status.startswith(solve.AT_TIME_LIMIT)
+    with pytest.raises(InfeasibleError, match="found by the time limit"):
+        solve.solve(problem, least.need, time_limit=0.0)
+    # on a mesh searched in subspaces, the floor's steps too: the first subspace's most sharded plan
+    problem = planning_problem(cap, infos, autopar.Mesh((2, 2, 2), ("dp", "sp", "tp"), device="h100"),
+                               PlanOptions(symbolic=False))
+    t = time.process_time()
+    h = heuristic.subspace_plan(problem, float("inf"), time.perf_counter(), floor=False)
+    assert time.process_time() - t < 0.2 and h.status.startswith("Feasible (the most sharded plan)")
+    assert h.status.endswith(heuristic.STOPPED)

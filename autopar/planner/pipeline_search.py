@@ -223,12 +223,12 @@ class _Groups:
         problem = None
         if found.best is not None:
             problem = planning_problem(*self.captured[1], self.mesh, self.opts)
-            if least_seconds(problem) >= beat:
+            if least_seconds(problem, self.deadline) >= beat:
                 return replace(found, pruned=found.pruned + 1)
         # not counted in `took` (its solve has its own share of the time, FLAT_SHARE) nor in `priced`
         self.solved_at = None
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,
-                                    self.deadline, more, problem)
+                                    self.deadline, more, problem, floor=found.best is None)
         return found
 
 
@@ -249,8 +249,9 @@ def _pipelined_plan(found: Searched, run: _Groups, mesh: Mesh, opts: PlanOptions
     sub = mesh.stage_mesh(c.axis)
     staging = Staging(best.pipeline, node_chunks(best.problem, cap.gm.graph, best.pipeline),
                       mesh.axes[mesh.axis_index(c.axis)].link if c.axis is not None else None)
+    # priced as the search priced it (`stages._best_of`: the same problem, choice, options and staging)
     plan = assemble(cap, best.problem, best.choice, sub, _stage_opts(run.stage_opts, mesh, c.axis), best.options,
-                    staging if c.stages > 1 else None)
+                    *((staging, best.evaluation) if c.stages > 1 else ()))
     if c.axis is not None:
         plan = lifted(plan, mesh, mesh.axis_index(c.axis), opts, best.pipeline)
     plan = replace(plan, options=opts.to_dict(), pipeline=best.pipeline)
@@ -275,15 +276,18 @@ FLAT_SHARE = 0.25    # of the time left, the no-pipeline plan's solve at most wh
 
 
 def _flat(model, args, kwargs, mesh: Mesh, opts: PlanOptions, captured: dict, t0: float, deadline: float | None,
-          more: bool, problem=None) -> tuple[Plan | None, InfeasibleError | None]:
+          more: bool, problem=None, floor: bool = True) -> tuple[Plan | None, InfeasibleError | None]:
     """(the plan without a pipeline, None), the planner's own plan of the whole batch; (None, why)
-    where nothing fits. `problem`: its planning problem where the caller built it."""
+    where nothing fits. `problem`: its planning problem where the caller built it. `floor`: no pipeline
+    is in hand, so the solver's first plans come whatever the time (`solver.solve`'s); with one, every
+    step stops at the deadline, and where none gave a plan by then the pipeline stands (Llama-3-405B over
+    (128, 16, 8) at time_limit=300: this plan's first plans were still running at 660 s wall)."""
     cap, infos = captured[1]
     own = deadline
     if more and deadline is not None:
         own = time.perf_counter() + FLAT_SHARE * max(deadline - time.perf_counter(), 0.0)
     try:
-        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos, floor=True,
+        return solve_captured(cap, mesh, opts, t0, (model, args, kwargs), own, infos, floor=floor,
                               problem=problem), None
     except InfeasibleError as e:
         log.info("no pipeline: infeasible (%s)", e)

@@ -298,9 +298,9 @@ def assemble(cap: Captured, problem: Problem, choice: Mapping[str, int], mesh: M
              priced: Evaluation | None = None) -> Plan:
     """Turn a choice per decision (and an option per family group) into a Plan with per-node layouts,
     collectives, memory decisions and estimates (`staging`: priced as that pipeline; `priced`: the
-    evaluator's price of this choice and these options, where the caller has it, unstaged)."""
+    evaluator's price of this choice and these options, with this staging, where the caller has it)."""
     options = effective_options(problem, choice, options or {})
-    ev = priced if priced is not None and staging is None else evaluate(problem, choice, options, staging)
+    ev = priced if priced is not None else evaluate(problem, choice, options, staging)
     chosen = {name: d.strategies[choice[d.leader]] for name, d in problem.decisions.items()}
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     collectives, per_axis = communication(problem, choice, cap)

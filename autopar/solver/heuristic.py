@@ -28,19 +28,20 @@ the joint model then starts from it (`solve.solve`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from . import prune
 from .evaluate import evaluate
 from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, most_sharded
+from .ilp import past as _past
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
 LEAST_STATUS = "Feasible (the plan that needs least memory)"     # `start_plan`'s, near the minimum
 LEAST_ROUNDED = "Feasible (the LP relaxation's layouts, each at its least memory)"    # `_least_of_support`'s
 SHARE = 1e-6       # an LP column above this is in the relaxation's support (HiGHS's tolerances are ~1e-7)
+STOPPED = "; stopped at the time limit"     # a status's tail where the deadline cut the search that found its plan
 # The floor's local search (`_local`) repeats its LP rounding while a round gains more than FLOOR_GAIN, at most
 # FLOOR_ROUNDS rounds (each an LP of the neighbourhood and an options model, bounded work whatever the limit).
 # Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its logits whole: the first plan is the one that
@@ -103,7 +104,8 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
     """Steps 1 and 2 (among `models`' allowed strategies): the most sharded plan, then the LP
     relaxation's layouts rounded, the better; `known`: `start_plan`'s `options`. Each relaxation is
     built and solved only before `deadline` (past it, its solve would stop before a plan), except with
-    `floor` until one gives a better plan; with `floor` each is solved to its end, whatever the deadline
+    `floor` until one gives a better plan; so is the search for the plan that needs least memory (its
+    best by the deadline); with `floor` each is solved to its end, whatever the deadline
     (on Gemma-2-9B over (8, 8), 2.8 CPU s with the default options, their model built first; step 1's
     options then cost 0.9 more for a plan 2% slower)."""
     choice = most_sharded(problem, models.allowed)
@@ -114,12 +116,14 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
                          "Feasible (the most sharded plan)", "HiGHS", 1.0)
     elif known is not None:     # no options fit the most sharded layouts: step 2 from options that fit elsewhere
         options = known(choice)
-    else:                       # the plan that needs least, if it fits
-        plan, need = least_memory(problem, models.allowed, models.least_options, enough=budget)
-        if need > budget:
-            raise infeasible(problem, budget, need)
-        options = plan[1]
-        best = Heuristic(plan, evaluate(problem, *plan).objective_s, LEAST_STATUS, "HiGHS", 1.0)
+    else:                       # the plan that needs least, if it fits (by the deadline, unless `floor`)
+        least = least_memory(problem, models.allowed, models.least_options, enough=budget,
+                             deadline=None if floor else deadline)
+        if least.need > budget:
+            raise infeasible(problem, budget, least.need, least.cut)
+        options = least.plan[1]
+        best = Heuristic(least.plan, evaluate(problem, *least.plan).objective_s,
+                         LEAST_STATUS + (STOPPED if least.cut else ""), "HiGHS", 1.0)
     defaults = problem.families.defaults()
     rounded = False         # a relaxation has given the best plan so far
     for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
@@ -174,7 +178,8 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
     return replace(_timed_out(best, deadline), n_variables=models.n_cols, n_constraints=models.n_rows)
 
 
-def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False) -> Heuristic:
+def subspace_plan(problem, budget: float, deadline: float | None, progress: bool = False,
+                  floor: bool = True) -> Heuristic:
     """A plan for a mesh of three or more axes whose layout model is too large to solve
     (`prune.too_large`), by steps in a fixed order, each keeping the best plan so far (so a longer
     time limit never gives a slower plan): the floor, solved whatever the time limit and before any step
@@ -194,10 +199,14 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     plan whose axes of one link level do different things (on Llama-3-8B at 131,072 tokens over
     (8, 2, 4) H100, the sequence split over the second axis and heads over the third) is in no
     subspace, and one step across one axis reaches it from the first subspace's plan, heads over both
-    (9.38 s a step -> 8.76 s; 72 CPU s for the subspace, 4.7 for the step)."""
+    (9.38 s a step -> 8.76 s; 72 CPU s for the subspace, 4.7 for the step).
+
+    `floor` False (a caller with another plan in hand, `solve.solve`'s): the floor's steps stop at the
+    deadline too (Llama-3-405B's plan without a pipeline over (128, 16, 8), weighed after its pipelines:
+    still in the floor at 660 s wall under time_limit=300)."""
     merges = prune.axis_merges(problem)
-    best = _merged(problem, budget, deadline, progress, merges[0], None, floor=True)
-    best = _local(problem, budget, best, deadline, progress, floor=True)
+    best = _merged(problem, budget, deadline, progress, merges[0], None, floor=True, bounded=not floor)
+    best = _local(problem, budget, best, deadline, progress, floor=True, bounded=not floor)
     best = _local(problem, budget, best, deadline, progress)
     solved = 1
     for k, groups in enumerate(merges):
@@ -212,7 +221,7 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
 
 
 def _merged(problem, budget: float, deadline: float | None, progress: bool, groups: tuple[tuple[int, ...], ...],
-            options: dict[str, int] | None, floor: bool = False) -> Heuristic | None:
+            options: dict[str, int] | None, floor: bool = False, bounded: bool = False) -> Heuristic | None:
     """The alternation's plan in the subspace of merged axes `groups` (`start_plan`'s `options`, `floor`).
     The floor's subspace (no `options`) starts from the options of least memory for its most sharded
     layouts, where no options fit those (`ilp.least_memory_options`: a model of the options alone), and
@@ -224,10 +233,11 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
 
     def start(choice):      # called only where no options fit the most sharded layouts `choice`
         return options if options is not None else models.least_options(choice)
-    h = start_plan(problem, budget, deadline, progress, allowed, floor, start if floor or options is not None else None,
-                   improving=not floor, models=models)
+    whatever = floor and not bounded     # `bounded`: the floor's steps, each only before the deadline
+    h = start_plan(problem, budget, deadline, progress, allowed, whatever,
+                   start if floor or options is not None else None, improving=not floor, models=models)
     if h is None and options is None:
-        h = start_plan(problem, budget, deadline, progress, allowed, floor, improving=not floor, models=models)
+        h = start_plan(problem, budget, deadline, progress, allowed, whatever, improving=not floor, models=models)
     if h is None:
         return None
     names = "; ".join(" and ".join(repr(problem.mesh.axis_names[a]) for a in g) for g in groups)
@@ -235,14 +245,16 @@ def _merged(problem, budget: float, deadline: float | None, progress: bool, grou
 
 
 def _local(problem, budget: float, best: Heuristic, deadline: float | None, progress: bool,
-           floor: bool = False) -> Heuristic:
+           floor: bool = False, bounded: bool = False) -> Heuristic:
     """Local search from `best`: the layouts within one mesh axis of its own (`prune.near`) re-solved from
     it with the alternation's step 3, round after round while the plan improves and time remains. `floor`:
     rounds whatever the time, as step 2 solves (`_rounded_near`: no MIP, whose time has no bound), while a
-    round gains more than FLOOR_GAIN, at most FLOOR_ROUNDS."""
+    round gains more than FLOOR_GAIN, at most FLOOR_ROUNDS; `bounded`: those rounds only before the deadline."""
     views, memo = {}, {}    # `prune.near`'s and the models' `memo` (the problem's alone), for every round
     if floor:
         for _ in range(FLOOR_ROUNDS):
+            if bounded and _past(deadline):
+                break
             h = _rounded_near(problem, budget, best, views, memo)
             if h.objective_s >= best.objective_s * (1 - FLOOR_GAIN):
                 return h
@@ -269,10 +281,6 @@ def _rounded_near(problem, budget: float, best: Heuristic, views: dict, memo: di
     return h if h is best else replace(h, status=f"{h.status}; local search")
 
 
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() >= deadline
-
-
 def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
     """`best`, its status saying so where the time limit ended the alternation early (the plan then
     depends on how fast this machine ran: a loaded machine may stop at a slower plan)."""
@@ -281,7 +289,7 @@ def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
     logging.getLogger("autopar").warning(
         "planning stopped at its time limit with the plan found so far (%s): a longer time_limit (or None) "
         "may find a faster plan, and the same plan each time", best.status)
-    return replace(best, status=f"{best.status}; stopped at the time limit")
+    return replace(best, status=best.status + STOPPED)
 
 
 class _Models:

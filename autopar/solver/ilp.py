@@ -413,10 +413,13 @@ class StrategyILP:
                            self.m.n_cols, self.m.n_rows, known_gap(float("nan")), options)
 
 
-def infeasible(problem: Problem, budget: float, need: float) -> InfeasibleError:
-    """The error for a budget below `need`, the smallest that fits a plan found (`min_memory`)."""
-    proven = not any(len(g.allowed) > 1 for g in problem.families.groups)
+def infeasible(problem: Problem, budget: float, need: float, cut: bool = False) -> InfeasibleError:
+    """The error for a budget below `need`, the smallest that fits a plan found (`min_memory`); `cut`: the
+    least-memory search stopped at the time limit."""
+    proven = not cut and not any(len(g.allowed) > 1 for g in problem.families.groups)
     needs = (f"this model needs at least {readable_bytes(need)} per device ({need:.0f} bytes)" if proven else
+             f"the least-memory plan found by the time limit needs {readable_bytes(need)} per device ({need:.0f} "
+             f"bytes; the search stopped there: raise time_limit)" if cut else
              f"the least-memory plan found needs {readable_bytes(need)} per device ({need:.0f} bytes; layouts "
              f"and memory options alternated, not proven the least)")
     return InfeasibleError(f"no plan fits {readable_bytes(budget)} per device on mesh {problem.mesh.shape}: {needs}. "
@@ -451,28 +454,39 @@ def most_sharded(p: Problem, allowed: Mapping[str, tuple[int, ...]] | None = Non
 LP_BOUND_SLACK = 1e-6     # relative: HiGHS's LP optimum is within its tolerances (1e-7) of the true minimum
 
 
-def least_seconds(problem: Problem) -> float:
+def least_seconds(problem: Problem, deadline: float | None = None) -> float:
     """A lower bound on `Evaluation.objective_s` of every plan of `problem` the solver can return (any
     layouts, repeated layers sharing theirs as `Problem.rep` links them; any family options and
     budget; its step adds only seconds >= 0): the LP relaxation of the layout ILP without memory
     rows or families, whose objective is the compute and resharding seconds (the families' seconds,
     `smax(0, ...)`, are >= 0 and the budget only removes plans). 0.0 where the LP is not solved to
-    its optimum. On GPT-3 175B without a pipeline over (16, 8, 8) H100 (263k columns),
+    its optimum (`deadline` cut it). On GPT-3 175B without a pipeline over (16, 8, 8) H100 (263k columns),
     1 CPU s: 7.97 s, where the plan found steps 10.2 s and the compute floor
     (`cost_model.screen.pipeline_floor`) is 4.34 s."""
+    if past(deadline):
+        return 0.0
     ilp = StrategyILP(replace(problem, families=Families()), INF)
     ilp.build()
-    r = ilp.solve_lazy(None, relax=True)
+    r = ilp.solve_lazy(deadline, relax=True)
     return max(r.objective, 0.0) * (1 - LP_BOUND_SLACK) if r.status == "Optimal" else 0.0
 
 
 LEAST_ROUNDS = 4     # alternation rounds of `least_memory` at most (the test models settle in one)
 
 
+@dataclass(frozen=True, slots=True)
+class Least:
+    """`least_memory`'s answer: the plan, the budget it needs (`min_memory`), and whether the deadline cut
+    the search (then a plan that fits its `need`, not the least the search would find)."""
+    plan: tuple[dict[str, int], dict[str, int]]
+    need: float
+    cut: bool = False
+
+
 def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None = None,
-                 first: Callable[[dict[str, int]], dict[str, int]] | None = None, enough: float = 0.0
-                 ) -> tuple[tuple[dict[str, int], dict[str, int]], float]:
-    """(the plan that needs least memory, the budget it needs: `min_memory`); `allowed`: among these
+                 first: Callable[[dict[str, int]], dict[str, int]] | None = None, enough: float = 0.0,
+                 deadline: float | None = None) -> Least:
+    """The plan that needs least memory and the budget it needs (`min_memory`); `allowed`: among these
     strategies only (`StrategyILP`'s argument: a subspace of `prune.py` where the whole model is too large).
 
     With the family options fixed (none free) this is the exact minimum of the peak over the layouts.
@@ -485,31 +499,61 @@ def least_memory(problem: Problem, allowed: Mapping[str, tuple[int, ...]] | None
     `least_memory_options` where the caller keeps its answers (`heuristic._Models.least_options`).
     `enough`: the alternation stops at the first plan that needs at most this (a search that wants a
     plan that fits a budget, not the least: on Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100
-    the second round, 4.6 of the floor's 17 CPU s, found no lower peak)."""
-    free = any(len(g.allowed) > 1 for g in problem.families.groups)
-    if not free:
-        return _least_peak(problem, allowed=allowed)
-    options = (first or (lambda c: least_memory_options(problem, c)))(most_sharded(problem, allowed))
+    the second round, 4.6 of the floor's 17 CPU s, found no lower peak). `deadline` (a `perf_counter`
+    time; None: none): the search stops there with the best plan found (`Least.cut`); with none found
+    yet, the most sharded layouts with the options found for them (each group's last allowed option,
+    which frees most, where the deadline had passed before the search began), priced: its
+    min-max models (Llama-3-405B's 16-microbatch stage: 587 s) had no bound."""
+    sharded = most_sharded(problem, allowed)
+    if past(deadline):
+        return _priced(problem, sharded)
+    if not any(len(g.allowed) > 1 for g in problem.families.groups):
+        found = _least_peak(problem, deadline, allowed=allowed)
+        return found if found is not None else _priced(problem, sharded)
+    options = (first or (lambda c: least_memory_options(problem, c)))(sharded)
     best = None
     for _ in range(LEAST_ROUNDS):
-        (choice, _), _ = _least_peak(problem, options=options, allowed=allowed)
-        (_, options), need = _least_peak(problem, choice=choice)
-        if best is not None and need >= best[1]:
-            break
-        best = (choice, options), need
-        if need <= enough:
-            break
+        layouts = _least_peak(problem, deadline, options=options, allowed=allowed)
+        found = None if layouts is None else _least_peak(problem, deadline, choice=layouts.plan[0])
+        if found is None:       # the deadline came first
+            return _priced(problem, sharded, options) if best is None else replace(best, cut=True)
+        if best is not None and found.need >= best.need:
+            return best
+        best, options = replace(found, cut=found.cut or layouts.cut), found.plan[1]
+        if best.need <= enough or best.cut:
+            return best
     return best
+
+
+def _priced(problem: Problem, choice: dict[str, int], options: dict[str, int] | None = None) -> Least:
+    """`least_memory`'s answer where the deadline cut it before a plan: `choice` with `options` (default: each
+    group's last allowed option, which frees most), priced."""
+    options = {g.key: g.allowed[-1] for g in problem.families.groups} if options is None else options
+    need = evaluate(problem, choice, options).peak_bytes
+    return Least((choice, options), float(math.ceil(need + FEASIBILITY_SLACK_BYTES)), cut=True)
+
+
+def past(deadline: float | None) -> bool:
+    """`deadline` (a `perf_counter` time; None: none) has passed."""
+    return deadline is not None and time.perf_counter() >= deadline
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds a solve may take before `deadline` (None: no limit)."""
+    return None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
 
 
 def least_memory_options(problem: Problem, choice: dict[str, int]) -> dict[str, int]:
     """The family options of least peak memory for the layout choice `choice` (`least_memory`'s first step:
     a model of the options alone, small however large the layout model)."""
-    return _least_peak(problem, choice=choice)[0][1]
+    return _least_peak(problem, None, choice=choice).plan[1]
 
 
-def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[str, int]], float]:
-    """The plan of least peak memory, `fixed` as `StrategyILP` takes it, and the budget it needs."""
+def _least_peak(problem: Problem, deadline: float | None, **fixed) -> Least | None:
+    """The plan of least peak memory, `fixed` as `StrategyILP` takes it, and the budget it needs; by
+    `deadline`, the best found (`Least.cut`), None where none was (or the deadline had passed)."""
+    if past(deadline):
+        return None
     ilp = StrategyILP(problem, memory_budget=INF, **fixed)
     ilp.add_memory()      # the tiers' capacity rows (no budget row: the budget is infinite)
     z = ilp.m.add_col(0, INF)
@@ -517,33 +561,37 @@ def _least_peak(problem: Problem, **fixed) -> tuple[tuple[dict[str, int], dict[s
     rows = MemoryRows(ilp)
     for t, row in rows.rows(range(len(rows))).items():
         ilp.m.add_row({**row, z: -1.0}, -INF, -rows.fixed[t] / GIB)
-    r = _min_max(ilp, rows, z)
+    r = _min_max(ilp, rows, z, deadline)
+    if r.values is None:
+        return None
     plan = ilp.assignment(r.values)
     # the larger of the rows' peak (what a budget row must admit) and the plan's exact price
     peak = max(r.values[z] * GIB, evaluate(problem, *plan).peak_bytes)
-    return plan, float(math.ceil(peak + FEASIBILITY_SLACK_BYTES))
+    cut = deadline is not None and not r.status.startswith("Optimal")      # the MIP stopped at the deadline
+    return Least(plan, float(math.ceil(peak + FEASIBILITY_SLACK_BYTES)), cut)
 
 
-def _min_max(ilp: StrategyILP, rows: MemoryRows, z: int) -> MipResult:
+def _min_max(ilp: StrategyILP, rows: MemoryRows, z: int, deadline: float | None = None) -> MipResult:
     """`_least_peak`'s min-max model solved as `StrategyILP.solve_lazy` solves a large MIP: its LP
     relaxation rounded first (each decision at its largest fraction, `z` the rounded plan's highest
     row), the answer where that satisfies every row within MIP_GAP of the relaxation's bound, else
     HiGHS's MIP started from it. On Hugging Face Llama-3-8B at 64 x 4,096 over (4, 4, 4) H100 (its
     logits returned whole: 63 GiB of a 74 GiB budget on every device) the first subspace's model,
     63k columns, has a relaxation whose rounded plan is its bound, 1.7 CPU s; HiGHS's MIP took
-    ~65 CPU s to prove a plan, 48 to find one 3% above it."""
+    ~65 CPU s to prove a plan, 48 to find one 3% above it. Each solve stops at `deadline` (the MIP
+    from the rounded plan then returns at least that plan)."""
     m = ilp.m
     if m.n_cols < ROUND_FROM:
-        return m.solve(None)
-    lp = m.solve(None, relax=True)
+        return m.solve(_left(deadline))
+    lp = m.solve(_left(deadline), relax=True)
     if lp.values is None:
-        return m.solve(None)
+        return lp if past(deadline) else m.solve(_left(deadline))
     x = ilp.values_of(*ilp.assignment(lp.values))
     x[z] = max(rows.values(x))
     if m.violation(x) > ROW_TOLERANCE:
-        return m.solve(None)
+        return m.solve(_left(deadline))
     answer = _rounded_answer(x, x[z], lp)
-    return answer if answer is not None else m.solve(None, start=x)
+    return answer if answer is not None else m.solve(_left(deadline), start=x)
 
 
 def _rounded_answer(values: list[float], objective: float, lp: MipResult) -> MipResult | None:

@@ -35,7 +35,7 @@ def min_memory(problem: Problem) -> float:
     least (`least_memory`, ignoring time), as the ILP's rows and the evaluator price it, plus the
     solver's slack. On a model too large to solve whole, among the first subspace searched
     (`prune.floor_subspace`)."""
-    return least_memory(problem, floor_subspace(problem))[1]
+    return least_memory(problem, floor_subspace(problem)).need
 
 
 def solve(problem: Problem, memory_budget: float, time_limit: float | None = None,
@@ -48,8 +48,9 @@ def solve(problem: Problem, memory_budget: float, time_limit: float | None = Non
     layout model is the joint model and its solve is the answer. The status is in `status_words`'
     words; how the solver got there is logged. `start`: a (layout choice, family options) to improve
     instead of the heuristic's first plans (`heuristic.resume_plan`), where it fits the budget.
-    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`: a
-    caller with no other plan to return)."""
+    `floor`: the heuristic's first plans run to their end whatever the time limit (`start_plan`, the
+    floor of `subspace_plan`: a caller with no other plan to return); without it every step, the search
+    for the plan that needs least memory included, stops at the time limit, and the status says so."""
     t0 = time.perf_counter()
     deadline = None if time_limit is None else t0 + time_limit
     r = _solve(problem, memory_budget, deadline, t0, progress, start, floor)
@@ -79,7 +80,8 @@ def status_words(raw: str, gap: float, *, timed_out: bool) -> str:
     if raw.startswith("Heuristic"):
         return "the most sharded plan: the solver stopped without a plan (raise time_limit)"
     if LEAST_STATUS in raw:
-        return "the plan that needs least memory: the budget leaves no other choice found (not proven optimal)"
+        return (f"{AT_TIME_LIMIT}: the plan that needs least memory found by then" if stopped else
+                "the plan that needs least memory: the budget leaves no other choice found (not proven optimal)")
     if stopped or (timed_out and not raw.startswith(("Optimal", ALTERNATED))):
         proved = raw.startswith("Feasible (stopped") and 0.0 <= gap < 1.0
         return f"{AT_TIME_LIMIT}, gap {gap:.2%}" if proved else AT_TIME_LIMIT
@@ -96,7 +98,7 @@ def _solve(problem: Problem, memory_budget: float, deadline: float | None, t0: f
            progress: bool, carried: tuple[dict[str, int], dict[str, int]] | None = None,
            floor: bool = False) -> SolveResult:
     if too_large(problem):
-        start = subspace_plan(problem, memory_budget, deadline, progress)
+        start = subspace_plan(problem, memory_budget, deadline, progress, floor)
         return SolveResult(start.plan[0], start.objective_s, f"{SUBSPACES}: {start.status})",
                            start.solver, time.perf_counter() - t0, start.n_variables, start.n_constraints,
                            known_gap(float("nan")), start.plan[1])
