@@ -100,16 +100,27 @@ def direct_steps(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
     """(`x` moved from `cur` to `layout`, None) by `redistribute_steps`, each issued as above; None
     (nothing issued) where a step is not one of those four or a shard is uneven."""
     mesh = x.device_mesh
-    sizes = tuple(mesh.shape)
-    src, dst = layout_code(cur), layout_code(layout)
-    steps = redistribute_steps(src, dst, sizes)
-    if not _takes(x.shape, src, steps, sizes):
+    steps = direct_plan(x.shape, layout_code(cur), layout_code(layout), tuple(mesh.shape))
+    if steps is None:
         return None
-    local, coord = x.to_local(), mesh.get_coordinate()
-    for axis, a, b in steps:
-        if sizes[axis] > 1:
-            local = _step(local, a, b, mesh, axis, coord)
+    local = run_steps(x.to_local(), steps, mesh, mesh.get_coordinate())
     return dtensor_from(local, mesh, layout, shape=x.shape, stride=x.stride()), None
+
+
+def direct_plan(shape, src: tuple, dst: tuple, sizes: tuple) -> tuple | None:
+    """The steps (`redistribute_steps`) moving a tensor of global `shape` from layout code `src` to
+    `dst` over a mesh of `sizes`, where each is one of the four above on even shards; None else."""
+    steps = redistribute_steps(src, dst, sizes)
+    return steps if _takes(shape, src, steps, sizes) else None
+
+
+def run_steps(local: torch.Tensor, steps: tuple, mesh, coord) -> torch.Tensor:
+    """`local` (this rank's at `coord` on `mesh`) after the `direct_plan` `steps` (none over axes of
+    one device)."""
+    for axis, a, b in steps:
+        if mesh.size(axis) > 1:
+            local = _step(local, a, b, mesh, axis, coord)
+    return local
 
 
 def _takes(shape, src: tuple, steps: tuple, sizes: tuple) -> bool:

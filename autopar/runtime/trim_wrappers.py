@@ -46,6 +46,7 @@ from ..plan import Plan
 from . import rng
 from .early_reshard import LocalCollective
 from .grad_sync import GradSync, write_grad
+from .local_reshard import LocalReshard
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
 from .reshard import LocalSplit, Reshard, carries_grad, reduce_local_grad, to_layout
 from .vocab import splits_vocab
@@ -244,7 +245,7 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(mod, (ParamEdge, LocalSplit, LocalCollective)) \
+        if isinstance(mod, (ParamEdge, LocalSplit, LocalCollective, LocalReshard)) \
                 or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
                 or node.meta.get("autopar_local") or (node.target is operator.getitem and node.args[0] in local):
             local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
