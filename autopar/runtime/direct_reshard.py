@@ -109,7 +109,10 @@ def direct_steps(x: DTensor, cur: tuple, layout: tuple) -> tuple | None:
 
 def direct_plan(shape, src: tuple, dst: tuple, sizes: tuple) -> tuple | None:
     """The steps (`redistribute_steps`) moving a tensor of global `shape` from layout code `src` to
-    `dst` over a mesh of `sizes`, where each is one of the four above on even shards; None else."""
+    `dst` over a mesh of `sizes`, where each is one of the four above on even shards; None else (a
+    move to a partial too: `reshard.to_layout` makes it from a whole value after the steps)."""
+    if any(d[0] == _P and s != d and n > 1 for s, d, n in zip(src, dst, sizes)):
+        return None
     steps = redistribute_steps(src, dst, sizes)
     return steps if _takes(shape, src, steps, sizes) else None
 
