@@ -6,9 +6,12 @@ all-reduces and reduce-scatters of sums, all-gathers, local slices, on even shar
 and into a `LocalOp`, ran as three autograd wrappers: the producer's `_FromLocal` (a DTensor made),
 the `Reshard` (`to_layout`: the steps found per call, a DTensor made for the result) and the
 consumer's `_ToLocal`, each again in the backward (`ops.py`, `reshard.py`). Measured (rank 0 of a
-(2, 2) fake process group alone, CPU inclusive per step, 2026-11-28, load ~5): tensor parallel's 18
-such edges 10.9 ms of CPU a step in the wrappers, of which 7.8 ms in `to_layout`; 2-D's 14, 6.8 and
-5.0 ms. Here the producer hands on its local result (`rewrite.passes_local`), the edge
+(2, 2) fake process group alone, CPU inclusive per step, 2026-11-28, load ~5): the wrappers of
+tensor parallel's 18 reshard edges (4 activations, 14 weight gathers: those are `trim_wrappers.ParamEdge`s
+now) 10.9 ms of CPU a step, of which 7.8 ms in `to_layout`; 2-D's 14, 6.8 and 5.0 ms; with both
+(the plan built twice in one process, steps alternated) tensor parallel's step took 3.4 ms less CPU,
+2-D's 2.7 ms (docs/cost_model.md, stop 52). Here the producer hands on its local result
+(`rewrite.passes_local`), the edge
 (`LocalReshard`) runs the steps fixed when the program is built (`direct_reshard.run_steps`) in the
 forward and the gradient's steps (from the layout the consumer sends it back in to the one the
 producer takes it in) in the backward, and the consumer takes the plain result. The same
