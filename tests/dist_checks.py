@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import autopar  # noqa: E402
+from autopar.runtime.reshard import Reshard  # noqa: E402
 from models import GPT, MLP, Llama, gpt_inputs  # noqa: E402
 
 STEPS = 2   # the second step runs from the first's optimizer state: the state is compared too
@@ -205,6 +206,8 @@ def train_and_compare(rank, world_size, name, mesh_shape, axis_names, pins=None,
     worst["fallbacks"] = list(dmodel.plan.fallbacks)
     worst["labels"] = sorted({lab for n in dmodel.plan.nodes for lab in n.labels})
     worst["collectives"] = sorted({f"{n.op} {c.kind}" for n in dmodel.plan.nodes for c in n.collectives})
+    # how the program's reshard edges run (runtime/reshard.py, local_reshard.py, trim_wrappers.py)
+    worst["edges"] = sorted({type(m).__name__ for m in dmodel.graph_module.modules() if isinstance(m, Reshard)})
     worst["sharded_nodes"] = sum(1 for n in dmodel.plan.nodes if n.executor not in ("param", "input", "output")
                                  and any(p != "R" for p in n.output))
     return worst

@@ -49,7 +49,7 @@ def test_fit_links_takes_latency_from_isolated_collectives_and_the_rest_as_per_c
     latency, kernel = 2e-4, 1e-5
     iso = {ax: {"size": 2, "fits": {k: {"bandwidth": 1e9, "latency": latency} for k in ("all_reduce", "all_gather")}}
            for ax in ("axis0", "axis1")}
-    for ax in iso:      # a reduce_scatter 2.5x slower per byte than the all_gather (gloo's)
+    for ax in iso:      # a reduce_scatter 2.5x slower per byte than the all_gather
         iso[ax]["fits"]["reduce_scatter"] = {"bandwidth": 4e8, "latency": 1e-3}
     # a step moves bytes at 1/4 of the isolated bandwidth (all_reduce over 2 puts 1x its bytes on the wire)
     axes, record, links, overhead = fit_links([_step_record(3e-3, 4e-9, latency)] * 4, iso, kernel)

@@ -63,6 +63,8 @@ def test_matches_single_process(rank_pool, name, shape, axes, pins):
     assert r["sharded_nodes"] > 0, "the plan must actually shard something"
     if pins in (TP_PINS_GPT, TP_PINS_MLP):
         assert {"column", "row"} <= set(r["labels"]), r["labels"]
+        # the row-parallel partial sums made whole on the plain local tensors, no DTensor on the way
+        assert "LocalReshard" in r["edges"], r["edges"]
     if pins:
         for pat, lay in pins.items():
             hits = [k for k in r["placements"] if fnmatch.fnmatchcase(k, pat)]

@@ -2,8 +2,10 @@
 the runtime's reshard (`Reshard`, which the rewrite puts on every edge that changes layout) runs on 4
 gloo ranks and the collectives it calls, in order and on which mesh axis, are those
 `Mesh.reshard_cost` lists. Nested sharding (two axes splitting one dim) is where a per-axis count
-goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. One known difference: a shard
-moved to another dim is priced as NCCL's all-to-all; gloo's DTensor path gathers the whole tensor.
+goes wrong: (S(0), S(0)) -> (R, S(0)) is two all-gathers, not one. Two known differences on gloo: a
+shard moved to another dim is priced as NCCL's all-to-all, and gloo's DTensor path gathers the whole
+tensor; the runtime's reduce-scatter runs there as an all-to-all and a local sum
+(`direct_reshard.reduce_scatter`).
 Every pair without such a step the runtime issues itself, step by step as c10d collectives on the
 local tensor (`runtime/direct_reshard.py`), not through DTensor's redistribute."""
 from __future__ import annotations
@@ -81,8 +83,9 @@ def _pair(src, dst, dm, mesh, Record, redistributed):
 
 
 def test_priced_collectives_are_those_the_reshard_issues(rank_pool):
-    def on_gloo(priced):        # gloo's all-gather where a shard changes dim (module docstring)
-        return tuple(p.replace("all_to_all", "all_gather") for p in priced)
+    def on_gloo(priced):        # what gloo issues for each priced kind (module docstring)
+        issued = {"all_to_all": "all_gather", "reduce_scatter": "all_to_all"}
+        return tuple(issued.get(kind, kind) + "@" + axis for kind, axis in (p.split("@") for p in priced))
     seen = rank_pool(4).run(_issued)[0]
     wrong = [(src, dst, issued, priced) for (src, dst), (issued, priced, _) in zip(PAIRS, seen)
              if tuple(issued) != on_gloo(priced)]

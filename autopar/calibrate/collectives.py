@@ -13,10 +13,13 @@ from .rank import device_sync, measuring_mesh, timeit, timeit_together
 def measure_isolated(mesh_shape, names, device: str, quick: bool) -> dict:
     """Per mesh axis of more than one device, its size and `points`: per kind (all_reduce, all_gather,
     reduce_scatter) (bytes, seconds) of raw torch.distributed collectives back to back at a small and
-    a large size, the median of a few repeats."""
+    a large size, the median of a few repeats; the reduce-scatter as the runtime issues it
+    (`runtime.direct_reshard.reduce_scatter`)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from ..runtime.direct_reshard import reduce_scatter
     sync = device_sync(device)
     dm = init_device_mesh(device, mesh_shape, mesh_dim_names=names)
     sizes = (4096, (1 if quick else 8) * 2 ** 20)
@@ -35,8 +38,8 @@ def measure_isolated(mesh_shape, names, device: str, quick: bool) -> dict:
                 part = torch.zeros(nbytes // 4 // n, device=device)
                 if kind == "all_reduce":
                     fn = lambda: dist.all_reduce(full, group=group)  # noqa: E731
-                elif kind == "reduce_scatter":
-                    fn = lambda: dist.reduce_scatter_tensor(part, full[: part.numel() * n], group=group)  # noqa: E731
+                elif kind == "reduce_scatter":       # the runtime's (on gloo an all-to-all and a sum)
+                    fn = lambda: reduce_scatter(part, full[: part.numel() * n], group)  # noqa: E731
                 else:
                     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
                     fn = lambda: gather(full[: part.numel() * n], part, group=group)  # noqa: E731

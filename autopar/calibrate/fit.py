@@ -117,7 +117,8 @@ def _axis_fits(cycle: list[str], isolated: dict, lines: dict) -> tuple[dict, lis
                             iso["fits"][kind]["bandwidth"]) for kind in lines)
         latency = _mean([iso["fits"][kind]["latency"] for kind in lines])
         # a reduce_scatter moves its bytes this many times slower than an all_gather (the ring formula
-        # equates them); gloo's takes about an all_reduce's time
+        # equates them); measured as the runtime issues it (on gloo an all-to-all and a sum: gloo's own
+        # took about an all_reduce's time, runtime/direct_reshard.py)
         rs = iso["fits"].get("reduce_scatter")
         factor = iso["fits"]["all_gather"]["bandwidth"] / rs["bandwidth"] if rs else 1.0
         axes_fit[ax_name] = {"size": n, "bandwidth": bandwidth, "latency": latency, "reduce_scatter_factor": factor,

@@ -11,8 +11,10 @@ one-direction bandwidth B and per-step latency alpha, with the ring algorithm:
                                                                    nbytes/n local buffer, sends the rest)
 
 The first factor is what each device sends (`collective_bytes_on_wire`). Every cost is 0 for n == 1.
-A backend whose reduce_scatter is slower than the ring's (gloo's takes about an all_reduce's time)
-multiplies its bytes term by the link's `reduce_scatter_factor`, measured by `autopar calibrate`.
+A backend whose reduce_scatter moves its bytes slower than the ring's multiplies its bytes term by
+the link's `reduce_scatter_factor`, measured by `autopar calibrate` on the reduce-scatter the runtime
+issues (on gloo an all-to-all of the chunks and a local sum, runtime/direct_reshard.py: gloo's own
+all-reduces the whole input, about an all_reduce's time).
 
 Tree all-reduce (NCCL's double binary tree, pipelined: a reduce up the tree then a broadcast
 down, each moving the whole buffer through the slowest link once):

@@ -59,6 +59,7 @@ from ..compat import at_backward_end, dtensor_like, parameter_table, set_group_t
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from ..placement import over_one_device
 from .faults import watch_of, watched
+from .direct_reshard import reduce_scatter
 from .reshard import Reshard
 
 REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
@@ -124,7 +125,7 @@ class _Bucket:
                 off += k
         self.pieces = []
         self.out = self.send.new_empty(total // n)
-        self.work = dist.reduce_scatter_tensor(self.out, self.send, group=group, async_op=True)
+        self.work = reduce_scatter(self.out, self.send, group, async_op=True)
 
     def results(self, n: int):
         """(parameter name, reduced local gradient) after the wait."""

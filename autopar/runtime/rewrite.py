@@ -24,10 +24,12 @@ from ..passes.reshard_edges import output_modules, reshards_edge
 from ..passes.shape_prop import tensor_meta
 from ..placement import over_one_device, parse_layout
 from ..plan import Plan
+from ..plan_records import ACTIVATIONS
 from ..strategies.gradients import input_grad_layouts, output_grad_layout
 from .async_output import AsyncOutput
 from .attention import context_executor
 from .early_reshard import LocalCollective
+from .local_reshard import LocalReshard, local_reshard_steps
 from .ops import LocalOp, ReplicateOp, ToLocal, mesh_device
 from .reshard import LocalSplit, Reshard, carries_grad, collective_move, split_axes
 
@@ -35,7 +37,7 @@ _EXECUTORS = {"local": LocalOp, "replicate": ReplicateOp, "context": context_exe
 
 
 def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side: dict[str, tuple] | None = None,
-                 whole_outputs: bool = True) -> bool:
+                 whole_outputs: bool = True, local_reshards: bool = False) -> bool:
     """Can `node`'s LocalOp hand its consumers its local result as a plain tensor? Only where wrapping
     it in a DTensor and unwrapping it again would do nothing, forward or backward: a tensor output
     (or a split's parts, each through its getitem) with no partial average over more than one
@@ -45,7 +47,9 @@ def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side
     (`reshards_edge`), or the program's output where that is whole already (`output_modules`;
     `whole_outputs`: outputs are made whole) or made whole by an `AsyncOutput` (which all-reduces
     the plain local tensor); a consumer's edge may also be a `LocalSplit` or `LocalCollective` (a
-    tensor no gradient flows through: this rank's block, or one collective of the plain tensor).
+    tensor no gradient flows through: this rank's block, or one collective of the plain tensor), or,
+    where `local_reshards`, a `LocalReshard` (`local_reshard_edge`: a move and its gradient's on the
+    plain tensor).
     Saves the two autograd nodes and the DTensor wrapper per op on the hot path (data parallel:
     almost every op). `side`: the parameter-side nodes' axes (`parameter_side_ops`)."""
     side = side or {}
@@ -56,13 +60,14 @@ def passes_local(node: fx.Node, planned: dict, mesh_shape: tuple[int, ...], side
     if isinstance(val, (tuple, list)):      # split, chunk, unbind: each part taken by its getitems' consumers
         return bool(node.users) and all(
             user.target is operator.getitem and isinstance(val[user.args[1]], torch.Tensor)
-            and _taken_local(user, val[user.args[1]], np, planned, mesh_shape, side, whole_outputs)
+            and _taken_local(user, val[user.args[1]], np, planned, mesh_shape, side, whole_outputs, local_reshards)
             for user in node.users)
-    return isinstance(val, torch.Tensor) and _taken_local(node, val, np, planned, mesh_shape, side, whole_outputs)
+    return isinstance(val, torch.Tensor) and _taken_local(node, val, np, planned, mesh_shape, side, whole_outputs,
+                                                          local_reshards)
 
 
 def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape, side: dict,
-                 whole_outputs: bool) -> bool:
+                 whole_outputs: bool, local_reshards: bool) -> bool:
     """Does every consumer of `node` (a tensor in the layout of `np`, the plan of the op making it)
     take it as the local tensor it is (`passes_local`)?"""
     grad_flows = carries_grad(val.dtype)
@@ -77,12 +82,22 @@ def _taken_local(node: fx.Node, val: torch.Tensor, np, planned: dict, mesh_shape
         slots = [k for k, a in enumerate(a for a in pytree.tree_leaves((user.args, user.kwargs))
                                          if isinstance(a, fx.Node) and tensor_meta(a.meta.get("val"))) if a is node]
         grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(user.name, ()))
-        if not slots or any(not (over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output))
-                                 or local_split_edge(np.output, up.inputs[k], val, mesh_shape) is not None
-                                 or local_collective_edge(np.output, up.inputs[k], val, mesh_shape) is not None)
-                            or (grad_flows and not over_one_device(mesh_shape, grads[k], arrives)) for k in slots):
+        if not slots or not all(_slot_local(np, up, k, val, grads[k], arrives, mesh_shape, side, local_reshards)
+                                for k in slots):
             return False
     return True
+
+
+def _slot_local(np, up, k: int, val: torch.Tensor, grad: tuple, arrives: tuple, mesh_shape, side: dict,
+                local_reshards: bool) -> bool:
+    """Does input `k` of `up` take the output of `np` (a tensor `val`; its gradient sent back in `grad`
+    and taken in `arrives`) as the plain local tensor (`passes_local`)?"""
+    if over_one_device(mesh_shape, parse_layout(up.inputs[k]), parse_layout(np.output)):
+        return not carries_grad(val.dtype) or over_one_device(mesh_shape, grad, arrives)
+    if (local_split_edge(np.output, up.inputs[k], val, mesh_shape) is not None
+            or local_collective_edge(np.output, up.inputs[k], val, mesh_shape) is not None):
+        return True                 # no gradient flows through these
+    return local_reshards and local_reshard_edge(np, up, k, val, mesh_shape, side) is not None
 
 
 def local_split_edge(src: tuple[str, ...], want: tuple[str, ...], val, mesh_shape) -> tuple | None:
@@ -103,6 +118,20 @@ def local_collective_edge(src: tuple[str, ...], want: tuple[str, ...], val, mesh
     return collective_move(parse_layout(src), parse_layout(want), tuple(val.shape), mesh_shape)
 
 
+def local_reshard_edge(src, up, k: int, val, mesh_shape, side: dict) -> tuple | None:
+    """(forward steps, backward steps) of the edge from the output of `src` into input `k` of `up` (both
+    planned ops) where it runs as a `LocalReshard` (runtime/local_reshard.py): both run as `LocalOp`s,
+    a gradient can flow through the tensor `val`, and its move and the gradient's are each steps the
+    runtime issues on the local tensor (`local_reshard_steps`); None for any other edge."""
+    if (not isinstance(val, torch.Tensor) or not carries_grad(val.dtype) or src.executor != "local"
+            or up.executor != "local" or any(p.startswith("P(") for p in src.output)):
+        return None
+    out = parse_layout(src.output)
+    grads = input_grad_layouts([parse_layout(i) for i in up.inputs], parse_layout(up.output), side.get(up.name, ()))
+    return local_reshard_steps(tuple(val.shape), out, parse_layout(up.inputs[k]), grads[k],
+                               output_grad_layout(out, side.get(src.name, ())), mesh_shape)
+
+
 def parameter_side_ops(cap: Captured, plan: Plan, planned: dict) -> dict[str, tuple[bool, ...]]:
     """The parameter-side nodes (passes/parameter_side.py) that run as `LocalOp`s, each with the mesh
     axes on which their gradients stay partial sums where replicated, as the planner priced them
@@ -120,6 +149,10 @@ class _Program:
     def __init__(self, plan: Plan, planned: dict, side: dict, device_mesh, pass_local: bool):
         self.root, self.g = torch.nn.Module(), fx.Graph()
         self.pass_local = pass_local     # ops may hand on plain local tensors (and integer splits run local)
+        # reshard edges between such ops may run on the plain tensor (`LocalReshard`), unless the plan
+        # re-gathers activations (runtime/memory.py swaps a gathering Reshard for its GatherCopy)
+        self.local_reshards = pass_local and not any(
+            k.startswith(ACTIVATIONS) and v == "regather" for k, v in plan.residency.items())
         self.env: dict[fx.Node, fx.Node] = {}
         self.planned, self.side, self.mesh = planned, side, device_mesh
         self.sharded = plan.options.get("sharded_outputs", False)
@@ -201,17 +234,17 @@ def _inputs(prog: _Program, node: fx.Node, np) -> tuple:
             if reshards_edge(src.executor if src else None, src.output if src else None, want, prog.mesh.shape):
                 side = prog.side
                 grad_to = output_grad_layout(parse_layout(src.output), side[a.name]) if a.name in side else None
-                edge = _edge_module(prog, src, want, grad_to, a, np)
+                edge = _edge_module(prog, src, want, grad_to, a, np, slot)
                 v = prog.add_module(f"reshard_{node.name}_{slot}", edge, v)
             slot += 1
         new_leaves.append(v)
     return pytree.tree_unflatten(new_leaves, spec)
 
 
-def _edge_module(prog: _Program, src, want: tuple[str, ...], grad_to, a: fx.Node, np) -> torch.nn.Module:
-    """The module on an edge that needs a move from `src`'s output to `want`: a `LocalSplit` or
-    `LocalCollective` where the tensor can carry no gradient and the consumer is a `LocalOp`, else a
-    `Reshard`."""
+def _edge_module(prog: _Program, src, want: tuple[str, ...], grad_to, a: fx.Node, np, slot: int) -> torch.nn.Module:
+    """The module on an edge that needs a move from `src`'s output to `want` (input `slot` of `np`): a
+    `LocalSplit` or `LocalCollective` where the tensor can carry no gradient and the consumer is a
+    `LocalOp`, a `LocalReshard` where it can and its producer hands it on local, else a `Reshard`."""
     if prog.pass_local and src is not None and np.executor == "local":
         mesh_shape, val = tuple(prog.mesh.shape), a.meta.get("val")
         split = local_split_edge(src.output, want, val, mesh_shape)
@@ -220,7 +253,21 @@ def _edge_module(prog: _Program, src, want: tuple[str, ...], grad_to, a: fx.Node
         move = local_collective_edge(src.output, want, val, mesh_shape)
         if move is not None:
             return LocalCollective(parse_layout(want), parse_layout(src.output), move, prog.mesh)
+        steps = local_reshard_edge(src, np, slot, val, mesh_shape, prog.side) if prog.local_reshards else None
+        if steps is not None and _hands_local(prog, prog.env[a]):
+            out = parse_layout(src.output)
+            grads = input_grad_layouts([parse_layout(i) for i in np.inputs], parse_layout(np.output),
+                                       prog.side.get(np.name, ()))
+            return LocalReshard(parse_layout(want), out, grads[slot], output_grad_layout(out, prog.side.get(src.name, ())),
+                                steps, prog.mesh)
     return Reshard(parse_layout(want), grad_to)
+
+
+def _hands_local(prog: _Program, v: fx.Node) -> bool:
+    """Does program node `v` (an op's result, or a part of it through a getitem) run as a plain tensor?"""
+    if v.op == "call_function" and v.target is operator.getitem and isinstance(v.args[0], fx.Node):
+        v = v.args[0]
+    return v.op == "call_module" and getattr(prog.root.get_submodule(v.target), "local_out", False)
 
 
 def _executor(prog: _Program, node: fx.Node, np, plan: Plan, pass_local: bool) -> torch.nn.Module:
@@ -231,6 +278,6 @@ def _executor(prog: _Program, node: fx.Node, np, plan: Plan, pass_local: bool) -
     mod = _EXECUTORS[np.executor](node.target, [parse_layout(i) for i in np.inputs], parse_layout(np.output),
                                   prog.mesh, metas[0].shape if metas else None, **extra)
     mod.local_out = pass_local and passes_local(node, prog.planned, tuple(prog.mesh.shape), prog.side,
-                                                not prog.sharded)
+                                                not prog.sharded, prog.local_reshards)
     mod.capacity_factor = plan.options.get("moe_capacity_factor")
     return mod

@@ -39,13 +39,18 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import dtensor_from, local_tensor, pytree
+from ..cost_model.comm import layout_code
 from ..passes.captured import Captured
 from ..passes.shape_prop import tensor_meta
 from ..placement import layout_str, over_one_device, parse_layout
 from ..plan import Plan
+from ..plan_records import ACTIVATIONS
 from . import rng
+from .direct_reshard import direct_plan, run_steps
 from .early_reshard import LocalCollective
+from .faults import watch_of
 from .grad_sync import GradSync, write_grad
+from .local_reshard import LocalReshard
 from .ops import EXCHANGE, LOCALIZE, VOCAB, LocalOp, ReplicateOp
 from .reshard import LocalSplit, Reshard, carries_grad, reduce_local_grad, to_layout
 from .vocab import splits_vocab
@@ -57,31 +62,43 @@ class _ParamEdge(torch.autograd.Function):
         ctx.edge = edge
         if edge.meta is None:
             edge.meta = (p.device_mesh, p.shape, p.stride())
+            edge.coord = p.device_mesh.get_coordinate()
+        if edge.steps:         # a gather of the shard: the steps on the local tensor (watched: the watched move)
+            if watch_of(p.device_mesh) is not None:
+                return to_layout(p, edge.layout).to_local()
+            return run_steps(p.to_local(), edge.steps, p.device_mesh, edge.coord).contiguous()
         local = p.to_local()
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         edge = ctx.edge       # None: a gradient bucket reduces it (grad_sync.py)
-        return reduce_local_grad(grad, edge.grad_layout, edge.layout, edge.sync, edge.meta), None
+        return reduce_local_grad(grad, edge.grad_layout, edge.stored, edge.sync, edge.meta), None
 
 
 class ParamEdge(Reshard):
-    """Graph op: `w = self.reshard_x(p_w)` on a parameter edge that keeps the stored layout: the local
-    shard, its gradient (in `grad_layout`, the consumer's) reduced to the stored layout (see the
-    module docstring). A `Reshard` still for every pass that looks for one (layers, residency)."""
+    """Graph op: `w = self.reshard_x(p_w)` on a parameter edge into one `LocalOp` slot: the local shard,
+    moved from the stored layout to `layout` by `steps` (`direct_reshard.direct_plan`; none where it
+    keeps the stored layout), its gradient (in `grad_layout`, the consumer's) reduced to the stored
+    layout (see the module docstring). A `Reshard` still for every pass that looks for one (layers,
+    residency)."""
 
-    def __init__(self, layout: Sequence[Placement], grad_layout: Sequence[Placement], sync=None):
+    def __init__(self, layout: Sequence[Placement], grad_layout: Sequence[Placement], sync=None,
+                 stored: Sequence[Placement] | None = None, steps: tuple = ()):
         super().__init__(layout)
         self.grad_layout = tuple(grad_layout)
+        self.stored = self.layout if stored is None else tuple(stored)
+        self.steps = steps
         self.sync = sync
         self.meta = None           # (mesh, global shape, stride) of the parameter, from its first call
+        self.coord = None          # this rank's mesh coordinate, from its first call
 
     def forward(self, x):
         return _ParamEdge.apply(x, self) if isinstance(x, DTensor) else x
 
     def extra_repr(self) -> str:
-        return f"{', '.join(layout_str(self.layout))} (local; gradient {', '.join(layout_str(self.grad_layout))})"
+        moved = f"{', '.join(layout_str(self.stored))} -> " if self.steps else ""
+        return f"{moved}{', '.join(layout_str(self.layout))} (local; gradient {', '.join(layout_str(self.grad_layout))})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +110,26 @@ class LeafParam:
     grad_layout: tuple[Placement, ...]
 
 
-def _fusable(gm: fx.GraphModule, node: fx.Node, stored_of, captured) -> tuple | None:
-    """(layout, gradient layout) of a parameter `Reshard` node that keeps the stored layout into one
-    `LocalOp` slot; None otherwise."""
+def _fusable(gm: fx.GraphModule, node: fx.Node, stored_of, captured, sizes: tuple | None) -> tuple | None:
+    """(layout, gradient layout, steps) of a parameter `Reshard` node into one `LocalOp` slot that keeps
+    the stored layout (no steps) or, given the mesh's `sizes`, moves it by steps the runtime issues on
+    the local tensor (`direct_reshard.direct_plan`); None otherwise."""
     mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-    if type(mod) is not Reshard or len(node.users) != 1 or stored_of(node.args[0].name) != mod.layout:
+    if type(mod) is not Reshard or len(node.users) != 1:
         return None
+    stored, steps = stored_of(node.args[0].name), ()
+    if stored != mod.layout:
+        val = node.args[0].meta.get("val")
+        steps = direct_plan(tuple(val.shape), layout_code(stored), layout_code(mod.layout), sizes) \
+            if sizes is not None and val is not None and all(isinstance(d, int) for d in val.shape) else None
+        if not steps:
+            return None
     user = next(iter(node.users))
     consumer = gm.get_submodule(user.target) if user.op == "call_module" else None
     slot = _tensor_slot(user, node, captured.get(user.meta.get("autopar_node")))
     if type(consumer) is not LocalOp or slot is None:
         return None
-    return mod.layout, consumer.grad_layouts[slot]
+    return mod.layout, consumer.grad_layouts[slot], steps
 
 
 def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: dict[str, str],
@@ -119,13 +144,18 @@ def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: di
         fqn = param_of[placeholder]
         return parse_layout(plan.placements.get(fqn, tuple("R" for _ in plan.mesh["axis_names"])))
 
+    # gathers moved on the local tensor too, unless the memory plan swaps gathering Reshards for its
+    # GatherCopy (runtime/memory.py: where it re-gathers or offloads any)
+    sizes = None if "regather" in plan.residency.values() or any(
+        k.startswith(ACTIVATIONS) and v != "device" for k, v in plan.offload.items()) else tuple(plan.mesh["shape"])
     leaves: dict[str, LeafParam] = {}
     for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in param_of
                and param_of[n.name] not in skip]:
-        edges = {u: _fusable(gm, u, stored_of, captured) for u in ph.users}
+        edges = {u: _fusable(gm, u, stored_of, captured, sizes) for u in ph.users}
         kinds = set(edges.values())
-        if param_of[ph.name] not in alone and edges and None not in kinds and len(kinds) == 1:
-            layout, grad = kinds.pop()
+        if param_of[ph.name] not in alone and edges and None not in kinds and len(kinds) == 1 \
+                and not next(iter(kinds))[2]:
+            layout, grad, _ = kinds.pop()
             leaves[ph.name] = LeafParam(param_of[ph.name], layout, grad)
             for u in edges:
                 u.replace_all_uses_with(ph)
@@ -133,7 +163,8 @@ def fuse_param_edges(gm: fx.GraphModule, cap: Captured, plan: Plan, param_of: di
             continue
         for u, fused in edges.items():
             if fused is not None:
-                gm.add_submodule(u.target, ParamEdge(fused[0], fused[1], gm.get_submodule(u.target).sync))
+                gm.add_submodule(u.target, ParamEdge(fused[0], fused[1], gm.get_submodule(u.target).sync,
+                                                     stored_of(ph.name), fused[2]))
     if leaves:
         gm.delete_all_unused_submodules()
         gm.recompile()
@@ -244,7 +275,7 @@ def _direct_calls(gm: fx.GraphModule, local_inputs: frozenset[str]) -> int:
     done = 0
     for node in list(gm.graph.nodes):
         mod = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(mod, (ParamEdge, LocalSplit, LocalCollective)) \
+        if isinstance(mod, (ParamEdge, LocalSplit, LocalCollective, LocalReshard)) \
                 or (type(mod) in (LocalOp, ReplicateOp) and mod.local_out) \
                 or node.meta.get("autopar_local") or (node.target is operator.getitem and node.args[0] in local):
             local.add(node)         # its result is a plain tensor (a LocalOp's whatever its inputs; a flat
