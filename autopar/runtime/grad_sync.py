@@ -155,6 +155,8 @@ class _Layout:
     arrived: int = 0
     armed: bool = False                         # taking this backward's gradients
     sent: bool = False                          # launched in this backward
+    leaves: tuple = ()                          # gradients as views (`GradSync.view`): each member's leaf
+    arrivals: list = field(default_factory=list)    # of those, the ones accumulated in this backward
 
     def arm(self, params: list, like: torch.Tensor) -> None:
         """Ready for a backward: the buffer reused where nothing but its own views holds it and no
@@ -167,6 +169,25 @@ class _Layout:
         self.flat = like.new_empty(sum(numels))
         self.views = [v.view(s) for v, s in zip(self.flat.split(numels), self.shapes)]
         self.grads = [None] * len(self.names)
+        for leaf, view in zip(self.leaves, self.views):     # autograd accumulates into the new places
+            leaf.grad = view
+
+    def arm_views(self, params: list) -> None:
+        """`arm` before a backward of a layout whose gradients are views (`GradSync.view`): its places
+        zeroed, where autograd then adds each member's gradient (the buffer it may reuse holds the
+        last step's reduced gradients)."""
+        self.arrivals.clear()
+        self.arm(params, self.leaves[0])
+        self.flat.zero_()
+
+    def arrived_views(self) -> None:
+        """After a backward's accumulations: which members arrived (`fill`'s record, in one pass)."""
+        if len(self.arrivals) == len(self.leaves):
+            self.got, self.arrived = [True] * len(self.leaves), len(self.leaves)
+            return
+        came = {id(t) for t in self.arrivals}
+        self.got = [id(leaf) in came for leaf in self.leaves]
+        self.arrived = sum(self.got)
 
     def fill(self, pos: int, local: torch.Tensor) -> bool:
         """Member `pos`'s gradient into its place; False: not this layout's (shape), or a second arrival."""
@@ -218,6 +239,10 @@ class GradSync:
         self.buckets_early = 0                       # of those, launched before the backward ended
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self._owners: dict[str, tuple] | None = None  # FQN -> (submodule, attribute): `_param`
+        # parameter fed as an autograd leaf (trim_wrappers.LeafParams) -> [leaf, its own hook, the hook's handle]
+        self._leaves: dict[str, list] = {}
+        self._viewed: list[_Layout] = []            # layouts whose gradients are views (`view`)
+        self._fresh = False                         # a layout made since the last `prepare`
         self.reset()
 
     def reset(self) -> None:
@@ -233,6 +258,84 @@ class GradSync:
         for lay in getattr(self, "_armed_layouts", ()):
             lay.armed = False
         self._armed_layouts: list[_Layout] = []     # this backward's, in the order they were armed
+
+    # -- gradients as views into the buckets ------------------------------------------------
+    def leaf(self, name: str, leaf: torch.Tensor, hook) -> None:
+        """Parameter `name` is fed as autograd leaf `leaf`, whose post-accumulate `hook` hands its
+        gradient to `take`; a layout holding the parameter's last leaf goes back to those hooks."""
+        old = self._leaves.get(name)
+        if old is not None:
+            self._unview(self._slots.get(name, (None,))[0])
+            old[2].remove()
+        self._leaves[name] = [leaf, hook, leaf.register_post_accumulate_grad_hook(hook)]
+
+    def prepare(self) -> None:
+        """Before a forward that may be differentiated: every all-reduce layout whose members are all
+        leaves takes their gradients as views (`view`), and those layouts are armed (places zeroed)."""
+        if self.deferred or not torch.is_grad_enabled():
+            return
+        for lay in {id(lay): lay for lay, _ in self._slots.values()}.values() if self._fresh else ():
+            if not lay.leaves and all(n in self._leaves for n in lay.names):
+                self.view(lay)
+        self._fresh = False
+        for lay in self._viewed:
+            lay.arm_views([table[attr] for table, attr in lay.tables])
+            lay.armed = True
+            self._armed_layouts.append(lay)
+
+    def view(self, lay: _Layout) -> None:
+        """DDP's `gradient_as_bucket_view`: each member leaf's `.grad` is its place in the layout's
+        buffer, so autograd's own accumulation (C++) writes it there; no Python runs per gradient.
+        The member that arrived last when the layout was made gets the one Python hook (`_viewed_in`),
+        which launches the bucket if every member has arrived (the others' hooks record their
+        arrival: a list's append, in C); else the backward's end does (`finish`)."""
+        lay.leaves = tuple(self._leaves[n][0] for n in lay.names)
+        lay.flat = None             # a buffer of its own at the next `arm`, the leaves' `.grad` views into it
+        for k, name in enumerate(lay.names):
+            rec = self._leaves[name]
+            rec[2].remove()
+            last = k == len(lay.names) - 1
+            rec[2] = rec[0].register_post_accumulate_grad_hook(
+                (lambda t, lay=lay: self._viewed_in(lay, t)) if last else lay.arrivals.append)
+        self._viewed.append(lay)
+
+    def _unview(self, lay: _Layout | None) -> None:
+        """A layout back to its members' own hooks (a member's leaf was made anew), and forgotten."""
+        if lay is None or not lay.leaves:
+            return
+        for name, leaf in zip(lay.names, lay.leaves):
+            rec = self._leaves[name]
+            if rec[0] is leaf:
+                rec[2].remove()
+                rec[2] = leaf.register_post_accumulate_grad_hook(rec[1])
+            leaf.grad = None
+        self._viewed.remove(lay)
+        for name in lay.names:
+            self._slots.pop(name, None)
+
+    def _viewed_in(self, lay: _Layout, leaf: torch.Tensor) -> None:
+        lay.arrivals.append(leaf)
+        if not self._armed:
+            at_backward_end(self.finish)
+            self._armed = True
+        if len(lay.arrivals) == len(lay.leaves) and not lay.sent:
+            lay.arrived_views()
+            self._done.update(lay.names)
+            self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+
+    def watch(self, outputs) -> None:
+        """With viewed layouts, each output (a tensor, or a tuple or list of them) that autograd can
+        differentiate gets a hook that has the backward's end (`finish`) reduce them even where none
+        of their last members' hooks runs."""
+        if self._viewed:
+            for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad) -> None:
+        if not self._armed:
+            at_backward_end(self.finish)
+            self._armed = True
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
@@ -325,8 +428,10 @@ class GradSync:
         for name in b.names:
             old = self._slots.get(name)
             if old is not None:
+                self._unview(old[0])
                 for n in old[0].names:
                     self._slots.pop(n, None)
+        self._fresh = True
         lay = _Layout(b.kind, tuple(b.names), tuple(b.shapes), b.nbytes, tuple(map(self._table, b.names)))
         for k, name in enumerate(b.names):
             self._slots[name] = (lay, k)
@@ -382,6 +487,11 @@ class GradSync:
         for name in list(self._pending):            # uses that never arrived (an unused output)
             self._ready(name)
         for lay in self._armed_layouts:             # members that never arrived: nothing to add
+            if lay.leaves and not lay.sent:         # viewed: their places stayed zero
+                lay.arrived_views()
+                if lay.arrived:
+                    self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                continue
             if not lay.sent:
                 for view, got in zip(lay.views, lay.got):
                     if not got:

@@ -173,8 +173,10 @@ class LeafParams:
                 whole = dtensor_from(grad.contiguous(), p.device_mesh, spec.grad_layout, shape=p.shape, stride=p.stride())
                 write_grad(p, to_layout(whole, spec.layout).to_local())
 
-        if leaf.requires_grad:
+        if leaf.requires_grad and keep:
             leaf.register_post_accumulate_grad_hook(hook)
+        elif leaf.requires_grad:        # the buckets may take its gradient as a view (`GradSync.view`)
+            self.sync.leaf(spec.fqn, leaf, hook)
         self._made[spec.fqn] = (p, leaf, local_tensor(p))
         return leaf
 
