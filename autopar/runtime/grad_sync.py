@@ -17,7 +17,15 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
   its place, made once (no Python per parameter but the copy and the `.grad` assignment). The
   buffer is written again only when nothing outside autopar holds it any more (every `.grad` of
   its members None, as `zero_grad()` leaves them, and no other view of it alive); else the step
-  takes a new one. A bucket of `bucket_bytes` or more is
+  takes a new one. Where every member of such a layout is a parameter fed to the program as an
+  autograd leaf (trim_wrappers.py: every weight of data parallelism), its gradients are views into
+  the buffer (DDP's `gradient_as_bucket_view`): from the next forward each leaf's `.grad` is its
+  place, zeroed as a backward starts, and autograd's own accumulation (C++) adds the gradient there,
+  so no copy and no Python per gradient; the member that arrived last when the layout was made
+  has the bucket's one Python hook, which launches it once all members have arrived (the others'
+  hooks only record their arrival: a list's append, called from C++). A backward that does not
+  reach that member (another output) launches it at its end, with the members it reached. A bucket
+  of `bucket_bytes` or more is
   launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
   bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
   gradients leave early in the backward. A bucket keeps no reference to a gradient it has copied
@@ -270,18 +278,14 @@ class GradSync:
         self._leaves[name] = [leaf, hook, leaf.register_post_accumulate_grad_hook(hook)]
 
     def prepare(self) -> None:
-        """Before a forward that may be differentiated: every all-reduce layout whose members are all
-        leaves takes their gradients as views (`view`), and those layouts are armed (places zeroed)."""
-        if self.deferred or not torch.is_grad_enabled():
+        """Before a forward: every all-reduce layout made since whose members are all leaves takes
+        their gradients as views (`view`)."""
+        if self.deferred or not self._fresh:
             return
-        for lay in {id(lay): lay for lay, _ in self._slots.values()}.values() if self._fresh else ():
+        for lay in {id(lay): lay for lay, _ in self._slots.values()}.values():
             if not lay.leaves and all(n in self._leaves for n in lay.names):
                 self.view(lay)
         self._fresh = False
-        for lay in self._viewed:
-            lay.arm_views([table[attr] for table, attr in lay.tables])
-            lay.armed = True
-            self._armed_layouts.append(lay)
 
     def view(self, lay: _Layout) -> None:
         """DDP's `gradient_as_bucket_view`: each member leaf's `.grad` is its place in the layout's
@@ -325,17 +329,24 @@ class GradSync:
 
     def watch(self, outputs) -> None:
         """With viewed layouts, each output (a tensor, or a tuple or list of them) that autograd can
-        differentiate gets a hook that has the backward's end (`finish`) reduce them even where none
-        of their last members' hooks runs."""
+        differentiate gets a hook (`_backward_starts`) that runs in every backward through it before
+        any parameter's gradient is made (the parameters are upstream of the outputs)."""
         if self._viewed:
             for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                     t.register_hook(self._backward_starts)
 
     def _backward_starts(self, grad) -> None:
+        """A backward begins: the viewed layouts armed (their places zeroed, or new ones where the last
+        gradients are still held: accumulation, a second backward of one forward), and the backward's
+        end (`finish`) reduces them even where none of their last members' hooks runs."""
         if not self._armed:
             at_backward_end(self.finish)
             self._armed = True
+        for lay in self._viewed:
+            if not lay.armed:
+                lay.arm_views([table[attr] for table, attr in lay.tables])
+                self._armed_layouts.append(lay)
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
