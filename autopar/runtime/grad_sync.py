@@ -197,6 +197,10 @@ class _Layout:
         self.got = [id(leaf) in came for leaf in self.leaves]
         self.arrived = sum(self.got)
 
+    def bucket(self) -> _Bucket:
+        """This backward's bucket of the layout, to launch."""
+        return _Bucket(self.kind, list(self.names), list(self.shapes), nbytes=self.nbytes, layout=self)
+
     def fill(self, pos: int, local: torch.Tensor) -> bool:
         """Member `pos`'s gradient into its place; False: not this layout's (shape), or a second arrival."""
         view = self.views[pos]
@@ -325,13 +329,14 @@ class GradSync:
         if len(lay.arrivals) == len(lay.leaves) and not lay.sent:
             lay.arrived_views()
             self._done.update(lay.names)
-            self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+            self._launch(lay.bucket())
 
     def watch(self, outputs) -> None:
-        """With viewed layouts, each output (a tensor, or a tuple or list of them) that autograd can
+        """Each output of a forward (a tensor, or a tuple or list of them) that autograd can
         differentiate gets a hook (`_backward_starts`) that runs in every backward through it before
-        any parameter's gradient is made (the parameters are upstream of the outputs)."""
-        if self._viewed:
+        any leaf's gradient is made (the leaves are upstream of the outputs): also a forward's from
+        before a layout was viewed, or one backward again (`retain_graph`)."""
+        if self._leaves and not self.deferred:
             for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                     t.register_hook(self._backward_starts)
@@ -400,7 +405,7 @@ class GradSync:
                 self._armed_layouts.append(lay)
             if lay.fill(pos, local):
                 if lay.arrived == len(lay.names):
-                    self._launch(_Bucket(kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                    self._launch(lay.bucket())
                 return
         b = self._open.get(kind)
         if b is None:
@@ -501,13 +506,13 @@ class GradSync:
             if lay.leaves and not lay.sent:         # viewed: their places stayed zero
                 lay.arrived_views()
                 if lay.arrived:
-                    self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                    self._launch(lay.bucket())
                 continue
             if not lay.sent:
                 for view, got in zip(lay.views, lay.got):
                     if not got:
                         view.zero_()
-                self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                self._launch(lay.bucket())
         for kind in list(self._open):
             self._launch(self._open.pop(kind))
         for b in self._sent:
