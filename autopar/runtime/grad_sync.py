@@ -254,7 +254,7 @@ class GradSync:
         # parameter fed as an autograd leaf (trim_wrappers.LeafParams) -> [leaf, its own hook, the hook's handle]
         self._leaves: dict[str, list] = {}
         self._viewed: list[_Layout] = []            # layouts whose gradients are views (`view`)
-        self._fresh = False                         # a layout made since the last `prepare`
+        self._fresh = False                         # a layout made (or left for its buffer) since the last `prepare`
         self.reset()
 
     def reset(self) -> None:
@@ -282,14 +282,18 @@ class GradSync:
         self._leaves[name] = [leaf, hook, leaf.register_post_accumulate_grad_hook(hook)]
 
     def prepare(self) -> None:
-        """Before a forward: every all-reduce layout made since whose members are all leaves takes
-        their gradients as views (`view`)."""
+        """Before a forward: every all-reduce layout whose members are all leaves and which has its
+        buffer (a backward filled it as laid out: each buffer made as its bucket fills, as before, so
+        a step's memory grows as priced) takes their gradients as views (`view`)."""
         if self.deferred or not self._fresh:
             return
+        self._fresh = False
         for lay in {id(lay): lay for lay, _ in self._slots.values()}.values():
             if not lay.leaves and all(n in self._leaves for n in lay.names):
-                self.view(lay)
-        self._fresh = False
+                if lay.flat is None:
+                    self._fresh = True      # at a later forward
+                else:
+                    self.view(lay)
 
     def view(self, lay: _Layout) -> None:
         """DDP's `gradient_as_bucket_view`: each member leaf's `.grad` is its place in the layout's
@@ -298,7 +302,8 @@ class GradSync:
         which launches the bucket if every member has arrived (the others' hooks record their
         arrival: a list's append, in C); else the backward's end does (`finish`)."""
         lay.leaves = tuple(self._leaves[n][0] for n in lay.names)
-        lay.flat = None             # a buffer of its own at the next `arm`, the leaves' `.grad` views into it
+        for leaf, view in zip(lay.leaves, lay.views):      # (`arm` points them at a new buffer if it takes one)
+            leaf.grad = view
         for k, name in enumerate(lay.names):
             rec = self._leaves[name]
             rec[2].remove()
