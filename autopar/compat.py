@@ -69,6 +69,7 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 from __future__ import annotations
 
 import importlib
+import operator
 import pickle
 
 import sympy
@@ -192,9 +193,9 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
     return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
 
 
-def local_tensor(dt) -> torch.Tensor:
-    """The local tensor object held by DTensor `dt` (no view made)."""
-    return dt._local_tensor
+# local_tensor(dt): the local tensor object held by DTensor `dt` (no view made). An attribute getter
+# (C), not a Python function: it runs per parameter and step (leaves fed, the optimizer's lending).
+local_tensor = operator.attrgetter("_local_tensor")
 
 
 def dtensor_from(local: torch.Tensor, mesh, placements, shape=None, stride=None) -> torch.Tensor:

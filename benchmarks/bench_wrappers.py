@@ -1,7 +1,7 @@
 """autopar's executed plans against torch's own wrappers, measured side by side in one run.
 
     python benchmarks/bench_wrappers.py [--steps 12] [--warmup 3] [--only dp2,dp4,fsdp2,tp2,auto2] [--aten]
-                                        [--model small,narrow,deep,wide]
+                                        [--model small,narrow,deep,wide,tall,fat,long]
     torchrun --nproc-per-node N benchmarks/bench_wrappers.py --device cuda [--model gpt2]
 
 
@@ -18,7 +18,7 @@ A GPT of 4 layers, hidden 256, 8 heads, sequence 128, vocabulary 512, global bat
             replicates every parameter and splits the batch), against `DistributedDataParallel` fed
             each rank's share
 
-`--model narrow,deep,wide` runs the cases on GPTs of other shapes than the default's (MODELS), one
+`--model narrow,deep,wide,tall,fat,long` runs the cases on GPTs of other shapes than the default's (MODELS), one
 shape after the other, so the ratios are not the default shape's alone.
 
 autopar's side trains with `dmodel.optimizer(torch.optim.AdamW)` (the documented way), the
@@ -63,7 +63,10 @@ MODELS = {"small": (dict(vocab=512, seq=128, hidden=256, heads=8, layers=4), 16)
           # other shapes than the benchmark's own (issue 35: data parallel within 1.05x of DDP on them too):
           "narrow": (dict(vocab=1000, seq=64, hidden=192, heads=6, layers=4), 16),     # a larger vocabulary
           "deep": (dict(vocab=512, seq=64, hidden=128, heads=4, layers=8), 16),        # many small layers
-          "wide": (dict(vocab=2048, seq=32, hidden=384, heads=6, layers=2), 32)}       # few wide layers
+          "wide": (dict(vocab=2048, seq=32, hidden=384, heads=6, layers=2), 32),       # few wide layers
+          "tall": (dict(vocab=256, seq=64, hidden=64, heads=4, layers=12), 16),        # more layers, narrower
+          "fat": (dict(vocab=4096, seq=32, hidden=512, heads=8, layers=1), 16),        # one wide layer, large vocabulary
+          "long": (dict(vocab=512, seq=256, hidden=128, heads=4, layers=3), 8)}        # a longer sequence
 WAIT_S = 30          # at most this long for a quiet machine before each case (then measured anyway, load recorded)
 
 

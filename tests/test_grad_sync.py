@@ -264,3 +264,53 @@ def test_regathered_layer_on_a_2d_mesh_gathers_over_its_axis_once_per_pass(rank_
     blocks = {k: n for k, n in fwd.items() if k.startswith("blocks.")}
     assert blocks and set(blocks.values()) == {1}, (fwd, members)
     assert fwd == bwd, (fwd, bwd)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.a(x).square().mean(), self.b(x).square().mean()
+
+
+def _partial_backwards(rank, world_size):
+    """Backwards through both heads (the buckets laid out, then their gradients taken as views), then
+    through one head at a time, twice through one forward, and through a forward from before the
+    views: each step's gradients against one process's, the head a backward missed None."""
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(512, 256)   # work enough that the planner splits the batch
+    ref = copy.deepcopy(model)
+    mesh = autopar.Mesh((world_size,), ("dp",), device="cpu")
+    plan = planned_on_rank0(lambda: autopar.plan(
+        model, (x,), mesh, pins={n: ("R",) for n, _ in model.named_parameters()}, batch_axes=("dp",),
+        memory_budget=float("inf")))
+    dmodel = autopar.autoparallelize(model, mesh, (x,), plan=plan)
+    local = mesh.local_batch((x,), ("dp",))
+    worst, nones = 0.0, []
+    early = dmodel(*local), ref(x)          # a forward from before the buckets were laid out
+    for heads in ((0, 1), (0, 1), (0, 1), (0,), (1,), (0, 1, 0, 1), (1,), "early"):
+        dmodel.zero_grad()
+        ref.zero_grad()
+        ours, theirs = early if heads == "early" else (dmodel(*local), ref(x))
+        heads = (0, 1) if heads == "early" else heads
+        for k in (0, 2)[:len(heads) // 2 or 1]:      # two backwards through one forward: accumulated
+            sum(ours[h] for h in heads[k:k + 2]).backward(retain_graph=True)
+            sum(theirs[h] for h in heads[k:k + 2]).backward(retain_graph=True)
+        params = dict(dmodel.named_parameters())
+        nones.append(sorted(n for n, p in params.items() if p.grad is None))
+        worst = max([worst] + [rel(params[n].grad.full_tensor(), p.grad) for n, p in ref.named_parameters()
+                               if p.grad is not None])
+    return worst, nones, len(dmodel._grad_sync._viewed)
+
+
+def test_gradients_as_bucket_views_follow_what_each_backward_reaches(rank_pool):
+    """Once laid out, a bucket's gradients are views into it (DDP's gradient_as_bucket_view: autograd
+    accumulates into them, one hook per bucket); a backward that reaches only some of its members
+    (another output) still gives one process's gradients, and `None` for the parameters it missed."""
+    worst, nones, viewed = rank_pool(2).run(_partial_backwards)[0]
+    assert viewed >= 1
+    assert worst < TOL, worst
+    a, b = ["a.bias", "a.weight"], ["b.bias", "b.weight"]
+    assert nones == [[], [], [], b, a, [], a, []], nones

@@ -17,7 +17,15 @@ gradient inside the backward, one blocking collective per parameter and use. Wit
   its place, made once (no Python per parameter but the copy and the `.grad` assignment). The
   buffer is written again only when nothing outside autopar holds it any more (every `.grad` of
   its members None, as `zero_grad()` leaves them, and no other view of it alive); else the step
-  takes a new one. A bucket of `bucket_bytes` or more is
+  takes a new one. Where every member of such a layout is a parameter fed to the program as an
+  autograd leaf (trim_wrappers.py: every weight of data parallelism), its gradients are views into
+  the buffer (DDP's `gradient_as_bucket_view`): from the next forward each leaf's `.grad` is its
+  place, zeroed as a backward starts, and autograd's own accumulation (C++) adds the gradient there,
+  so no copy and no Python per gradient; the member that arrived last when the layout was made
+  has the bucket's one Python hook, which launches it once all members have arrived (the others'
+  hooks only record their arrival: a list's append, called from C++). A backward that does not
+  reach that member (another output) launches it at its end, with the members it reached. A bucket
+  of `bucket_bytes` or more is
   launched at once (`async_op=True`): it travels while the backward goes on. As DDP's, the first
   bucket of each kind is small (`cost_model.comm.first_bucket_bytes`, 1 MiB): the last layers'
   gradients leave early in the backward. A bucket keeps no reference to a gradient it has copied
@@ -156,6 +164,8 @@ class _Layout:
     arrived: int = 0
     armed: bool = False                         # taking this backward's gradients
     sent: bool = False                          # launched in this backward
+    leaves: tuple = ()                          # gradients as views (`GradSync.view`): each member's leaf
+    arrivals: list = field(default_factory=list)    # of those, the ones accumulated in this backward
 
     def arm(self, params: list, like: torch.Tensor) -> None:
         """Ready for a backward: the buffer reused where nothing but its own views holds it and no
@@ -168,6 +178,29 @@ class _Layout:
         self.flat = like.new_empty(sum(numels))
         self.views = [v.view(s) for v, s in zip(self.flat.split(numels), self.shapes)]
         self.grads = [None] * len(self.names)
+        for leaf, view in zip(self.leaves, self.views):     # autograd accumulates into the new places
+            leaf.grad = view
+
+    def arm_views(self, params: list) -> None:
+        """`arm` before a backward of a layout whose gradients are views (`GradSync.view`): its places
+        zeroed, where autograd then adds each member's gradient (the buffer it may reuse holds the
+        last step's reduced gradients)."""
+        self.arrivals.clear()
+        self.arm(params, self.leaves[0])
+        self.flat.zero_()
+
+    def arrived_views(self) -> None:
+        """After a backward's accumulations: which members arrived (`fill`'s record, in one pass)."""
+        if len(self.arrivals) == len(self.leaves):
+            self.got, self.arrived = [True] * len(self.leaves), len(self.leaves)
+            return
+        came = {id(t) for t in self.arrivals}
+        self.got = [id(leaf) in came for leaf in self.leaves]
+        self.arrived = sum(self.got)
+
+    def bucket(self) -> _Bucket:
+        """This backward's bucket of the layout, to launch."""
+        return _Bucket(self.kind, list(self.names), list(self.shapes), nbytes=self.nbytes, layout=self)
 
     def fill(self, pos: int, local: torch.Tensor) -> bool:
         """Member `pos`'s gradient into its place; False: not this layout's (shape), or a second arrival."""
@@ -219,6 +252,10 @@ class GradSync:
         self.buckets_early = 0                       # of those, launched before the backward ended
         self.alone: frozenset[str] = frozenset()     # parameters reduced outside the buckets (grad_offload.py)
         self._owners: dict[str, tuple] | None = None  # FQN -> (submodule, attribute): `_param`
+        # parameter fed as an autograd leaf (trim_wrappers.LeafParams) -> [leaf, its own hook, the hook's handle]
+        self._leaves: dict[str, list] = {}
+        self._viewed: list[_Layout] = []            # layouts whose gradients are views (`view`)
+        self._fresh = False                         # a layout made (or left for its buffer) since the last `prepare`
         self.reset()
 
     def reset(self) -> None:
@@ -234,6 +271,93 @@ class GradSync:
         for lay in getattr(self, "_armed_layouts", ()):
             lay.armed = False
         self._armed_layouts: list[_Layout] = []     # this backward's, in the order they were armed
+
+    # -- gradients as views into the buckets ------------------------------------------------
+    def leaf(self, name: str, leaf: torch.Tensor, hook) -> None:
+        """Parameter `name` is fed as autograd leaf `leaf`, whose post-accumulate `hook` hands its
+        gradient to `take`; a layout holding the parameter's last leaf goes back to those hooks."""
+        old = self._leaves.get(name)
+        if old is not None:
+            self._unview(self._slots.get(name, (None,))[0])
+            old[2].remove()
+        self._leaves[name] = [leaf, hook, leaf.register_post_accumulate_grad_hook(hook)]
+
+    def prepare(self) -> None:
+        """Before a forward: every all-reduce layout whose members are all leaves and which has its
+        buffer (a backward filled it as laid out: each buffer made as its bucket fills, as before, so
+        a step's memory grows as priced) takes their gradients as views (`view`)."""
+        if self.deferred or not self._fresh:
+            return
+        self._fresh = False
+        for lay in {id(lay): lay for lay, _ in self._slots.values()}.values():
+            if not lay.leaves and all(n in self._leaves for n in lay.names):
+                if lay.flat is None:
+                    self._fresh = True      # at a later forward
+                else:
+                    self.view(lay)
+
+    def view(self, lay: _Layout) -> None:
+        """DDP's `gradient_as_bucket_view`: each member leaf's `.grad` is its place in the layout's
+        buffer, so autograd's own accumulation (C++) writes it there; no Python runs per gradient.
+        The member that arrived last when the layout was made gets the one Python hook (`_viewed_in`),
+        which launches the bucket if every member has arrived (the others' hooks record their
+        arrival: a list's append, in C); else the backward's end does (`finish`)."""
+        lay.leaves = tuple(self._leaves[n][0] for n in lay.names)
+        for leaf, view in zip(lay.leaves, lay.views):      # (`arm` points them at a new buffer if it takes one)
+            leaf.grad = view
+        for k, name in enumerate(lay.names):
+            rec = self._leaves[name]
+            rec[2].remove()
+            last = k == len(lay.names) - 1
+            rec[2] = rec[0].register_post_accumulate_grad_hook(
+                (lambda t, lay=lay: self._viewed_in(lay, t)) if last else lay.arrivals.append)
+        self._viewed.append(lay)
+
+    def _unview(self, lay: _Layout | None) -> None:
+        """A layout back to its members' own hooks (a member's leaf was made anew), and forgotten."""
+        if lay is None or not lay.leaves:
+            return
+        for name, leaf in zip(lay.names, lay.leaves):
+            rec = self._leaves[name]
+            if rec[0] is leaf:
+                rec[2].remove()
+                rec[2] = leaf.register_post_accumulate_grad_hook(rec[1])
+            leaf.grad = None
+        self._viewed.remove(lay)
+        for name in lay.names:
+            self._slots.pop(name, None)
+
+    def _viewed_in(self, lay: _Layout, leaf: torch.Tensor) -> None:
+        lay.arrivals.append(leaf)
+        if not self._armed:
+            at_backward_end(self.finish)
+            self._armed = True
+        if len(lay.arrivals) == len(lay.leaves) and not lay.sent:
+            lay.arrived_views()
+            self._done.update(lay.names)
+            self._launch(lay.bucket())
+
+    def watch(self, outputs) -> None:
+        """Each output of a forward (a tensor, or a tuple or list of them) that autograd can
+        differentiate gets a hook (`_backward_starts`) that runs in every backward through it before
+        any leaf's gradient is made (the leaves are upstream of the outputs): also a forward's from
+        before a layout was viewed, or one backward again (`retain_graph`)."""
+        if self._leaves and not self.deferred:
+            for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad) -> None:
+        """A backward begins: the viewed layouts armed (their places zeroed, or new ones where the last
+        gradients are still held: accumulation, a second backward of one forward), and the backward's
+        end (`finish`) reduces them even where none of their last members' hooks runs."""
+        if not self._armed:
+            at_backward_end(self.finish)
+            self._armed = True
+        for lay in self._viewed:
+            if not lay.armed:
+                lay.arm_views([table[attr] for table, attr in lay.tables])
+                self._armed_layouts.append(lay)
 
     # -- in the backward ---------------------------------------------------------------------
     def kind(self, placements: tuple, stored: tuple, local: torch.Tensor) -> SyncKind | None:
@@ -287,7 +411,7 @@ class GradSync:
                 self._armed_layouts.append(lay)
             if lay.fill(pos, local):
                 if lay.arrived == len(lay.names):
-                    self._launch(_Bucket(kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                    self._launch(lay.bucket())
                 return
         b = self._open.get(kind)
         if b is None:
@@ -326,8 +450,10 @@ class GradSync:
         for name in b.names:
             old = self._slots.get(name)
             if old is not None:
+                self._unview(old[0])
                 for n in old[0].names:
                     self._slots.pop(n, None)
+        self._fresh = True
         lay = _Layout(b.kind, tuple(b.names), tuple(b.shapes), b.nbytes, tuple(map(self._table, b.names)))
         for k, name in enumerate(b.names):
             self._slots[name] = (lay, k)
@@ -383,11 +509,16 @@ class GradSync:
         for name in list(self._pending):            # uses that never arrived (an unused output)
             self._ready(name)
         for lay in self._armed_layouts:             # members that never arrived: nothing to add
+            if lay.leaves and not lay.sent:         # viewed: their places stayed zero
+                lay.arrived_views()
+                if lay.arrived:
+                    self._launch(lay.bucket())
+                continue
             if not lay.sent:
                 for view, got in zip(lay.views, lay.got):
                     if not got:
                         view.zero_()
-                self._launch(_Bucket(lay.kind, list(lay.names), list(lay.shapes), nbytes=lay.nbytes, layout=lay))
+                self._launch(lay.bucket())
         for kind in list(self._open):
             self._launch(self._open.pop(kind))
         for b in self._sent:

@@ -223,6 +223,7 @@ class DistributedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._rng.next_call()
         self._grad_sync.reset()
+        self._grad_sync.prepare()
         leaves = flatten_inputs(args, kwargs)
         cap, graph = self._program(args, kwargs, leaves)
         values = graph.feeds(leaves)
@@ -231,6 +232,7 @@ class DistributedModule(torch.nn.Module):
             mem.resident = frozenset(_storage(t) for t in (*self.parameters(), *self.buffers()))
         with mem.outer.hooks() if mem.outer is not None else contextlib.nullcontext():
             outs = graph(*values)
+        self._grad_sync.watch(outs)
         return split_outputs(cap, outs, buffers=self)
 
     @property

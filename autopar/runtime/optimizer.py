@@ -146,8 +146,9 @@ class PlannedOptimizer:
         self._rebind(opt)
         away = [(p, local) for p, local in self._direct if grads is not None and grads.has(p)]
         stepped = [(p, local) for p, local in self._direct if local is not p]   # DTensors: lend the gradient
-        for p, local in stepped:
-            local.grad = None if p.grad is None else _held(p.grad)
+        for p, local in stepped:        # the local tensor a DTensor holds, as it is (no view, no autograd)
+            g = p.grad
+            local.grad = local_tensor(g) if isinstance(g, DTensor) else g
         opt.step()
         for p, local in stepped:
             local.grad = None
@@ -241,12 +242,6 @@ def plan_precision(plan) -> str:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _held(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor a DTensor holds, as it is (no view, no autograd: `to_local()` costs tens of
-    microseconds of Python, per parameter and step); a plain tensor as is."""
-    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _local_now(p: torch.Tensor) -> torch.Tensor:

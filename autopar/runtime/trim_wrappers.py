@@ -9,8 +9,10 @@ known to be a no-op before the first step. Here, per program (not per step):
   back in one layout (every weight of data parallelism; a Megatron weight used in its own shard),
   is fed to the program as its local shard itself: an autograd leaf sharing the shard's storage
   (`LeafParams`), its edges removed. Autograd accumulates its gradient in C++ (the uses of a tied
-  weight summed there too) and one post-accumulate hook per parameter and backward hands it to the
-  gradient buckets, as DDP's hooks do: no Python at all per parameter in the forward;
+  weight summed there too) and a post-accumulate hook hands it to the gradient buckets, as DDP's
+  hooks do; once its bucket is laid out the gradient is accumulated straight into the bucket and
+  the bucket has one hook (grad_sync.py, `GradSync.view`): no Python per parameter in the forward,
+  and none in the backward but a list's append;
 * an edge of any other parameter whose `Reshard` keeps the stored layout and whose one consumer is
   a `LocalOp` (a parameter also gathered elsewhere, or sending gradients back in two layouts)
   becomes a `ParamEdge`: one autograd node that hands the consumer the parameter's local shard,
@@ -204,8 +206,10 @@ class LeafParams:
                 whole = dtensor_from(grad.contiguous(), p.device_mesh, spec.grad_layout, shape=p.shape, stride=p.stride())
                 write_grad(p, to_layout(whole, spec.layout).to_local())
 
-        if leaf.requires_grad:
+        if leaf.requires_grad and keep:
             leaf.register_post_accumulate_grad_hook(hook)
+        elif leaf.requires_grad:        # the buckets may take its gradient as a view (`GradSync.view`)
+            self.sync.leaf(spec.fqn, leaf, hook)
         self._made[spec.fqn] = (p, leaf, local_tensor(p))
         return leaf
 
