@@ -75,6 +75,7 @@ import pickle
 import sympy
 import torch
 import torch.utils._pytree as pytree  # noqa: F401 - re-exported
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # noqa: F401 - re-exported
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,6 +192,13 @@ def dtensor_like(local: torch.Tensor, like) -> torch.Tensor:
     (dynamo's disable, export's marker), once per parameter gradient and step."""
     from torch.distributed.tensor import DTensor
     return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
+
+
+# c10d's all-gather and reduce-scatter into one flat tensor: torch 2.13 names them `all_gather_single` and
+# `reduce_scatter_single` (same arguments) and deprecates the old names with a warning per call;
+# older torch (the GPU machine's 2.11) may have only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # local_tensor(dt): the local tensor object held by DTensor `dt` (no view made). An attribute getter

@@ -19,6 +19,7 @@ def measure_isolated(mesh_shape, names, device: str, quick: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from ..compat import all_gather_single
     from ..runtime.direct_reshard import reduce_scatter
     sync = device_sync(device)
     dm = init_device_mesh(device, mesh_shape, mesh_dim_names=names)
@@ -41,8 +42,7 @@ def measure_isolated(mesh_shape, names, device: str, quick: bool) -> dict:
                 elif kind == "reduce_scatter":       # the runtime's (on gloo an all-to-all and a sum)
                     fn = lambda: reduce_scatter(part, full[: part.numel() * n], group)  # noqa: E731
                 else:
-                    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                    fn = lambda: gather(full[: part.numel() * n], part, group=group)  # noqa: E731
+                    fn = lambda: all_gather_single(full[: part.numel() * n], part, group=group)  # noqa: E731
                 dist.barrier()
                 pts.append((float(part.numel() * n * 4), timeit(fn, reps, sync)))
             res[kind] = pts

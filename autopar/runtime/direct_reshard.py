@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat import dtensor_from
+from ..compat import all_gather_single, dtensor_from, reduce_scatter_single
 from ..cost_model.comm import layout_code, redistribute_steps
 
 _R, _S, _P = 0, 1, 2          # comm's placement codes: (_R,), (_S, dim), (_P, reduce op)
@@ -50,7 +50,7 @@ def local_collective(local: torch.Tensor, mesh, axis: int, gathered: bool, async
     if gathered:
         out = local.new_empty((local.shape[0] * mesh.size(axis), *local.shape[1:]))
         group = mesh.get_group(axis)
-        return out, dist.all_gather_into_tensor(out, local.contiguous(), group=group, async_op=async_op)
+        return out, all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
     out = local.clone(memory_format=torch.contiguous_format)
     return out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=async_op)
 
@@ -61,7 +61,7 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool 
     (module docstring). Returns the work handle where `async_op` (`out` is valid after its `wait`),
     else None."""
     if dist.get_backend(group) != "gloo":
-        return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
+        return reduce_scatter_single(out, send, group=group, async_op=async_op)
     n = dist.get_world_size(group)
     recv = torch.empty_like(send)
     work = _Summed(dist.all_to_all_single(recv, send, group=group, async_op=True), recv, out, n)

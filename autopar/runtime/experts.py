@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
+from ..compat import all_gather_single
 from ..passes.lowering import add_into_tokens, experts_as_one_op, experts_in_order, inverse_permutation, moe_grouped
 from ..strategies.moe import check_capacity_factor, exchange_axes, expert_axes, tensor_axis, token_axes
 
@@ -89,7 +90,7 @@ def _capped(op, top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     for a in reversed(token_axes(op.inputs)):
         n = op.mesh.shape[a]
         out = gathered.new_empty((n * gathered.shape[0], *counts.shape))
-        dist.all_gather_into_tensor(out, gathered.contiguous(), group=op.mesh.get_group(a))
+        all_gather_single(out, gathered.contiguous(), group=op.mesh.get_group(a))
         block += coord[a] * gathered.shape[0]
         gathered = out
     return drop_over_capacity(top_k_index, num_experts, op.capacity_factor, gathered, block)

@@ -7,7 +7,7 @@ one layer that gather the same way (an even `Shard(0)` -> `Replicate` over one m
 other axes as stored, one dtype) become one `LayerGather`:
 
 * forward: the members' local shards are copied into one flat buffer and all-gathered with one
-  `all_gather_into_tensor` over that axis; the result ([rank][member] chunks) is copied out member
+  all-gather (`compat.all_gather_single`) over that axis; the result ([rank][member] chunks) is copied out member
   by member into one buffer holding each member's gathered tensor, contiguous (FSDP2's copy-in /
   copy-out, `torch.split_with_sizes_copy`); the graph's ops get views of it (plain local tensors
   where the consumer is a `LocalOp`, as trim_wrappers.py's parameter edges; DTensors else). The buffer is
@@ -37,7 +37,7 @@ the final norm and head).
 Why our own and not FSDP2's `FSDPParamGroup`: FSDP2 owns the module's parameters (it replaces them
 with its own DTensors and drives its collectives from module hooks); here the parameters are the
 plan's DTensor shards, used by the ops of a rewritten graph, over any mesh axis of an N-D mesh.
-The collectives themselves are c10d's (`all_gather_into_tensor`, async work handles).
+The collectives themselves are c10d's (`compat.all_gather_single`, async work handles).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from ..compat import at_backward_end, dtensor_from
+from ..compat import all_gather_single, at_backward_end, dtensor_from
 from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
@@ -83,7 +83,7 @@ class FlatGather:
                 return Pending(self, send, None)
             recv = send.new_empty(self.n * self.total)
             with watched(self.mesh, self.what):
-                work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True)
+                work = all_gather_single(recv, send, group=self.group, async_op=True)
         return Pending(self, recv, work)
 
 
