@@ -109,7 +109,11 @@ def ring_memory_rank(rank, world_size, label: str) -> dict:
     ref, xr = copy.deepcopy(model), x.clone().requires_grad_()
     ref_loss = ref(xr)
     ref_loss.backward()
-    worst = max([_rel(loss.detach(), ref_loss.detach()), _rel(xd.grad, xr.grad)]
+    # the input is split on the sequence: each rank's `xd.grad` holds its own part's gradient (zeros
+    # elsewhere), so their sum over the ranks is the whole input's
+    x_grad = xd.grad.clone()
+    torch.distributed.all_reduce(x_grad)
+    worst = max([_rel(loss.detach(), ref_loss.detach()), _rel(x_grad, xr.grad)]
                 + [_rel(grads[k], p.grad) for k, p in ref.named_parameters()])
     return {"growth_mib": round(growth / 1024, 1), "fwd_bwd_s": round(seconds, 2), "worst_rel_diff": worst,
             "labels": labels, "live_peak_mib": round(meter.peak_device_bytes / 2**20, 1),
