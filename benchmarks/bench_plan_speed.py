@@ -172,6 +172,14 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
   but `--no-symbolic`, side by side with the chosen pipeline assembled from its search's evaluation
   (load 9-11): main 59.1 s wall / 51.5 CPU s, branch 59.8 / 51.4, both fab55e0dfb59 (6.942 s, dp 16 x
   192, 1F1B; 11 of 13 groups solved, 1 ruled out, 1 not searched).
+* 2026-11-28 (stop 52, the lead, main after the merges (7706edf + a compat rename), quiet: nothing else
+  on the machine, autogroup nice -20, load average ~1-2): gpt3-175b with no options **39.1 s wall, 41.8
+  CPU s** (capture 4.2), 6.942 s (18599a4f3ad5, dp 16 x 192, 1F1B; 9 of 13 groups solved, 4 ruled out by
+  their lower bound): the search ends before its 60 s (stop 51: 54.6 s wall, 12 of 13 solved); **30 s:
+  missed**. The held-out models, wall / CPU s: qwen3-8b 2.24 / 2.35 (9484e72a9a96), gemma2-9b 3.96 / 4.06
+  (35f217547d1e), phi3-mini 1.52 / 1.63 (bae6d9561bc7), qwen3-30b-a3b 3.58 / 3.69 (9ef4d9aec835),
+  mistral-7b 1.74 / 1.84 (f7558dc40b58), granite-3-8b 1.86 / 1.96 (fdf19c9106b6); llama3-8b (8,) 8 x 8192
+  with memory decisions 6.57 / 6.68 (f7a9b5e0984f, 3.1474 s, unchanged).
 """
 from __future__ import annotations
 

@@ -261,6 +261,11 @@ made with the same problem, choice, options and staging): side by side at load 1
 captures 17.3 and 12.7 s), both plan_hash eafecf85fee2 (76.57 s); from the last group's pricing to the
 answer ~3.0 s wall, main ~4.0. Tiny GPT over (2, 2) pp/dp, pipeline pp 1F1B at the budget unbounded, 0.5
 and 0.3 of its peak, and `pipeline={}` on (2, 2) and (2, 2, 2): the same plan_hash as main.
+Stop 52, the lead, main after the merges (7706edf + a compat rename), quiet (nothing else on the machine,
+autogroup nice -20, load ~1), `--limits 1 --best-limit 30 --llama3-405b 60`: Llama-3-8B (4, 4, 4) limit 1
+1.7428 (1.004x the best known, 1.7358) in **6.5 s wall** (capture 0.61; stop 51: 13.4 s): **the bound
+(~1.8 s) missed**; limit 30 1.7358 in 30.8 s (within); longer never slower: true. Llama-3-405B at T=60:
+**52.0 s wall, 53.2 CPU s**, capture 1.09 s: within (allowed 67.2), a 74.30 s step (pp 16 x 128, 1F1B).
 """
 from __future__ import annotations
 
