@@ -544,18 +544,31 @@ def _reshard_cost(shape: tuple[int, ...], itemsize: int, src: tuple[Code, ...], 
                   copy_bandwidth: float) -> ReshardCost:
     seconds, sent, names_out = 0.0, [0.0] * len(sizes), []
     cur = tuple(src)
-    after = _local_bytes(shape, itemsize, cur, sizes)
-    for i, a, b in redistribute_steps(src, dst, sizes):
-        before, cur_before = after, cur
-        cur = (*cur[:i], b, *cur[i + 1:])
-        after = _local_bytes(shape, itemsize, cur, sizes)
-        kind = _transition(a, b)
-        if kind is None or sizes[i] == 1:
+    for i, _, b in redistribute_steps(src, dst, sizes):
+        cur, kind, wire, copy, on_wire = _step(shape, itemsize, cur, i, b, sizes, links[i], copy_bandwidth)
+        if kind is None:
             continue
-        full = before if kind == "all_reduce" else sizes[i] * smin(before, after)
-        seconds += collective_time(kind, full, sizes[i], links[i])
-        dim = b[1] if kind == "reduce_scatter" else a[1] if kind == "all_gather" else 0
-        seconds += local_copy_bytes(kind, shape, cur_before, sizes, dim, full) / copy_bandwidth
-        sent[i] += collective_bytes_on_wire(kind, full, sizes[i])
+        seconds += wire
+        seconds += copy
+        sent[i] += on_wire
         names_out.append(f"{kind}@{names[i]}")
     return ReshardCost(seconds, tuple(sent), tuple(names_out))
+
+
+@lru_cache(maxsize=1 << 17)
+def _step(shape: tuple, itemsize: int, cur: tuple[Code, ...], i: int, b: Code, sizes: tuple[int, ...], link: Link,
+          copy_bandwidth: float) -> tuple[tuple[Code, ...], Collective | None, float, float, float]:
+    """One step of `_reshard_cost`: mesh axis i of the layout `cur` goes to `b`. (The layout after it, its
+    collective (None: a slice or a one-device axis, free), the collective's seconds, the seconds of its
+    local copies, the bytes each device sends.) Cached: the edge tables price thousands of layout pairs per
+    tensor whose steps are mostly the same few (Hugging Face Llama-3-8B on (4, 4, 4): 148k reshards)."""
+    a, after = cur[i], (*cur[:i], b, *cur[i + 1:])
+    kind = _transition(a, b)
+    if kind is None or sizes[i] == 1:
+        return after, None, 0.0, 0.0, 0.0
+    before, done = _local_bytes(shape, itemsize, cur, sizes), _local_bytes(shape, itemsize, after, sizes)
+    full = before if kind == "all_reduce" else sizes[i] * smin(before, done)
+    dim = b[1] if kind == "reduce_scatter" else a[1] if kind == "all_gather" else 0
+    return (after, kind, collective_time(kind, full, sizes[i], link),
+            local_copy_bytes(kind, shape, cur, sizes, dim, full) / copy_bandwidth,
+            collective_bytes_on_wire(kind, full, sizes[i]))
