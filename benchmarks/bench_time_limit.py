@@ -266,6 +266,15 @@ autogroup nice -20, load ~1), `--limits 1 --best-limit 30 --llama3-405b 60`: Lla
 1.7428 (1.004x the best known, 1.7358) in **6.5 s wall** (capture 0.61; stop 51: 13.4 s): **the bound
 (~1.8 s) missed**; limit 30 1.7358 in 30.8 s (within); longer never slower: true. Llama-3-405B at T=60:
 **52.0 s wall, 53.2 CPU s**, capture 1.09 s: within (allowed 67.2), a 74.30 s step (pp 16 x 128, 1F1B).
+Stop 52, s52edge (11:10-11:20 UTC, load 2-4, CPU s of the limit-1 call on Llama-3-8B (4, 4, 4), main eee9982
+and the branch side by side at once, three pairs): the edge tables price 148k layout pairs, nearly all
+distinct (shape, bytes, source code, target code), whose single-axis steps are ~13k distinct: each step is now
+priced once (`comm._step`, cached), the same floats (the edge tables pickled byte-identical, plan_hash
+5d0aa88b3b3d both, objective 1.7428). Edge tables 1.81 / 1.79 / 1.86 -> 1.31 / 1.28 / 1.35 CPU s, strategies
+2.89 / 2.91 / 2.95 -> 2.38 / 2.36 / 2.43, the whole call 6.54 / 6.77 / 6.71 -> 6.02 / 6.21 / 6.17 (capture
+0.6-0.7): ~0.5 CPU s less, **the bound (~1.8 s) still missed**. What is left in the tables is per pair
+(the reshard's validation, its steps' lookups, `ReshardCost`): ~9 us each. Tried, not kept: the shard-dim
+validation cached per layout pair (no gain above the noise).
 """
 from __future__ import annotations
 
