@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 
 from . import prune
 from .evaluate import evaluate
-from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, most_sharded
-from .ilp import past as _past
+from .ilp import StrategyILP, infeasible, least_memory, least_memory_options, most_sharded, past
 
 Assignment = tuple[dict[str, int], dict[str, int]]     # (strategy per leader, option per family group)
 ROUNDS = 4         # step 3 rounds at most (Llama-3-8B and GPT-3 settle in one or two)
@@ -127,7 +126,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
     defaults = problem.families.defaults()
     rounded = False         # a relaxation has given the best plan so far
     for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
-        if (rounded or not floor) and _past(deadline):
+        if (rounded or not floor) and past(deadline):
             break
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
         r = models.relaxed(model) if floor else model.solve_lazy(deadline, relax=True)
@@ -162,7 +161,7 @@ def improve(problem, budget: float, best: Heuristic, deadline: float | None, pro
     """Step 3 from `best`: layouts for its options (among `models`' allowed strategies), then the
     best options for those layouts, while the plan improves; never worse than `best`."""
     for _ in range(ROUNDS if _free(problem) else 1):
-        if _past(deadline):
+        if past(deadline):
             break
         model = models.get(best.plan[1])
         r = model.solve_lazy(deadline, start=model.values_of(*best.plan), progress=progress)
@@ -210,7 +209,7 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     best = _local(problem, budget, best, deadline, progress)
     solved = 1
     for k, groups in enumerate(merges):
-        if _past(deadline):
+        if past(deadline):
             break
         solved = max(solved, k + 1)
         h = _merged(problem, budget, deadline, progress, groups, best.plan[1])
@@ -253,14 +252,14 @@ def _local(problem, budget: float, best: Heuristic, deadline: float | None, prog
     views, memo = {}, {}    # `prune.near`'s and the models' `memo` (the problem's alone), for every round
     if floor:
         for _ in range(FLOOR_ROUNDS):
-            if bounded and _past(deadline):
+            if bounded and past(deadline):
                 break
             h = _rounded_near(problem, budget, best, views, memo)
             if h.objective_s >= best.objective_s * (1 - FLOOR_GAIN):
                 return h
             best = h
         return best
-    while not _past(deadline):
+    while not past(deadline):
         h = improve(problem, budget, best, deadline, progress,
                     _Models(problem, budget, prune.near(problem, best.plan[0], views=views), memo))
         if h.objective_s >= best.objective_s * (1 - 1e-9):
@@ -284,7 +283,7 @@ def _rounded_near(problem, budget: float, best: Heuristic, views: dict, memo: di
 def _timed_out(best: Heuristic, deadline: float | None) -> Heuristic:
     """`best`, its status saying so where the time limit ended the alternation early (the plan then
     depends on how fast this machine ran: a loaded machine may stop at a slower plan)."""
-    if not _past(deadline) or "time limit" in best.status:
+    if not past(deadline) or "time limit" in best.status:
         return best
     logging.getLogger("autopar").warning(
         "planning stopped at its time limit with the plan found so far (%s): a longer time_limit (or None) "
