@@ -266,6 +266,8 @@ autogroup nice -20, load ~1), `--limits 1 --best-limit 30 --llama3-405b 60`: Lla
 1.7428 (1.004x the best known, 1.7358) in **6.5 s wall** (capture 0.61; stop 51: 13.4 s): **the bound
 (~1.8 s) missed**; limit 30 1.7358 in 30.8 s (within); longer never slower: true. Llama-3-405B at T=60:
 **52.0 s wall, 53.2 CPU s**, capture 1.09 s: within (allowed 67.2), a 74.30 s step (pp 16 x 128, 1F1B).
+With s52edge's step cache (ddee2d3, 11:31 UTC, quiet): limit 1 1.7428 in 6.2 s wall (capture 0.66), limit 30
+1.7358 in 30.7 s.
 Stop 52, s52edge (11:10-11:20 UTC, load 2-4, CPU s of the limit-1 call on Llama-3-8B (4, 4, 4), main eee9982
 and the branch side by side at once, three pairs): the edge tables price 148k layout pairs, nearly all
 distinct (shape, bytes, source code, target code), whose single-axis steps are ~13k distinct: each step is now
