@@ -228,6 +228,12 @@ def storage_users(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(storage._cdata) - 1      # less the storage object made here
 
 
+def tensor_users(t: torch.Tensor) -> int:
+    """How many references the tensor `t` (not its storage) has: its Python object's, its views', and a
+    collective's that holds it; no public API counts them."""
+    return t._use_count()
+
+
 def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:
     """A tensor of subclass `cls` holding no data, with `like`'s size, strides, dtype and device: every
     op on it reaches `cls.__torch_dispatch__` (a value still being written waits there first). No

@@ -32,13 +32,14 @@ tensor-parallel moves through DTensor took 250-850 us each (two gathers of a 256
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat import all_gather_single, dtensor_from, reduce_scatter_single
+from ..compat import all_gather_single, dtensor_from, reduce_scatter_single, tensor_users
 from ..cost_model.comm import layout_code, redistribute_steps
 
 _R, _S, _P = 0, 1, 2          # comm's placement codes: (_R,), (_S, dim), (_P, reduce op)
@@ -47,12 +48,27 @@ _R, _S, _P = 0, 1, 2          # comm's placement codes: (_R,), (_S, dim), (_P, r
 def local_collective(local: torch.Tensor, mesh, axis: int, gathered: bool, async_op: bool = False) -> tuple:
     """(a new tensor, the work handle: None unless `async_op`) holding `local` all-gathered on dim 0
     (`gathered`) or all-reduced over mesh `axis` (`reshard.collective_move`)."""
+    group = mesh.get_group(axis)
     if gathered:
         out = local.new_empty((local.shape[0] * mesh.size(axis), *local.shape[1:]))
-        group = mesh.get_group(axis)
-        return out, all_gather_single(out, local.contiguous(), group=group, async_op=async_op)
+        return out, issue(all_gather_single, (out, local.contiguous()), group, async_op)
     out = local.clone(memory_format=torch.contiguous_format)
-    return out, dist.all_reduce(out, group=mesh.get_group(axis), async_op=async_op)
+    return out, issue(dist.all_reduce, (out,), group, async_op)
+
+
+def issue(collective, tensors: tuple, group, async_op: bool = False, then=None):
+    """`collective(*tensors, group=group)` (c10d's: the tensors positional, `async_op` taken): waited
+    here and None, or where `async_op` a handle to wait on. On gloo the collective takes views of its
+    own of `tensors`, and a wait returns once gloo's worker thread has dropped them and `then()` (gloo
+    only) has run (`Released`)."""
+    if dist.get_backend(group) != "gloo":
+        return collective(*tensors, group=group, async_op=async_op)
+    mine = tuple(t.view(t.shape) for t in tensors)
+    work = Released(collective(*mine, group=group, async_op=True), mine, then)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool = False):
@@ -64,25 +80,39 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool 
         return reduce_scatter_single(out, send, group=group, async_op=async_op)
     n = dist.get_world_size(group)
     recv = torch.empty_like(send)
-    work = _Summed(dist.all_to_all_single(recv, send, group=group, async_op=True), recv, out, n)
-    if not async_op:
-        work.wait()
-        return None
-    return work
+    return issue(dist.all_to_all_single, (recv, send), group, async_op,
+                 then=lambda: torch.sum(recv.view(n, -1), 0, out=out.view(-1)))
 
 
-class _Summed:
-    """A gloo reduce-scatter's work (`reduce_scatter`): `wait` waits for its all-to-all, then sums the n
-    chunks received into `out`."""
+# A bound on waiting for gloo's worker thread to drop a finished collective's tensors (`Released`):
+# it drops them a few instructions after it marks the work done, but the waiter it wakes may take its
+# core first; one yield almost always suffices. Past the bound they are freed when it drops them.
+RELEASE_YIELDS = 1000
 
-    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, n: int):
-        self.work, self.recv, self.out, self.n = work, recv, out, n
+
+class Released:
+    """A gloo collective's work (`issue`): `wait` waits for it, then until gloo's worker thread holds
+    none of `mine` (the collective's own views of its tensors), then runs `then`. Gloo's worker drops
+    a finished work's tensors a moment after it wakes the waiter; a tensor whose last other reference
+    went meanwhile (a temporary, a buffer its owner freed after the wait) was then freed on the
+    worker's thread at some later moment (a rank's memory read after a backward was over by them,
+    timing-dependent: tests/test_reshard_pricing.py)."""
+
+    def __init__(self, work, mine: tuple, then=None):
+        self.work, self.mine, self.then = work, mine, then
 
     def wait(self) -> bool:
-        if self.recv is not None:
+        if self.work is not None:
             self.work.wait()
-            torch.sum(self.recv.view(self.n, -1), 0, out=self.out.view(-1))
-            self.recv = None
+            self.work = None
+            for _ in range(RELEASE_YIELDS):
+                if all(tensor_users(t) == 1 for t in self.mine):
+                    break
+                os.sched_yield()
+            self.mine = ()
+            if self.then is not None:
+                self.then()
+                self.then = None
         return True
 
 

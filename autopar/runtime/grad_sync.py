@@ -67,7 +67,7 @@ from ..compat import at_backward_end, dtensor_like, parameter_table, set_group_t
 from ..cost_model.comm import bucketed_reduction, first_bucket_bytes
 from ..placement import over_one_device
 from .faults import watch_of, watched
-from .direct_reshard import reduce_scatter
+from .direct_reshard import issue, reduce_scatter
 from .reshard import Reshard
 
 REDUCE_SCATTERS_IN_FLIGHT = 2    # launched reduce-scatter buckets not yet waited (FSDP2 keeps one or two)
@@ -118,7 +118,7 @@ class _Bucket:
         if self.kind.dim is None:
             self.out = self.layout.flat if self.layout is not None else torch.cat([g.reshape(-1) for g in self.pieces])
             self.pieces = []
-            self.work = dist.all_reduce(self.out, group=group, async_op=True)
+            self.work = issue(dist.all_reduce, (self.out,), group, async_op=True)
             return
         # rank r's chunks of every gradient together: [r0: g1, g2, ...][r1: ...], copied straight
         # into one buffer (no per-gradient reshape copy, no concatenation)

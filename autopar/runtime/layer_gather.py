@@ -55,6 +55,7 @@ from ..compat import all_gather_single, at_backward_end, dtensor_from
 from ..cost_model.comm import flat_gather_axis
 from ..passes.layers import layer_key, module_path
 from ..placement import layout_str
+from .direct_reshard import issue
 from .faults import watched
 from .trim_wrappers import tensor_args
 from .ops import LocalOp
@@ -83,7 +84,7 @@ class FlatGather:
                 return Pending(self, send, None)
             recv = send.new_empty(self.n * self.total)
             with watched(self.mesh, self.what):
-                work = all_gather_single(recv, send, group=self.group, async_op=True)
+                work = issue(all_gather_single, (recv, send), self.group, async_op=True)
         return Pending(self, recv, work)
 
 

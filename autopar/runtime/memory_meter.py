@@ -9,7 +9,8 @@
 A `TorchDispatchMode` sees every ATen op of the step, forward, backward (autograd runs its ops
 through the dispatcher on this thread) and optimizer. An output whose storage is not one of the
 op's inputs' storages is an allocation: its storage's bytes are added, and a finalizer on the
-storage subtracts them when it is freed. Views and in-place results share an input's storage and
+storage subtracts them when it is freed (on whichever thread drops its last reference: it queues the
+address, and the counts change when next read or added to, on the thread that reads them). Views and in-place results share an input's storage and
 add nothing. Tensors made outside the dispatcher (a numpy array wrapped by `torch.from_numpy`, a
 memory-mapped file) are not allocations of this rank's allocator and are not counted.
 
@@ -21,6 +22,7 @@ The numbers are exact for what they count (allocator bytes of live storages); on
 """
 from __future__ import annotations
 
+import queue
 import weakref
 
 import torch
@@ -35,8 +37,12 @@ class MemoryMeter(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self._live: dict[int, tuple[int, bool]] = {}     # storage address -> (bytes, is host)
-        self.device_bytes = self.host_bytes = 0
-        self.peak_device_bytes = self.peak_host_bytes = 0
+        self._device = self._host = 0
+        self._peak_device = self._peak_host = 0
+        # storages freed, by address: a storage's last reference may go on a collective backend's
+        # worker thread (gloo's drops a finished work's tensors there), so its finalizer only queues
+        # the address and the counts change on the thread that reads them (module docstring)
+        self._freed: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     def track(self, *tensors: torch.Tensor, host: bool = False) -> None:
         """Count tensors that exist already (parameters, gradients, optimizer state) from now on."""
@@ -44,8 +50,29 @@ class MemoryMeter(TorchDispatchMode):
             if _plain(t):
                 self._add(_local(t).untyped_storage(), host)
 
+    @property
+    def device_bytes(self) -> int:
+        self._drain()
+        return self._device
+
+    @property
+    def host_bytes(self) -> int:
+        self._drain()
+        return self._host
+
+    @property
+    def peak_device_bytes(self) -> int:
+        self._drain()
+        return self._peak_device
+
+    @property
+    def peak_host_bytes(self) -> int:
+        self._drain()
+        return self._peak_host
+
     def reset_peak(self) -> None:
-        self.peak_device_bytes, self.peak_host_bytes = self.device_bytes, self.host_bytes
+        self._drain()
+        self._peak_device, self._peak_host = self._device, self._host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -58,24 +85,31 @@ class MemoryMeter(TorchDispatchMode):
         return out
 
     def _add(self, storage: torch.UntypedStorage, host: bool) -> None:
+        self._drain()                    # an address freed elsewhere may be this storage's now
         ptr, n = storage.data_ptr(), storage.nbytes()
         if ptr == 0 or ptr in self._live:
             return
         self._live[ptr] = (n, host)
         if host:
-            self.host_bytes += n
-            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            self._host += n
+            self._peak_host = max(self._peak_host, self._host)
         else:
-            self.device_bytes += n
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
-        weakref.finalize(storage, self._free, ptr)
+            self._device += n
+            self._peak_device = max(self._peak_device, self._device)
+        weakref.finalize(storage, self._freed.put, ptr)
 
-    def _free(self, ptr: int) -> None:
-        n, host = self._live.pop(ptr)
-        if host:
-            self.host_bytes -= n
-        else:
-            self.device_bytes -= n
+    def _drain(self) -> None:
+        """Subtract the storages freed since the last call (on any thread)."""
+        while True:
+            try:
+                ptr = self._freed.get_nowait()
+            except queue.Empty:
+                return
+            n, host = self._live.pop(ptr)
+            if host:
+                self._host -= n
+            else:
+                self._device -= n
 
 
 def _plain(t) -> bool:
