@@ -10,8 +10,8 @@ A `TorchDispatchMode` sees every ATen op of the step, forward, backward (autogra
 through the dispatcher on this thread) and optimizer. An output whose storage is not one of the
 op's inputs' storages is an allocation: its storage's bytes are added, and a finalizer on the
 storage subtracts them when it is freed (on whichever thread drops its last reference: it queues the
-address, and the counts change when next read or added to, on the thread that reads them). Views and in-place results share an input's storage and
-add nothing. Tensors made outside the dispatcher (a numpy array wrapped by `torch.from_numpy`, a
+address, and the counts change when next read or added to, on the thread that reads them). Views and
+in-place results share an input's storage and add nothing. Tensors made outside the dispatcher (a numpy array wrapped by `torch.from_numpy`, a
 memory-mapped file) are not allocations of this rank's allocator and are not counted.
 
 Host and device: on an accelerator mesh a storage is host memory when it is on the CPU; on a CPU
@@ -38,7 +38,7 @@ class MemoryMeter(TorchDispatchMode):
         self.device_type = device_type
         self._live: dict[int, tuple[int, bool]] = {}     # storage address -> (bytes, is host)
         self._device = self._host = 0
-        self._peak_device = self._peak_host = 0
+        self.peak_device_bytes = self.peak_host_bytes = 0
         # storages freed, by address: a storage's last reference may go on a collective backend's
         # worker thread (gloo's drops a finished work's tensors there), so its finalizer only queues
         # the address and the counts change on the thread that reads them (module docstring)
@@ -60,19 +60,9 @@ class MemoryMeter(TorchDispatchMode):
         self._drain()
         return self._host
 
-    @property
-    def peak_device_bytes(self) -> int:
-        self._drain()
-        return self._peak_device
-
-    @property
-    def peak_host_bytes(self) -> int:
-        self._drain()
-        return self._peak_host
-
     def reset_peak(self) -> None:
         self._drain()
-        self._peak_device, self._peak_host = self._device, self._host
+        self.peak_device_bytes, self.peak_host_bytes = self._device, self._host
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -92,10 +82,10 @@ class MemoryMeter(TorchDispatchMode):
         self._live[ptr] = (n, host)
         if host:
             self._host += n
-            self._peak_host = max(self._peak_host, self._host)
+            self.peak_host_bytes = max(self.peak_host_bytes, self._host)
         else:
             self._device += n
-            self._peak_device = max(self._peak_device, self._device)
+            self.peak_device_bytes = max(self.peak_device_bytes, self._device)
         weakref.finalize(storage, self._freed.put, ptr)
 
     def _drain(self) -> None:
