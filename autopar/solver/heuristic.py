@@ -195,9 +195,10 @@ def subspace_plan(problem, budget: float, deadline: float | None, progress: bool
     of `prune.axis_merges` (`prune.merged_axes`) whatever the time limit, then rounds of local search from
     that plan while they gain (the layouts within one mesh axis of the plan's, `prune.near`: their LP
     relaxation rounded; `_local`'s floor: past the deadline only while the last round gained more than
-    PAST_GAIN, so a longer limit only adds rounds and its floor is at most a shorter one's). Then, while time remains, local search with step 3's MIPs while
-    the plan improves, the alternation in each merger's subspace, the first's again (from the best plan's
-    options where no options fit their most sharded layouts: their own plan that needs least memory took
+    PAST_GAIN, so a longer limit only adds rounds and its floor is at most a shorter one's). Then, while
+    time remains, local search with step 3's MIPs while the plan improves, the alternation in each merger's
+    subspace, the first's again (from the best plan's options where no options fit their most sharded
+    layouts: their own plan that needs least memory took
     Llama-3-8B at 131,072 tokens on (8, 2, 4) 99 CPU s past the limit), and local search again after a
     merger that improved the plan. Step 3 in the first subspace came before the floor's local search until
     stop 50: the local search then started where that MIP ended or the limit cut it, a plan that depended
@@ -263,15 +264,14 @@ def _local(problem, budget: float, best: Heuristic, deadline: float | None, prog
     deadline."""
     views, memo = {}, {}    # `prune.near`'s and the models' `memo` (the problem's alone), for every round
     if floor:
-        gain = 1.0
+        gain = 1.0      # the last round's (none yet: the first runs whatever the time)
         for _ in range(FLOOR_ROUNDS):
             if past(deadline) and (bounded or gain <= PAST_GAIN):
                 break
             h = _rounded_near(problem, budget, best, views, memo)
-            gain = 1 - h.objective_s / best.objective_s
-            if gain <= FLOOR_GAIN:
+            if h.objective_s >= best.objective_s * (1 - FLOOR_GAIN):
                 return h
-            best = h
+            gain, best = 1 - h.objective_s / best.objective_s, h
         return best
     while not past(deadline):
         h = improve(problem, budget, best, deadline, progress,
