@@ -130,11 +130,7 @@ def _first(problem, budget: float, deadline: float | None, models: _Models,
                          LEAST_STATUS + (STOPPED if least.cut else ""), "HiGHS", 1.0)
     defaults = problem.families.defaults()
     rounded = False         # a relaxation has given the best plan so far
-    # with no plan in hand, step 1's options first: where none fit the most sharded layouts, the default
-    # options' relaxation had no solution (Llama-3-8B, Qwen3-8B, Gemma-2-9B over (4, 4, 4) at limit 1), and
-    # with `floor` past the deadline it is then not built (0.1-0.2 CPU s: the models share their columns)
-    pair = [options, defaults] if best is None else [defaults, options]
-    for fixed in (pair if options != defaults else [options]) if _free(problem) else []:
+    for fixed in ([defaults, options] if options != defaults else [options]) if _free(problem) else []:
         if (rounded or not floor) and past(deadline):
             break
         model = models.get(fixed)           # step 2: the LP relaxation's layouts, rounded
