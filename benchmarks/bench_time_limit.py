@@ -307,9 +307,11 @@ infeasible), not plan-neutral: on the GPT above the defaults' relaxation fits an
 (0.6487 against 0.6667; 0.63543 against 0.63555 after the rounds); source_replaced's table per distinct
 (class, classes on its edges) (the same tables, 0.14 CPU s either way: its 285k pairs nearly all distinct);
 `Expr.scaled` through lists, not generators (offload 1.18 -> 1.11 CPU s on Qwen3-8B, within the noise).
-Measured, not built: the edge tables' 152k reshards through `Mesh.coded_reshard_cost` take 0.57 CPU s with
-warm step caches, a loop summing `comm._step`'s seconds alone (no validation, names, per-axis bytes or
-`ReshardCost`s) 0.27, the same floats: ~0.3 CPU s a call, at the price of a second path beside `_reshard_cost`.
+Measured, not kept: the edge tables' 152k reshards through `Mesh.coded_reshard_cost` take 0.57-0.60 CPU s with
+warm step caches; a loop summing `comm._step`'s seconds alone (no validation, names, per-axis bytes or
+`ReshardCost`s) 0.27, the same floats, but as a second copy of `_reshard_cost`'s walk; with the walk shared (a
+generator of the collectives both sum, the shard-dim checks kept) the seconds took 0.50 and `coded_reshard_cost`
+0.94: ~0.1 CPU s a call, not worth a slower pricing path elsewhere.
 """
 from __future__ import annotations
 
