@@ -279,6 +279,39 @@ priced once (`comm._step`, cached), the same floats (the edge tables pickled byt
 validation cached per layout pair, with the launch overhead added inside `_reshard_cost` (one `ReshardCost` a
 pair, not two) and each step's "kind@axis" name cached: the same tables, edge tables 1.34 / 1.38 CPU s beside
 main's 1.86 / 1.89 (load 3-4), no gain above the noise over the step cache alone.
+Stop 53 (s53t1, 2026-11-28 12:09-13:10 UTC, load average 3-12 on 2 cores; CPU s of the limit-1 call, main
+f0b6133 and the branch side by side at once). Where limit 1 went on Llama-3-8B (4, 4, 4), main (timers around
+functions): capture 0.7, strategies 2.4-2.6 (edge tables 1.36: 61 tables, 259k layout pairs, the attention's
+124 x 124 ones 0.06-0.17 each, 152k reshards priced at ~3.7 us each; offload's terms 0.57, of which scaling the
+kept copies' tables 0.3 and `source_replaced` 0.15; node decisions 0.27; residency 0.10), the first plan 1.4
+(the default options' relaxation, infeasible, then step 1's options'), three local rounds 1.55 (0.5 each:
+2.111 -> 1.7517 -> 1.7437 -> 1.7428). Qwen3-8B (48 x 4,096) and Gemma-2-9B (32 x 4,096) alike: offload 1.1 /
+1.3, rounds 2.2 / 3.4 (gains 12.9%, 6.8%, 0 and 14%, 0.58%, 0.05%). Now past the deadline the floor's rounds go
+on only after a round that gained more than 1% (`heuristic.PAST_GAIN`; before it, while they gain 0.1%, as
+before: a longer limit only adds rounds). Pairs (CPU s main -> branch, the solve phase in brackets): Llama-3-8B
+6.47 -> 5.95 (3.25 -> 2.72, load 3.3), 7.09 -> 6.77 (3.55 -> 3.15), 7.88 -> 7.22 (3.96 -> 3.27, load 8);
+Gemma-2-9B 14.31 -> 13.34 (8.21 -> 7.11), 15.92 -> 14.96 (8.96 -> 7.86); Qwen3-8B 9.31 / 9.56, the same path and plan
+(7a9b9d022850, 1.6545: its rounds gain over 1% but the last); a GPT (examples' GPT, hidden 2,560, 32 layers, 32
+heads) at 512 x 2,048: 2.47 -> 2.33 (0.79 -> 0.65), the same plan (da0b4df03518, 0.6354: its third round, cut,
+found nothing). Plans at limit 1: Llama-3-8B 5d0aa88b3b3d (objective 1.7428, step 1.7459) -> f44cc795c831 (1.7437,
+step 1.7468: 1.0045x the best known, 1.7358); Gemma-2-9B 7812259b8273 (2.2992, step 2.3005) -> 4ed0994288a6
+(2.3004, step 2.3017; limit 120 on the branch, 40 CPU s at load 7, ends at main's limit-1 plan, 2.2992: 1.0005x);
+Qwen3-8B's limit-120 plan 1.6513 (3f0cfb7a8598; limit 1 1.0019x). Qwen2-7B 56 x 4,096: 64b4ad99602b both (5.97 /
+5.98 CPU s). Limit 30 side by side (load 9): 22944549c3d0 both (1.7358). `--limits 1,30 --best-limit 120` on
+the branch with the first change below too (load ~4-7): 1.7437 / 1.7362 / 1.7358 in 8.4 / 31.8 / 123.0 s wall,
+longer never slower: true, limit 1 1.0045x. **The bound (~1.8 s) is still missed**: ~5.3 CPU s after the
+capture (strategies 2.4-2.7, the first plan 1.4, two rounds 1.1), the strategies alone twice what it allows.
+Tried, not kept: with no plan in hand step 1's options relaxed before the defaults (past the deadline the
+defaults' model then not built: 0.1-0.2 CPU s on the three models above, whose defaults' relaxation is
+infeasible), not plan-neutral: on the GPT above the defaults' relaxation fits and gave the better first plan
+(0.6487 against 0.6667; 0.63543 against 0.63555 after the rounds); source_replaced's table per distinct
+(class, classes on its edges) (the same tables, 0.14 CPU s either way: its 285k pairs nearly all distinct);
+`Expr.scaled` through lists, not generators (offload 1.18 -> 1.11 CPU s on Qwen3-8B, within the noise).
+Measured, not kept: the edge tables' 152k reshards through `Mesh.coded_reshard_cost` take 0.57-0.60 CPU s with
+warm step caches; a loop summing `comm._step`'s seconds alone (no validation, names, per-axis bytes or
+`ReshardCost`s) 0.27, the same floats, but as a second copy of `_reshard_cost`'s walk; with the walk shared (a
+generator of the collectives both sum, the shard-dim checks kept) the seconds took 0.50 and `coded_reshard_cost`
+0.94: ~0.1 CPU s a call, not worth a slower pricing path elsewhere.
 """
 from __future__ import annotations
 

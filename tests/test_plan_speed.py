@@ -190,3 +190,25 @@ def test_a_search_given_a_passed_deadline_returns_at_once_saying_so():
     h = heuristic.subspace_plan(problem, float("inf"), time.perf_counter(), floor=False)
     assert time.process_time() - t < 0.2 and h.status.startswith("Feasible (the most sharded plan)")
     assert h.status.endswith(heuristic.STOPPED)
+
+
+def test_past_the_deadline_the_floor_rounds_go_on_only_while_they_gain_much(monkeypatch):
+    """The floor's local search (`heuristic._local`) runs its first round whatever the time limit; past the
+    deadline another only after a round that gained more than PAST_GAIN, so a call ends nearer its limit;
+    with time left (or no limit), rounds go on while they gain more than FLOOR_GAIN: a longer limit only
+    adds rounds, and its plan is never slower."""
+    import time
+    gains = [0.10, 0.005, 0.004, 0.003, 0.0]       # each round's gain: over PAST_GAIN once, then under it
+
+    def fake_round(problem, budget, best, views, memo):
+        seen.append(best.objective_s)
+        return heuristic.replace(best, objective_s=best.objective_s * (1 - gains[len(seen) - 1]))
+    start = heuristic.Heuristic(({}, {}), 2.0, "start", "HiGHS", 1.0)
+    monkeypatch.setattr(heuristic, "_rounded_near", fake_round)
+    ends = {}
+    for deadline in (time.perf_counter(), None):
+        seen = []
+        ends[deadline is None] = heuristic._local(None, 1.0, start, deadline, False, floor=True), len(seen)
+    (cut, cut_rounds), (full, full_rounds) = ends[False], ends[True]
+    assert cut_rounds == 2 and cut.objective_s == pytest.approx(2.0 * 0.90 * 0.995)
+    assert full_rounds == 5 and full.objective_s == pytest.approx(2.0 * 0.90 * 0.995 * 0.996 * 0.997)
