@@ -146,8 +146,8 @@ def test_the_layout_floor_is_below_every_priced_step(monkeypatch):
     found are left unpriced: the floor must never be above what the evaluator prices."""
     seen = []
 
-    def checked(problem, choice, options=None, staging=None):
-        ev = evaluate(problem, choice, options, staging)
+    def checked(problem, choice, options=None, staging=None, memo=None):
+        ev = evaluate(problem, choice, options, staging, memo)
         p = staging.pipe
         cand = Candidate(p.axis, p.stages, p.microbatches, p.schedule, p.virtual_stages)
         seen.append(stages._layout_floor(cand, stages.layout_work(problem, choice)) / ev.step_s)
@@ -165,8 +165,8 @@ def test_the_microbatch_floor_is_below_every_priced_step(monkeypatch):
     the evaluator prices, at any of the search's candidates."""
     seen, least = [], {}
 
-    def checked(problem, choice, options=None, staging=None):
-        ev = evaluate(problem, choice, options, staging)
+    def checked(problem, choice, options=None, staging=None, memo=None):
+        ev = evaluate(problem, choice, options, staging, memo)
         p = staging.pipe
         if id(problem) not in least:
             least[id(problem)] = least_seconds(stages.per_step_view(problem, p.microbatches))

@@ -391,6 +391,9 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
     overflowed = math.inf       # wanting: the fewest in flight of a candidate that fit nowhere
     choices = _option_choices(problem, options)         # the same for every candidate and cut
     work = functools.cache(lambda: layout_work(problem, choice))
+    cuts = functools.cache(lambda chunks: _boundary_choices(problem, graph, choice, chunks, seconds))
+    parts = functools.cache(lambda pipe: node_chunks(problem, graph, pipe))    # by cut: the same for every schedule
+    memo: dict = {}     # `evaluate`'s, for this problem and choice (`parts` holds the cuts' chunk maps)
     priced = False
     for cand in sorted(group, key=lambda c: (held[c], bound[c]) if wanting else bound[c]):
         win = min(beat, best.evaluation.step_s if best is not None else math.inf)
@@ -401,11 +404,11 @@ def _best_of(mesh, group: list[Candidate], solved, budget: float, floor: Floor |
             continue
         priced = True
         link = mesh.axes[mesh.axis_index(cand.axis)].link if cand.axis is not None else None
-        for bounds in _boundary_choices(problem, graph, choice, cand, seconds):
+        for bounds in cuts(cand.stages * cand.virtual_stages):
             pipe = PipelinePlan(cand.axis, cand.stages, cand.virtual_stages, cand.microbatches, cand.schedule, bounds)
-            staging = Staging(pipe, node_chunks(problem, graph, pipe), link)
+            staging = Staging(pipe, parts(PipelinePlan("_", pipe.chunks, 1, 1, "1f1b", bounds)), link)
             for opts in choices[::-1]:
-                ev = evaluate(problem, choice, opts, staging)
+                ev = evaluate(problem, choice, opts, staging, memo)
                 least = min(least, ev.peak_bytes)
                 if ev.peak_bytes > budget:
                     break
@@ -458,8 +461,7 @@ def microbatch_floor(cand: Candidate, seconds: float) -> float:
     return q * m * seconds / (p * (q + 1))
 
 
-def _boundary_choices(problem: Problem, graph, choice, cand: Candidate, seconds) -> list[tuple[str, ...]]:
-    chunks = cand.stages * cand.virtual_stages
+def _boundary_choices(problem: Problem, graph, choice, chunks: int, seconds) -> list[tuple[str, ...]]:
     if chunks == 1:
         return [("",)]
     return list(dict.fromkeys([balanced_boundaries(problem, graph, choice, chunks, seconds()),
