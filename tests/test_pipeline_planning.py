@@ -281,3 +281,30 @@ def test_explain_prices_a_pipelined_plan_as_the_plan(chosen):
     assert e.chosen.output == tuple(plan.placements["blocks.0.fc.weight"])
     assert e.chosen.step_time_s == plan.estimate.step_time_s
     assert e.alternatives and all(o.output[0] == "R" for o in e.alternatives)     # "R" on the pipeline axis
+
+
+def test_a_memo_prices_each_option_and_schedule_of_a_cut_as_alone():
+    """The search prices each cut at several schedules and memory options with one `memo` (what the options
+    leave alone, worked out once per cut): every evaluation equals the one made without it, to the last bit."""
+    from autopar.passes.stages import even_boundaries, layer_sequence
+    from autopar.plan_records import PipelinePlan
+    from autopar.solver.evaluate import Staging
+    from autopar.solver.ilp import most_sharded
+    model, inputs = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="h100")
+    cap = capture(model, inputs, None)
+    problem = planning_problem(cap, annotate(cap.gm), mesh.stage_mesh("pp"), PlanOptions(batch_axes=("dp",),
+                                                                                         symbolic=False))
+    choice, link = most_sharded(problem), mesh.axes[0].link
+    options = stages._option_choices(problem, problem.families.defaults())
+    assert len(options) > 1                                  # recomputation raised: several options a cut
+    memo, parts, priced = {}, {}, 0
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        bounds = even_boundaries(layer_sequence(cap.gm.graph), 2 * v)
+        pipe = PipelinePlan("pp", 2, v, 4, schedule, bounds)
+        chunk_of = parts.setdefault(bounds, stages.node_chunks(problem, cap.gm.graph, pipe))
+        for opts in options:
+            alone = evaluate(problem, choice, opts, Staging(pipe, dict(chunk_of), link))
+            assert evaluate(problem, choice, opts, Staging(pipe, chunk_of, link), memo) == alone
+            priced += 1
+    assert priced == 3 * len(options) and len(memo) == 2     # one entry per cut: 1F1B and GPipe share theirs
