@@ -123,8 +123,8 @@ def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, 
              staging: Staging | None = None, memo: dict | None = None) -> Evaluation:
     """Price `choice` (leader -> strategy index) with family `options` (group key -> option index;
     a missing group takes its first allowed option); with `staging`, as a pipeline. `memo`: a dict the
-    caller keeps for pipelines of one `problem` and `choice`, holding each staging's `chunk_of` while it
-    lasts: what the options leave alone is worked out once per cut (`evaluate_pipeline`)."""
+    caller keeps for pipelines of one `problem` and `choice`: what the options leave alone is worked out
+    once per cut (`evaluate_pipeline`)."""
     if staging is not None and (staging.pipe.stages > 1 or staging.pipe.microbatches > 1
                                 or staging.pipe.virtual_stages > 1):
         return evaluate_pipeline(problem, choice, options, staging, memo)
@@ -318,15 +318,17 @@ def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapp
                       staging: Staging, memo: dict | None = None) -> Evaluation:
     """Price a pipelined assignment per pipeline rank (the module docstring says how). `memo`:
     `evaluate`'s; the chunks' seconds and bytes but the families' (`_layout_chunks`) and the ranks'
-    timelines (`_Timelines`) are the same for every option and schedule of a cut: kept there by cut."""
+    timelines (`_Timelines`) are the same for every option and schedule of a cut: kept there by cut (its
+    `chunk_of` kept with them, so that its id names no other while the memo lasts)."""
     pipe = staging.pipe
     p, v, m = pipe.stages, pipe.virtual_stages, pipe.microbatches
     on = {**problem.families.defaults(), **(options or {})}
     memo = {} if memo is None else memo
-    key = (id(staging.chunk_of), p, v, pipe.schedule == "zb", id(staging.link))
+    key = (id(staging.chunk_of), p, v, pipe.schedule == "zb", staging.link)
     if key not in memo:
-        memo[key] = (_layout_chunks(problem, choice, staging), _Timelines(problem, choice, staging.chunk_of, p, v))
-    base, timelines = memo[key]
+        memo[key] = (staging.chunk_of, _layout_chunks(problem, choice, staging),
+                     _Timelines(problem, choice, staging.chunk_of, p, v))
+    _, base, timelines = memo[key]
     ch = replace(base, bwd=list(base.bwd), once=list(base.once), fam_s=[{} for _ in base.fam_s])
     ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
     ranks = [tuple(range(r, p * v, p)) for r in range(p)]
