@@ -111,10 +111,10 @@ def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatche
 
     def solve_at(axis, m, scale, first):
         calls.append((m, round(scale, 3), first))
-        return m, scale
+        return m, {"scale": scale}, {}, None        # (problem, layouts, options, graph)
 
     def priced(mesh, group, solved, budget, floor, beat, out_of_time, past):     # m=2 fits below 0.4 of the budget
-        m, scale = solved
+        m, scale = solved[0], solved[1]["scale"]
         fits = m == 4 or scale < 0.4
         found = SimpleNamespace(evaluation=SimpleNamespace(step_s=m / 2)) if fits else None
         return found, budget * (1 if fits else 2)
@@ -124,6 +124,24 @@ def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatche
     assert calls == [(2, 1.0, True), (4, 0.475, True), (2, 0.475, False), (2, 0.226, False)]
     assert found.best.evaluation.step_s == 1.0 and found.solved == 2
 
+
+
+def test_a_re_solve_that_returns_a_plan_priced_already_is_not_priced_again(monkeypatch):
+    """A group whose pipelines all overflow is solved again at lower budgets; where a re-solve returns the
+    layouts and options of a plan priced already, its pricing (a few evaluations of the whole model a
+    candidate) is not made again: the answer is the one made."""
+    plans, priced = [{"a": 0}, {"a": 0}, {"a": 1}], []
+
+    def solve_at(axis, m, scale, first):
+        return m, plans.pop(0), {}, None
+
+    def price(mesh, group, solved, budget, floor, beat, out_of_time, past):
+        priced.append(solved[1])
+        return None, 2 * budget                      # every pipeline overflows
+    monkeypatch.setattr(stages, "_best_of", price)
+    found = choose_pipeline(None, [Candidate("pp", 2, 4, "1f1b", 1)], solve_at, 1.0, floor=lambda c: 0.1)
+    assert not plans and priced == [{"a": 0}, {"a": 1}]     # three solves, two pricings
+    assert found.best is None and found.least == 2.0
 
 def test_the_lower_bound_is_below_the_priced_step(chosen):
     """The search leaves a candidate unsolved when its lower bound cannot beat a plan found: the bound
