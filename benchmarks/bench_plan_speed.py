@@ -180,6 +180,43 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
   (35f217547d1e), phi3-mini 1.52 / 1.63 (bae6d9561bc7), qwen3-30b-a3b 3.58 / 3.69 (9ef4d9aec835),
   mistral-7b 1.74 / 1.84 (f7558dc40b58), granite-3-8b 1.86 / 1.96 (fdf19c9106b6); llama3-8b (8,) 8 x 8192
   with memory decisions 6.57 / 6.68 (f7a9b5e0984f, 3.1474 s, unchanged).
+* 2026-11-28 (stop 53, s53gpt3; base main f0b6133): the search's own work made cheaper, its answers the
+  same to the bit: a group's pricing keeps each cut's costs and per-rank timelines that no memory option
+  changes (`evaluate`'s `memo`: 1F1B and GPipe share a cut, three options a cut), its cuts and chunk maps
+  per chunk count; `chunk_of` in one pass (bisect, not a scan of the chunks per node); a group's bound
+  needs its layout family only (the other families, 0.2 CPU s a group, 0.5 for the plan without a
+  pipeline, are added when it is solved: nothing for the 4 ruled out); a re-solve returning a plan its
+  group priced already (dp with 24 microbatches, x1.0 and x0.935) is not priced again. Every evaluation
+  of the search hashed (repr of each `Evaluation`, points included): equal on GPT-3 175B (203), a
+  24-layer GPT on (8, 4, 4) (162) and Llama-3-8B at 16 x 4096 on (2, 4, 4) (150).
+  - gpt3-175b, `--time-limit 1000`, base and branch at once, load 4-7: base 40.96 CPU s / 52.98 s wall,
+    branch **35.73 / 45.83** (peak RSS 930 -> 814 MiB); both 18599a4f3ad5 (6.942 s, dp 16 x 192, 1F1B),
+    9 of 13 solved, 4 ruled out. At once again under load 7-24 (each evaluation hashed): 45.24 -> 39.25.
+  - gpt3-175b, no options (time limit 60), alternated branch, base, branch, base at load 3-4: branch
+    36.6 and 44.6 s wall, 36.4 and 39.9 CPU s; base 50.5 and 55.2, 43.1 and 45.3; all 18599a4f3ad5, 9 of
+    13 solved, 4 ruled out. **30 s: still missed** (13-16% less CPU; not measured quiet).
+  - Where the CPU goes (timers around functions, `--time-limit 1000`, load 4-5, 40.9 CPU s with the
+    timers): the 16 group solves 18.5 (step 3's MIPs 12.9, of which HiGHS ~5.7; steps 1-2 5.4), their
+    pricing 9.1 (197 evaluations, 7.2), layout problems 4.7 (13), captures 3.0 (8), LP bounds 1.7. The
+    6.942 s plan is in hand after ~26 of ~43 CPU s; the groups after it, dp 64 (2 solves), dp 24 (3)
+    and tp 12 (2), take ~19 and cannot win (7.53 s, nothing fits, 21.85 s).
+  - Why no bound rules those out (measured, not kept): their memory-free LP floors (`microbatch_floor`)
+    are 5.43 (dp 64), 5.13 (dp 24), 5.86 s (tp 12). No memory-free floor can reach 6.942 for dp 64: with
+    no gradient sync at all it is q O / p = 79 / 16 x 1.3775 = 6.80 s for 1F1B and 5.83 for 4 virtual
+    stages. The joint LP with memory rows and families at the whole-model budget (x1.0) barely moves:
+    O 1.3775 -> 1.4219 (floor 5.43 -> 5.61, dp 64), 3.5393 -> 3.5551 (5.13 -> 5.16, dp 24), 0.4753 ->
+    0.4870 (5.67 -> 5.81, dp 192), 1.5-1.7 CPU s each: the whole-model view fits (its first solves do);
+    what overflows is a rank's microbatches in flight (1F1B's first rank holds min(m, p) of its chunks'
+    activations), which no whole-model row sees. A sound memory-aware bound needs the ranks' memory
+    (in-flight count x the saved bytes of the layers a cut can give a rank, against recomputation's
+    and offload's least seconds): not built.
+  - Other models, base / branch: Llama-3-8B at 16 x 4096 on (2, 4, 4) dp/pp/tp, `pipeline={}`, time
+    limit 1000, at once (load 7-24): both 1c503e9f80e2 (0.4321 s, no pipeline), 24.89 / 20.60 CPU s; the
+    24-layer GPT (hidden 4096, 256 x 2048) on (8, 4, 4): both 775f89ae3263 (0.3607 s, dp, 8 stages x 3,
+    16 microbatches), 10.09 / 11.09 CPU s at once, each evaluation hashed (load noise: its pricing is
+    small). llama3-8b-node 9923e3d82bef
+    both (1.0064 s; 5.51 / 5.63 CPU s); qwen3-8b 9484e72a9a96 and phi3-mini bae6d9561bc7 on the branch
+    (unchanged from stop 52).
 """
 from __future__ import annotations
 

@@ -111,10 +111,10 @@ def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatche
 
     def solve_at(axis, m, scale, first):
         calls.append((m, round(scale, 3), first))
-        return m, scale
+        return m, {"scale": scale}, {}, None        # (problem, layouts, options, graph)
 
     def priced(mesh, group, solved, budget, floor, beat, out_of_time, past):     # m=2 fits below 0.4 of the budget
-        m, scale = solved
+        m, scale = solved[0], solved[1]["scale"]
         fits = m == 4 or scale < 0.4
         found = SimpleNamespace(evaluation=SimpleNamespace(step_s=m / 2)) if fits else None
         return found, budget * (1 if fits else 2)
@@ -124,6 +124,24 @@ def test_with_no_plan_in_hand_a_group_that_overflowed_waits_for_more_microbatche
     assert calls == [(2, 1.0, True), (4, 0.475, True), (2, 0.475, False), (2, 0.226, False)]
     assert found.best.evaluation.step_s == 1.0 and found.solved == 2
 
+
+
+def test_a_re_solve_that_returns_a_plan_priced_already_is_not_priced_again(monkeypatch):
+    """A group whose pipelines all overflow is solved again at lower budgets; where a re-solve returns the
+    layouts and options of a plan priced already, its pricing (a few evaluations of the whole model a
+    candidate) is not made again: the answer is the one made."""
+    plans, priced = [{"a": 0}, {"a": 0}, {"a": 1}], []
+
+    def solve_at(axis, m, scale, first):
+        return m, plans.pop(0), {}, None
+
+    def price(mesh, group, solved, budget, floor, beat, out_of_time, past):
+        priced.append(solved[1])
+        return None, 2 * budget                      # every pipeline overflows
+    monkeypatch.setattr(stages, "_best_of", price)
+    found = choose_pipeline(None, [Candidate("pp", 2, 4, "1f1b", 1)], solve_at, 1.0, floor=lambda c: 0.1)
+    assert not plans and priced == [{"a": 0}, {"a": 1}]     # three solves, two pricings
+    assert found.best is None and found.least == 2.0
 
 def test_the_lower_bound_is_below_the_priced_step(chosen):
     """The search leaves a candidate unsolved when its lower bound cannot beat a plan found: the bound
@@ -146,8 +164,8 @@ def test_the_layout_floor_is_below_every_priced_step(monkeypatch):
     found are left unpriced: the floor must never be above what the evaluator prices."""
     seen = []
 
-    def checked(problem, choice, options=None, staging=None):
-        ev = evaluate(problem, choice, options, staging)
+    def checked(problem, choice, options=None, staging=None, memo=None):
+        ev = evaluate(problem, choice, options, staging, memo)
         p = staging.pipe
         cand = Candidate(p.axis, p.stages, p.microbatches, p.schedule, p.virtual_stages)
         seen.append(stages._layout_floor(cand, stages.layout_work(problem, choice)) / ev.step_s)
@@ -165,8 +183,8 @@ def test_the_microbatch_floor_is_below_every_priced_step(monkeypatch):
     the evaluator prices, at any of the search's candidates."""
     seen, least = [], {}
 
-    def checked(problem, choice, options=None, staging=None):
-        ev = evaluate(problem, choice, options, staging)
+    def checked(problem, choice, options=None, staging=None, memo=None):
+        ev = evaluate(problem, choice, options, staging, memo)
         p = staging.pipe
         if id(problem) not in least:
             least[id(problem)] = least_seconds(stages.per_step_view(problem, p.microbatches))
@@ -281,3 +299,30 @@ def test_explain_prices_a_pipelined_plan_as_the_plan(chosen):
     assert e.chosen.output == tuple(plan.placements["blocks.0.fc.weight"])
     assert e.chosen.step_time_s == plan.estimate.step_time_s
     assert e.alternatives and all(o.output[0] == "R" for o in e.alternatives)     # "R" on the pipeline axis
+
+
+def test_a_memo_prices_each_option_and_schedule_of_a_cut_as_alone():
+    """The search prices each cut at several schedules and memory options with one `memo` (what the options
+    leave alone, worked out once per cut): every evaluation equals the one made without it, to the last bit."""
+    from autopar.passes.stages import even_boundaries, layer_sequence
+    from autopar.plan_records import PipelinePlan
+    from autopar.solver.evaluate import Staging
+    from autopar.solver.ilp import most_sharded
+    model, inputs = _gpt()
+    mesh = autopar.Mesh((2, 2), ("pp", "dp"), device="h100")
+    cap = capture(model, inputs, None)
+    problem = planning_problem(cap, annotate(cap.gm), mesh.stage_mesh("pp"), PlanOptions(batch_axes=("dp",),
+                                                                                         symbolic=False))
+    choice, link = most_sharded(problem), mesh.axes[0].link
+    options = stages._option_choices(problem, problem.families.defaults())
+    assert len(options) > 1                                  # recomputation raised: several options a cut
+    memo, parts, priced = {}, {}, 0
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        bounds = even_boundaries(layer_sequence(cap.gm.graph), 2 * v)
+        pipe = PipelinePlan("pp", 2, v, 4, schedule, bounds)
+        chunk_of = parts.setdefault(bounds, stages.node_chunks(problem, cap.gm.graph, pipe))
+        for opts in options:
+            alone = evaluate(problem, choice, opts, Staging(pipe, dict(chunk_of), link))
+            assert evaluate(problem, choice, opts, Staging(pipe, chunk_of, link), memo) == alone
+            priced += 1
+    assert priced == 3 * len(options) and len(memo) == 2     # one entry per cut: 1F1B and GPipe share theirs

@@ -123,9 +123,9 @@ def test_the_pipeline_search_stops_at_its_time_limit_with_the_best_so_far(monkey
     from autopar.solver.decisions import stages
     priced = []
 
-    def evaluate(problem, choice, options, staging=None):
+    def evaluate(problem, choice, options, staging=None, memo=None):
         priced.append((staging.pipe.schedule, staging.pipe.virtual_stages))
-        return real(problem, choice, options, staging)
+        return real(problem, choice, options, staging, memo)
     real = stages.evaluate
     monkeypatch.setattr(stages, "evaluate", evaluate)
     model, inputs = gpt(hidden=32, batch=8, layers=4)

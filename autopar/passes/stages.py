@@ -21,6 +21,7 @@ outputs.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ def even_boundaries(layers: Sequence[str], chunks: int) -> tuple[str, ...]:
 
 def chunk_of(graph: fx.Graph, pipeline: PipelinePlan) -> dict[fx.Node, int]:
     """Every call node of `graph` -> the chunk it runs in (see module docstring)."""
-    layers = layer_sequence(graph)
+    calls = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    keys = [layer_key(module_path(n)) for n in calls]
+    layers = list(dict.fromkeys(k for k in keys if k is not None))      # `layer_sequence(graph)`
     position = {k: i for i, k in enumerate(layers)}
     starts = [0]
     for c, b in enumerate(pipeline.boundaries[1:], start=1):
@@ -73,18 +76,11 @@ def chunk_of(graph: fx.Graph, pipeline: PipelinePlan) -> dict[fx.Node, int]:
         starts.append(position[b])
     if starts != sorted(starts) or len(set(starts)) != len(starts):
         raise PlanOptionError(f"pipeline.boundaries {list(pipeline.boundaries)} do not run in layer order")
-    last = max(pipeline.chunks, 1) - 1
-
-    def layer_chunk(key: str) -> int:
-        return max(c for c, s in enumerate(starts) if s <= position[key])
-
-    calls = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     out: dict[fx.Node, int] = {}
-    following = last
-    for node in reversed(calls):
-        key = layer_key(module_path(node))
-        if key is not None:
-            following = layer_chunk(key)
+    following = max(pipeline.chunks, 1) - 1
+    for node, key in zip(reversed(calls), reversed(keys)):
+        if key is not None:     # the last chunk starting at or before the layer (`starts` increase)
+            following = bisect_right(starts, position[key]) - 1
         out[node] = following
     for node in calls:   # forward flow only
         out[node] = max([out[node]] + [out[a] for a in node.all_input_nodes if a in out])

@@ -30,8 +30,8 @@ from ..placement import layout_str
 from ..plan import PIPELINE_SCHEDULES, Plan, SolverInfo, Timings
 from .cache import PlanCache
 from .pipeline import fixed_pipeline, lifted, stage_options
-from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, phase, planning_problem,
-                      remaining, solve_captured)
+from .solve import (PlanOptions, assemble, deadline_of, fingerprint, frozen_gc, layout_problem, phase,
+                      remaining, solve_captured, with_families)
 from ..solver.decisions.stages import (PIPELINE_KEYS, Candidate, Searched, candidates, choose_pipeline,
                                       microbatch_floor, node_chunks, per_step_view)
 from ..solver.evaluate import Staging
@@ -132,7 +132,8 @@ class _Groups:
         self.captured, self.deadline = captured, deadline
         self.budget = opts.memory_budget if opts.memory_budget is not None else mesh.profile.memory_budget
         self.stage_opts = replace(opts, symbolic=False)
-        self.problems: dict[tuple, object] = {}   # (axis, microbatches) -> its problem
+        self.layouts: dict[tuple, object] = {}    # (axis, microbatches) -> its problem's layout family (`bound`)
+        self.problems: dict[tuple, object] = {}   # (axis, microbatches) -> its problem, families added
         self.statuses: dict[tuple, str] = {}      # (axis, microbatches) -> its last solve's status
         self.plans: dict[tuple, tuple] = {}       # (axis, microbatches) -> (problem, choice, options) solved
         self.least: dict[tuple, float] = {}       # (axis, microbatches) -> `least_seconds` of its problem's view
@@ -173,21 +174,30 @@ class _Groups:
         return problem, result.choice, result.options, cap.gm.graph
 
     def _problem(self, axis, m: int):
-        """The group's problem (one microbatch of `m` on the mesh without `axis`), built once."""
+        """The group's problem (one microbatch of `m` on the mesh without `axis`), built once: its
+        layout family (`_layouts`), then the other families, only for a group solved."""
         if (axis, m) not in self.problems:
-            cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
-            self.problems[axis, m] = planning_problem(cap, infos, self.mesh.stage_mesh(axis),
-                                                      _stage_opts(self.stage_opts, self.mesh, axis))
+            self.problems[axis, m] = with_families(self._layouts(axis, m), _stage_opts(self.stage_opts, self.mesh, axis))
             gc.freeze()
         return self.problems[axis, m]
+
+    def _layouts(self, axis, m: int):
+        """The group's problem with its layout family alone, built once (what `bound` needs: 0.3 CPU s on
+        GPT-3 175B's stage meshes, its families 0.2 more)."""
+        if (axis, m) not in self.layouts:
+            cap, infos = _captured(self.model, self.args, self.kwargs, m, self.captured, self.opts)
+            self.layouts[axis, m] = layout_problem(cap, infos, self.mesh.stage_mesh(axis),
+                                                   _stage_opts(self.stage_opts, self.mesh, axis))
+            gc.freeze()
+        return self.layouts[axis, m]
 
     def bound(self, c: Candidate) -> float:
         """`choose_pipeline`'s `bound`: `microbatch_floor` at the LP bound of the group's problem as its
         solve sees it (`ilp.least_seconds` of `per_step_view`: 0.06-0.11 CPU s on GPT-3 175B's stage
-        meshes, after the problem's build, 0.5-0.8 s, which the group's solve reuses)."""
+        meshes, after the build of its layout family, 0.3 s, which the group's solve reuses)."""
         key = (c.axis, c.microbatches)
         if key not in self.least:
-            self.least[key] = least_seconds(per_step_view(self._problem(*key), c.microbatches))
+            self.least[key] = least_seconds(per_step_view(self._layouts(*key), c.microbatches))
         return microbatch_floor(c, self.least[key])
 
     def _solve_limit(self) -> float | None:
@@ -222,9 +232,10 @@ class _Groups:
             return replace(found, unsearched=found.unsearched + ((None, 1),))
         problem = None
         if found.best is not None:
-            problem = planning_problem(*self.captured[1], self.mesh, self.opts)
+            problem = layout_problem(*self.captured[1], self.mesh, self.opts)
             if least_seconds(problem, self.deadline) >= beat:
                 return replace(found, pruned=found.pruned + 1)
+            problem = with_families(problem, self.opts)
         # not counted in `took` (its solve has its own share of the time, FLAT_SHARE) nor in `priced`
         self.solved_at = None
         self.flat, self.why = _flat(self.model, self.args, self.kwargs, self.mesh, self.opts, self.captured, t0,

@@ -245,9 +245,19 @@ def solve_within(problem: Problem, budget: float, deadline: float | None, progre
 
 def planning_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:
     """The planning problem: the layout family, then the others as the options allow."""
-    problem = build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
-                            sharded_outputs=opts.sharded_outputs, precision=opts.precision,
-                            saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
+    return with_families(layout_problem(cap, infos, mesh, opts), opts)
+
+
+def layout_problem(cap: Captured, infos, mesh: Mesh, opts: PlanOptions) -> Problem:
+    """The planning problem's layout family alone (what a lower bound on its seconds needs,
+    `ilp.least_seconds`); `with_families` adds the others."""
+    return build_problem(cap, infos, mesh, pins=opts.pins, optimizer=opts.optimizer, batch_axes=opts.batch_axes,
+                         sharded_outputs=opts.sharded_outputs, precision=opts.precision,
+                         saved_frees=opts.frees_activations, capacity_factor=opts.moe_capacity_factor)
+
+
+def with_families(problem: Problem, opts: PlanOptions) -> Problem:
+    """`problem` (a `layout_problem`) with the decision families the options allow, in place."""
     try:
         # a pipeline stage's problem (`opts.stage`) offers no gradient offload: the pipelined runtime
         # sums a tied parameter's gradient over its ranks after the schedule, on the device

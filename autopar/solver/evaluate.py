@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..cost_model.comm import bucket_launch_time, collective_time, final_bucket_time, p2p_time, transfer_time
 from ..cost_model.compute import optimizer_seconds
@@ -120,12 +120,14 @@ class PipelinePrice:
 
 
 def evaluate(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None = None,
-             staging: Staging | None = None) -> Evaluation:
+             staging: Staging | None = None, memo: dict | None = None) -> Evaluation:
     """Price `choice` (leader -> strategy index) with family `options` (group key -> option index;
-    a missing group takes its first allowed option); with `staging`, as a pipeline."""
+    a missing group takes its first allowed option); with `staging`, as a pipeline. `memo`: a dict the
+    caller keeps for pipelines of one `problem` and `choice`: what the options leave alone is worked out
+    once per cut (`evaluate_pipeline`)."""
     if staging is not None and (staging.pipe.stages > 1 or staging.pipe.microbatches > 1
                                 or staging.pipe.virtual_stages > 1):
-        return evaluate_pipeline(problem, choice, options, staging)
+        return evaluate_pipeline(problem, choice, options, staging, memo)
     fam = problem.families
     on = {**fam.defaults(), **(options or {})}
     family_of = fam.family_of()
@@ -313,19 +315,29 @@ def recorded_options(fam: Families, recorded: Mapping[str, Mapping[str, str]]) -
 
 
 def evaluate_pipeline(problem: Problem, choice: Mapping[str, int], options: Mapping[str, int] | None,
-                      staging: Staging) -> Evaluation:
-    """Price a pipelined assignment per pipeline rank (the module docstring says how)."""
+                      staging: Staging, memo: dict | None = None) -> Evaluation:
+    """Price a pipelined assignment per pipeline rank (the module docstring says how). `memo`:
+    `evaluate`'s; the chunks' seconds and bytes but the families' (`_layout_chunks`) and the ranks'
+    timelines (`_Timelines`) are the same for every option and schedule of a cut: kept there by cut (its
+    `chunk_of` kept with them, so that its id names no other while the memo lasts)."""
     pipe = staging.pipe
     p, v, m = pipe.stages, pipe.virtual_stages, pipe.microbatches
     on = {**problem.families.defaults(), **(options or {})}
-    ch = _chunk_costs(problem, choice, on, staging)
+    memo = {} if memo is None else memo
+    key = (id(staging.chunk_of), p, v, pipe.schedule == "zb", staging.link)
+    if key not in memo:
+        memo[key] = (staging.chunk_of, _layout_chunks(problem, choice, staging),
+                     _Timelines(problem, choice, staging.chunk_of, p, v))
+    _, base, timelines = memo[key]
+    ch = replace(base, bwd=list(base.bwd), once=list(base.once), fam_s=[{} for _ in base.fam_s])
+    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
     ranks = [tuple(range(r, p * v, p)) for r in range(p)]
     sums = lambda xs, r: sum(xs[c] for c in ranks[r])  # noqa: E731
     f_r = [sums(ch.fwd, r) + sums(ch.p2p, r) for r in range(p)]
     b_r = [sums(ch.bwd, r) + sums(ch.p2p, r) for r in range(p)]
     pt = pipeline_time(f_r, b_r, m, virtual_stages=v,
                        weight_grad=[sums(ch.wgrad, r) for r in range(p)] if pipe.schedule == "zb" else None)
-    mem = _rank_memory(problem, choice, on, staging.chunk_of, ch.terms, ch.state, ch.grads, pipe)
+    mem = _rank_memory(problem, choice, on, timelines, ch.terms, ch.state, ch.grads, pipe)
     stages, drained = [], 0.0
     params, layers_of = _per_rank(problem, staging.chunk_of, p)
     for r in range(p):
@@ -379,7 +391,9 @@ class _Chunks:
     modules: int = 0
 
 
-def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
+def _layout_chunks(problem: Problem, choice, staging: Staging) -> _Chunks:
+    """The chunks' seconds and bytes but the families' (`_family_seconds` adds those: per_step, fam_s, and
+    their part of bwd and once)."""
     chunk_of, pipe, dec = staging.chunk_of, staging.pipe, problem.decisions
     n, p = pipe.stages * pipe.virtual_stages, pipe.stages
     where = lambda name: n - 1 if name == "output" else chunk_of[name]  # noqa: E731
@@ -402,7 +416,6 @@ def _chunk_costs(problem: Problem, choice, on, staging: Staging) -> _Chunks:
         ch.bwd[c] += ch.wsync[c]
         ch.wgrad[c] += ch.wsync[c]
         ch.p2p[c] = sum(p2p_time(b, staging.link) for b in entering[c].values()) if p > 1 else 0.0
-    ch.per_step = _family_seconds(problem, choice, on, ch.terms, ch.bwd, ch.once, ch.fam_s)
     ch.state, ch.grads = [0.0] * n, [0.0] * n
     for d in dec.values():
         for c in users.get(d.name, {chunk_of[d.name]}):
@@ -542,26 +555,14 @@ class _RankMemory:
     offloaded: set
 
 
-def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, grads: list, pipe) -> _RankMemory:
+def _rank_memory(problem: Problem, choice, on, timelines: _Timelines, chunks, state: list, grads: list,
+                 pipe) -> _RankMemory:
     """Per rank: `memory_points` over the nodes its chunks hold, plus `in_flight - 1` more
     microbatches of what they save (at the end of the forward) at every point of the step."""
     p, live = pipe.stages, problem.live
     member, term = chunks
     rank = lambda c: c % p  # noqa: E731
-    last = pipe.stages * pipe.virtual_stages - 1
-    positions, n_pts = live.positions, len(live.positions)
-    size, rank_of = (lambda n: act_bytes(problem, n, choice)), (lambda n: rank(chunk_of[n]))  # noqa: E731
-    owned = grouped_member_sums(live.point_changes, size, rank_of, p)
-    moving = grouped_member_sums(live.grad_changes, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
-    acts = [[a + b for a, b in zip(o, m)] for o, m in zip(owned, moving)]
-    copies: list[list] = [[] for _ in range(p)]
-    for e, a, b in picked_edges(problem, choice):
-        r = rank(last if e.dst == "output" else chunk_of[e.dst])
-        copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
-    made: list[list] = [[] for _ in range(p)]
-    for n, d in problem.decisions.items():
-        if d.grad_bytes:
-            made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
+    positions = live.positions
     freed = freed_items(problem, choice, on)
     freed_on: list[list] = [[] for _ in range(p)]      # per rank, (Freed, bytes) of the items it frees
     for f, b in freed:
@@ -570,27 +571,9 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
     by_rank = lambda xs: [sum(xs[c] for c in range(r, len(xs), p)) for r in range(p)]  # noqa: E731
     st, gr = by_rank(state), by_rank(grads)
     out = _RankMemory([], [], [], [], [], [], {n for f, _ in freed if f.after < 0 for n, _ in f.expr.nodes})
-    buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
-    since = problem.buckets_from
-    back = [[0.0] * n_pts for _ in range(p)]
-    for t, name, nbytes in backward_temps(problem, choice):
-        back[rank_of(name)][t] += nbytes
-    mirrors = [live.mirror(where) for where in positions]
     for r in range(p):
-        cs = sorted(copies[r], key=lambda x: x[0])
-        kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
-        temps: dict = {}
-        for pos, _, tmp in cs:
-            temps[pos] = temps.get(pos, 0.0) + tmp
-        ms = sorted(made[r], key=lambda x: x[0])
-        grown, grown_at = prefix_sums([b for _, b in ms]), [since for since, _ in ms]
         gone = window_sums(positions, ((f.after, f.until, b) for f, b in freed_on[r]))
-        one, act, after = [], acts[r], back[r]
-        for t, where in enumerate(positions):
-            x = act[t] + kept[bisect_right(kept_at, mirrors[t])] + temps.get(where, 0.0)
-            x -= gone[t]
-            one.append(x + grown[bisect_right(grown_at, where)] + after[t] + (buckets if where >= since else 0.0)
-                       if where > live.last else x)
+        one = timelines.points(r, gone)
         k = in_flight_microbatches(r, p, pipe.microbatches, pipe.schedule, pipe.virtual_stages)
         saved = one[fwd_end] if fwd_end >= 0 else 0.0
         fwd_state = st[r] - gr[r]
@@ -603,6 +586,56 @@ def _rank_memory(problem: Problem, choice, on, chunk_of, chunks, state: list, gr
         out.peak.append(max(device_state, *pts))
     out.tiers = _rank_tiers(problem, choice, on, p, rank, member)
     return out
+
+
+class _Timelines:
+    """Per pipeline rank, what its chunks hold at each point of one microbatch whatever the family
+    options: `points` subtracts what they free. Each point's sum keeps the order of the one it was
+    split from, so every bit is the same."""
+
+    def __init__(self, problem: Problem, choice, chunk_of, p: int, v: int):
+        live = problem.live
+        rank = lambda c: c % p  # noqa: E731
+        last = p * v - 1
+        positions, n_pts = live.positions, len(live.positions)
+        size, rank_of = (lambda n: act_bytes(problem, n, choice)), (lambda n: rank(chunk_of[n]))  # noqa: E731
+        owned = grouped_member_sums(live.point_changes, size, rank_of, p)
+        moving = grouped_member_sums(live.grad_changes, size, rank_of, p) if live.grads else [[0.0] * n_pts] * p
+        copies: list[list] = [[] for _ in range(p)]
+        for e, a, b in picked_edges(problem, choice):
+            r = rank(last if e.dst == "output" else chunk_of[e.dst])
+            copies[r].append((e.dst_pos, e.saved[a][b], e.temp[a][b] if e.temp else 0.0))
+        made: list[list] = [[] for _ in range(p)]
+        for n, d in problem.decisions.items():
+            if d.grad_bytes:
+                made[rank(chunk_of[n])].append((problem.grad_since(n), d.grad_bytes[choice[d.leader]]))
+        buckets = bucket_buffers(problem, choice)     # the whole model's: no less than any rank's own
+        since = problem.buckets_from
+        back = [[0.0] * n_pts for _ in range(p)]
+        for t, name, nbytes in backward_temps(problem, choice):
+            back[rank_of(name)][t] += nbytes
+        mirrors = [live.mirror(where) for where in positions]
+        self.held, self.added = [], []     # per rank, per point: before the frees; after them, in the backward
+        for r in range(p):
+            cs = sorted(copies[r], key=lambda x: x[0])
+            kept, kept_at = prefix_sums([b for _, b, _ in cs]), [pos for pos, _, _ in cs]
+            temps: dict = {}
+            for pos, _, tmp in cs:
+                temps[pos] = temps.get(pos, 0.0) + tmp
+            ms = sorted(made[r], key=lambda x: x[0])
+            grown, grown_at = prefix_sums([b for _, b in ms]), [since for since, _ in ms]
+            self.held.append([o + m + kept[bisect_right(kept_at, mirrors[t])] + temps.get(where, 0.0)
+                              for t, (o, m, where) in enumerate(zip(owned[r], moving[r], positions))])
+            self.added.append([(grown[bisect_right(grown_at, where)], back[r][t], buckets if where >= since else 0.0)
+                               if where > live.last else None for t, where in enumerate(positions)])
+
+    def points(self, r: int, gone: list) -> list:
+        """Rank r's bytes at each point of one microbatch, less `gone` (what the options free there)."""
+        out = []
+        for x, g, add in zip(self.held[r], gone, self.added[r]):
+            x -= g
+            out.append(x if add is None else x + add[0] + add[1] + add[2])
+        return out
 
 
 def _rank_tiers(problem: Problem, choice, on, p: int, rank, member) -> list[dict[str, float]]:
