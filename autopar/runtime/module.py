@@ -12,14 +12,13 @@ A call at other input sizes than planned runs the same plan re-specialised to th
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import operator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..compat import child_table, dtensor_from, parameter_table, pytree
+from ..compat import child_table, dtensor_from, held_locals, parameter_table, pytree
 from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
@@ -206,7 +205,7 @@ class DistributedModule(torch.nn.Module):
 
         def feed(leaves: list) -> list:
             params = list(map(operator.getitem, tables, attrs))
-            held = list(map(getattr, params, itertools.repeat("_local_tensor"), itertools.repeat(None)))
+            held = held_locals(params)
             was, was_held, values = last
             if not (len(was) == len(params) and all(map(operator.is_, params, was))
                     and all(map(operator.is_, held, was_held))):
