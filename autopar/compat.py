@@ -37,7 +37,8 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
   shape and stride) of `like`, without `DTensor.from_local`'s autograd node and spec building: a
   reduced gradient becomes its parameter's `.grad` this way every step (DTensor's own constructor
   and `_spec`); `local_tensor(dt)`: the local tensor object a DTensor holds (`_local_tensor`; its
-  `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced.
+  `to_local()` may hand out a fresh view each call), to tell when a parameter's storage was replaced;
+  `held_locals(tensors)`: that of each of them at once (None for a plain tensor).
 * `dtensor_from(local, mesh, placements, shape, stride)`: `DTensor.from_local(..., run_check=False)` where
   no autograd graph is recorded (inside an autograd Function, or grad mode off): the spec built and the
   DTensor made directly (DTensor's `_dtensor_spec`, `_utils.compute_global_tensor_info` for a global
@@ -69,6 +70,7 @@ wrapped here and nowhere else, so a torch upgrade that moves one breaks this fil
 from __future__ import annotations
 
 import importlib
+import itertools
 import operator
 import pickle
 
@@ -204,6 +206,12 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # local_tensor(dt): the local tensor object held by DTensor `dt` (no view made). An attribute getter
 # (C), not a Python function: it runs per parameter and step (leaves fed, the optimizer's lending).
 local_tensor = operator.attrgetter("_local_tensor")
+
+
+def held_locals(tensors: list) -> list:
+    """`local_tensor` of each of `tensors`, None for a plain tensor: one pass in C (`map` of `getattr`
+    with a default), no Python frame per tensor (a forward checks every parameter this way)."""
+    return list(map(getattr, tensors, itertools.repeat("_local_tensor"), itertools.repeat(None)))
 
 
 def dtensor_from(local: torch.Tensor, mesh, placements, shape=None, stride=None) -> torch.Tensor:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..compat import child_table, dtensor_from, parameter_table, pytree
+from ..compat import child_table, dtensor_from, held_locals, parameter_table, pytree
 from ..cost_model.profiles import DDP_BUCKET_BYTES
 from ..errors import AutoparError
 from ..passes.capture import Captured, flatten_inputs
@@ -35,7 +36,7 @@ from .offload import HostPool
 from .ops import mesh_device as _device
 from .optimizer import PlannedOptimizer
 from .reshard import to_layout
-from .respecialize import input_shapes, input_shapes_of, respecialize
+from .respecialize import input_shapes, input_shapes_of, respecialize, user_inputs
 from .weights import Weights, save_pretrained, unmaterialised
 
 
@@ -97,8 +98,10 @@ class DistributedModule(torch.nn.Module):
                                f"parameter offload runs on CPU meshes only (the planner offers it there only): set "
                                f"those 'parameters:...' entries to 'device'")
         # plain dict: not submodules. `model` is kept (never changed) to capture at other input sizes;
-        # `programs`: global input shapes -> (capture, per-rank graph) at those shapes
-        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {}}
+        # `programs`: global input shapes -> (capture, per-rank graph) at those shapes; `inputs`: where each
+        # call's shapes are read (`user_inputs`)
+        self._autopar = {"cap": cap, "plan": plan, "mesh": device_mesh, "model": model, "programs": {},
+                         "inputs": user_inputs(cap)}
         # a model on the meta device, or values asked for: each rank makes only its local shards (weights.py)
         values, buffers = (weights.materialise(model, cap, plan, device_mesh, _device(device_mesh))
                            if weights is not None else (None, {}))
@@ -180,12 +183,17 @@ class DistributedModule(torch.nn.Module):
         """`feed(leaves)` -> the program's placeholder values this call (`input_value`), with the
         lookups that are the same every call done once: a parameter is an entry of its owner's
         parameters; `leaves_of` are fed their local shard (`LeafParams`), `local_in` (user input ->
-        its layout) the local tensor the caller gave (`local_input`)."""
-        params, others = [], []
+        its layout) the local tensor the caller gave (`local_input`). While every parameter and the
+        local tensor it holds are the objects of the last call (the check `LeafParams.value` makes,
+        here one pass over all of them in C: no Python per parameter), the parameters' values are
+        the last call's."""
+        slots, tables, attrs, others = [], [], [], []
         for k, (name, slot) in enumerate(cap.inputs.items()):
             if slot.kind == "param":
                 path, _, attr = str(slot.target).rpartition(".")
-                params.append((k, parameter_table(self.get_submodule(path)), attr, leaves_of.get(name)))
+                slots.append((k, leaves_of.get(name)))
+                tables.append(parameter_table(self.get_submodule(path)))
+                attrs.append(attr)
             elif name in local_in:
                 others.append((k, lambda leaves, i=slot.target, layout=local_in[name]:
                                local_input(self._autopar["mesh"], leaves[i], layout)))
@@ -193,11 +201,19 @@ class DistributedModule(torch.nn.Module):
                 others.append((k, lambda leaves, slot=slot, kept=self._kept_as.get(name), cap=cap:
                                input_value(self, cap, slot, leaves, self._input_layout, kept)))
         n, leaf_value = len(cap.inputs), self._leaves.value
+        last = [(), (), [None] * n]     # the last call's parameters, the local tensors they held, its values
 
         def feed(leaves: list) -> list:
-            values = [None] * n
-            for k, owned, attr, spec in params:
-                values[k] = owned[attr] if spec is None else leaf_value(owned[attr], spec)
+            params = list(map(operator.getitem, tables, attrs))
+            held = held_locals(params)
+            was, was_held, values = last
+            if not (len(was) == len(params) and all(map(operator.is_, params, was))
+                    and all(map(operator.is_, held, was_held))):
+                values = [None] * n
+                for (k, spec), p in zip(slots, params):
+                    values[k] = p if spec is None else leaf_value(p, spec)
+                last[:] = params, held, values
+            values = list(values)
             for k, f in others:
                 values[k] = f(leaves)
             return values
@@ -207,7 +223,7 @@ class DistributedModule(torch.nn.Module):
         """(capture, per-rank graph) for this call's input shapes: the planned ones, or the plan
         re-specialised to other sizes (`respecialize.py`; an error on every rank if they do not divide)."""
         a = self._autopar
-        shapes = input_shapes(a["cap"], leaves, self._n_batch)
+        shapes = input_shapes(a["inputs"], leaves, self._n_batch)
         key = _key(shapes)
         if key not in a["programs"]:
             if len(a["programs"]) >= MAX_PROGRAMS:        # drop the oldest re-specialised one

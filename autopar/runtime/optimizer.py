@@ -90,9 +90,10 @@ class PlannedOptimizer:
                 master = self._new_master(p, tier, MASTER_DTYPE if mixed else p.dtype)
                 self._masters.setdefault(tier, []).append(_Master(names[key][0], p, master))
         self._inner: dict[str, torch.optim.Optimizer] = {}
-        self._direct = [(p, _local_now(p)) for p in direct]     # (parameter, the shard the optimizer steps)
+        # (parameter, the shard the optimizer steps, the local tensor the DTensor held then: None for a plain tensor)
+        self._direct = [(p, _local_now(p), _held(p)) for p in direct]
         if direct:
-            self._inner["direct"] = cls([local for _, local in self._direct], **kwargs)
+            self._inner["direct"] = cls([local for _, local, _ in self._direct], **kwargs)
         for tier, ms in self._masters.items():
             self._inner[tier] = cls([m.master for m in ms], **kwargs)
         self._placed: set[int] = set()     # storages of state tensors already in their tier
@@ -139,40 +140,52 @@ class PlannedOptimizer:
             self._step_direct(grads)
 
     def _step_direct(self, grads) -> None:
-        """The in-place step on local shards; a gradient on the host (grad_offload.py) comes back for its
-        own parameter's update only (torch's optimizers skip parameters without a gradient), so the
-        device holds one of them at a time."""
+        """The in-place step on local shards, in one pass over the parameters: a DTensor's shard is lent
+        its gradient's local tensor as it is (no view, no autograd) and the loan ends after the step, so
+        nothing but `.grad` holds a gradient bucket between steps (grad_sync.py reuses it). A gradient
+        on the host (grad_offload.py) comes back for its own parameter's update only (torch's optimizers
+        skip parameters without a gradient), so the device holds one of them at a time."""
         opt = self._inner["direct"]
-        self._rebind(opt)
-        away = [(p, local) for p, local in self._direct if grads is not None and grads.has(p)]
-        stepped = [(p, local) for p, local in self._direct if local is not p]   # DTensors: lend the gradient
-        for p, local in stepped:        # the local tensor a DTensor holds, as it is (no view, no autograd)
+        lent = []
+        for i, (p, local, held) in enumerate(self._direct):
+            if held is None:            # a plain tensor: stepped with its own `.grad`
+                continue
+            if local_tensor(p) is not held:
+                local = self._follow(opt, i)
             g = p.grad
-            local.grad = local_tensor(g) if isinstance(g, DTensor) else g
+            if g is None:
+                local.grad = None       # skipped by the step
+            else:
+                local.grad = local_tensor(g) if isinstance(g, DTensor) else g
+                lent.append(local)
         opt.step()
-        for p, local in stepped:
+        for local in lent:
             local.grad = None
-        for p, local in away:
-            g = grads.back(p)
+        if grads is None:
+            return
+        for p, local, _ in self._direct:
+            g = grads.back(p) if grads.has(p) else None
             if g is not None:
                 local.grad = _local(g)
                 opt.step()
                 local.grad = None
 
-    def _rebind(self, opt: torch.optim.Optimizer) -> None:
-        """Follow a parameter whose local shard was replaced since the last step (state moves with it)."""
-        for i, (p, local) in enumerate(self._direct):
-            if local is p:
-                continue
-            held = local_tensor(p)     # p is a DTensor: checked without a new view per parameter and step
-            if held.data_ptr() == local.data_ptr() and held.shape == local.shape:
-                continue
-            now = _local_now(p)
-            if local in opt.state:
-                opt.state[now] = opt.state.pop(local)
-            for g in opt.param_groups:
-                g["params"] = [now if q is local else q for q in g["params"]]
-            self._direct[i] = (p, now)
+    def _follow(self, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
+        """Parameter `i` holds another local tensor object than at the last check: where its storage or
+        shape changed too (`load_state_dict(assign=True)`), the optimizer steps its new shard and the
+        state moves with it. Returns the shard the optimizer steps."""
+        p, local, _ = self._direct[i]
+        held = local_tensor(p)
+        if held.data_ptr() == local.data_ptr() and held.shape == local.shape:
+            self._direct[i] = (p, local, held)
+            return local
+        now = _local_now(p)
+        if local in opt.state:
+            opt.state[now] = opt.state.pop(local)
+        for g in opt.param_groups:
+            g["params"] = [now if q is local else q for q in g["params"]]
+        self._direct[i] = (p, now, _held(p))
+        return now
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._mem.grads is not None:
@@ -242,6 +255,12 @@ def plan_precision(plan) -> str:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _held(p: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor object a DTensor parameter holds (`compat.local_tensor`: a step checks by identity
+    that it was not replaced); None for a plain tensor."""
+    return local_tensor(p) if isinstance(p, DTensor) else None
 
 
 def _local_now(p: torch.Tensor) -> torch.Tensor:

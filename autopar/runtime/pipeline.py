@@ -62,7 +62,7 @@ from .ops import _ToLocal
 from .optimizer import PlannedOptimizer
 from .regions import node_layers
 from .reshard import grad_layout, to_layout
-from .respecialize import input_shapes, input_shapes_of
+from .respecialize import input_shapes, input_shapes_of, user_inputs
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb": ScheduleInterleavedZeroBubble}
@@ -300,7 +300,7 @@ class PipelinedModule(torch.nn.Module):
         m = pipe.microbatches
         self._rng.next_call()
         self._micro = [flatten_inputs(*microbatch(args, kwargs, m, i)) for i in range(m)]
-        shapes = input_shapes(self._autopar["cap"], self._micro[0], self._n_batch)
+        shapes = input_shapes(user_inputs(self._autopar["cap"]), self._micro[0], self._n_batch)
         if shapes != self._planned_shapes:
             raise AutoparError(f"a pipelined plan runs at the input sizes it was planned for: microbatches of "
                                f"{self._planned_shapes}, not {shapes}; re-plan for these sizes (pipelined plans "

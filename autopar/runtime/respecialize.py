@@ -22,15 +22,21 @@ from ..passes.capture import Captured, capture
 from ..plan import Plan
 from .layout_fit import layout_misfits, split_parts
 
-__all__ = ["input_shapes", "input_shapes_of", "respecialize"]
+__all__ = ["input_shapes", "input_shapes_of", "respecialize", "user_inputs"]
 
 
-def input_shapes(cap: Captured, leaves: list, n_batch: int) -> dict[str, tuple[int, ...]]:
-    """Placeholder name -> global shape of each tensor the caller passes; `n_batch` ranks share the
-    batch (dim 0 of what a rank gets is 1/n_batch of the global batch)."""
+def user_inputs(cap: Captured) -> tuple[tuple[str, int], ...]:
+    """(placeholder name, index among the caller's flattened inputs) of each input the caller passes:
+    what `input_shapes` reads each call (a model's parameters are most of `cap.inputs`)."""
+    return tuple((name, slot.target) for name, slot in cap.inputs.items() if slot.kind == "input")
+
+
+def input_shapes(inputs: tuple[tuple[str, int], ...], leaves: list, n_batch: int) -> dict[str, tuple[int, ...]]:
+    """Placeholder name -> global shape of each tensor the caller passes (`inputs`: `user_inputs`);
+    `n_batch` ranks share the batch (dim 0 of what a rank gets is 1/n_batch of the global batch)."""
     out = {}
-    for name, slot in cap.inputs.items():
-        x = leaves[slot.target] if slot.kind == "input" else None
+    for name, i in inputs:
+        x = leaves[i]
         if isinstance(x, torch.Tensor):
             shape = tuple(x.shape)
             out[name] = (shape[0] * n_batch,) + shape[1:] if shape else shape
