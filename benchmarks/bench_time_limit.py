@@ -312,6 +312,26 @@ warm step caches; a loop summing `comm._step`'s seconds alone (no validation, na
 `ReshardCost`s) 0.27, the same floats, but as a second copy of `_reshard_cost`'s walk; with the walk shared (a
 generator of the collectives both sum, the shard-dim checks kept) the seconds took 0.50 and `coded_reshard_cost`
 0.94: ~0.1 CPU s a call, not worth a slower pricing path elsewhere.
+Stop 53, s53off (13:05-14:00 UTC, load average 4-18 on 2 cores; CPU s, the branch and its base f8eb701 or main
+89729c4 (whose strategies-phase code is the same) side by side at once). The strategies phase on (4, 4, 4),
+cProfile'd on Llama-3-8B, Qwen3-8B (48 x 4,096) and Gemma-2-9B (32 x 4,096): offload's activation terms
+(0.63 / 1.08 / 1.19 CPU s) scaled, counted (0/1) and source-replaced their copies' tables once per layer group,
+though the three groups' representatives share most of them (Llama-3-8B: 198 tables, 32 distinct, 1.08M
+entries, 204k distinct; Qwen3-8B: 294, 52; `source_replaced`: 99 calls, 16 distinct inputs, each also scanning
+every edge); and a follower op matched its strategies to its producer's per node by hashing torch placements.
+Now each derived table is made once per distinct table (`Masked.scaled`, `ones`, `once`), `source_replaced`
+reads the consumer's edges from `edges_by`, and a follower's matching is made once per pair of strategy lists.
+The same problem: families' terms and edge tables repr-identical on Llama-3-8B, Qwen3-8B, Gemma-2-9B and
+Phi-3-mini (4, 4, 4). Offload terms 0.63 / 1.08 / 1.19 -> 0.25 / 0.28 / 0.41 CPU s; `planning_problem` (the
+strategies phase) 2.80 / 3.84 / 4.64 / 2.21 -> 2.17 / 2.94 / 3.52 / 1.84 CPU s (Llama / Qwen3 / Gemma / Phi-3,
+load 4-6; an earlier pair at load 11: 2.75 / 4.12 / 4.43 / 2.21 -> 2.23 / 3.15 / 3.29 / 1.78). Limit 1
+(`make_plan`, symbolic off): Llama-3-8B strategies 2.62 / 2.71 (main) and 2.63 (f8eb701) -> 2.26 / 2.25 CPU s,
+plan 196e576a6b8b (1.7428) as f8eb701's (main since f8eb701 gives 1.7437, ba27ac80d05b: its heuristic
+changes, not this); Gemma-2-9B 4.57 / 4.79 -> 3.65, plan 0d0e1a7b7160 (2.2992) as f8eb701's; Qwen3-8B 4.87 ->
+3.86, 6e2d8b26509e both. What is left: the edge tables (~1.3 CPU s on Llama-3-8B: 148k distinct reshards, 0.87
+of pricing at ~6 us each with the step cache, the rest building the [a][b] lists), node decisions' enumeration
+and pricing, `source_replaced`'s pair loop per distinct input. **The bound (~1.1 s after the capture) is still
+missed**: the strategies alone take ~2.2 CPU s.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ family made them; `evaluate.py` prices any complete assignment from the same ter
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 Gate = tuple[str, int]        # (group key, option index)
@@ -39,9 +39,12 @@ class Expr:
     def __add__(self, other: Expr) -> Expr:
         return Expr(self.nodes + other.nodes, self.edges + other.edges, self.const + other.const)
 
-    def scaled(self, k: float) -> Expr:
+    def scaled(self, k: float, table_scaled: Callable | None = None) -> Expr:
+        """k times every value. `table_scaled(table, k)` scales an edge's table where given (a memo:
+        `decisions.common.Masked.scaled` hands edges that share a table one scaled copy)."""
+        by = table_scaled or scaled_table
         return Expr(tuple((n, tuple(k * v for v in vals)) for n, vals in self.nodes),
-                    tuple((e, tuple(tuple(k * v for v in row) for row in t)) for e, t in self.edges), k * self.const)
+                    tuple((e, by(t, k)) for e, t in self.edges), k * self.const)
 
     def value(self, problem, choice: Mapping[str, int]) -> float:
         """Its value when the layout family picks `choice` (leader -> strategy index)."""
@@ -63,6 +66,11 @@ class Expr:
     @property
     def empty(self) -> bool:
         return not self.nodes and not self.edges and not self.const
+
+
+def scaled_table(table, k: float) -> tuple[tuple[float, ...], ...]:
+    """k times every entry of an [a][b] table."""
+    return tuple(tuple(k * v for v in row) for row in table)
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,6 +155,7 @@ class _Ops:
         self.priced: dict = {}         # OpCostArgs -> (forward, backward) seconds
         self.enumerated: dict = {}     # op signature -> its strategies
         self.node_costs: dict = {}     # op signature and strategies -> (strategies, compute, forward, act, work)
+        self.followed: dict = {}       # (own strategies, producer's) -> a follower's strategies
 
     def decide(self, node: fx.Node, info: NodeInfo, infos, out: NodeDecisions, pins: Pins) -> None:
         rule = rule_for(node.target)
@@ -197,11 +198,20 @@ class _Ops:
             own = pins.narrowed(node.name, own, want)
         if rule is not None and rule.follower and len(info.ins) == 1 and want is None:
             src = decisions[info.ins[0].name]
-            by_input = {s.inputs[0]: s for s in own}
-            follow = [by_input.get(s.output) for s in src.strategies]
+            follow = self._following(own, src.strategies)
             if all(f is not None for f in follow) and src.kind == "op":
                 return src.leader, follow
         return node.name, own
+
+    def _following(self, own: list[Strategy], theirs: list[Strategy]) -> list[Strategy | None]:
+        """For each of a producer's strategies `theirs`, the one of `own` that takes its output as input
+        (None where none does): once per pair of lists (a repeated layer's ops hold the same Strategy
+        objects, and a follower's list is its producer's next follower's `theirs`)."""
+        key = (tuple(map(id, own)), tuple(map(id, theirs)))
+        if key not in self.followed:      # the lists are kept with it: their ids stay their own
+            by_input = {s.inputs[0]: s for s in own}
+            self.followed[key] = (own, theirs, [by_input.get(s.output) for s in theirs])
+        return self.followed[key][2]
 
     def _costs(self, node, info, rule, strategies: list[Strategy], ins_meta, facts: OpFacts, grad: bool,
                view: bool) -> tuple[list, list, list, list]:

@@ -130,19 +130,20 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
     items = saved.get(rep, [])
     held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
     held = sum((f.expr for _, f in kept[rep]), held)
-    count = Expr((), tuple((k, tuple(tuple(1.0 if v else 0.0 for v in row) for row in t))
-                           for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
+    masks = copies[1]       # the groups' representatives share most tables: each derived once
+    count = Expr((), tuple((k, masks.ones(t, 1.0)) for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
     # an activation whose one saver keeps a resharded copy instead: the copy alone is moved
     for k in dict.fromkeys(k for k, _ in kept[rep]):
-        replaced = source_replaced(problem, k)
+        replaced = source_replaced(problem, k, *copies)
         if replaced is not None and replaced[0] in items:
             table = replaced[1]
-            held = held + Expr((), ((k, table),)).scaled(-1.0)
-            count = count + Expr((), ((k, tuple(tuple(-1.0 if v else 0.0 for v in row) for row in table)),))
+            held = held + Expr((), ((k, table),)).scaled(-1.0, masks.scaled)
+            count = count + Expr((), ((k, masks.ones(table, -1.0)),))
     for t in allowed:
         if t:
             per_byte, per_tensor = transfer_terms(_link(problem, t), 2.0)
-            moves = held.scaled(per_byte) + Expr(const=per_tensor * len(items)) + count.scaled(per_tensor)
+            moves = (held.scaled(per_byte, masks.scaled) + Expr(const=per_tensor * len(items))
+                     + count.scaled(per_tensor, masks.scaled))
             fam.costs.append(Cost(moves, (key, t), len(layers), f"offload activations of {rep} to {TIERS[t]}"))
             fam.held.append(Held(held, (key, t), TIERS[t], len(layers), f"activations of {rep}"))
 

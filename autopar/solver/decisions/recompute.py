@@ -114,13 +114,15 @@ def activation_copies(problem: Problem, names, into: dict[str, list[int]], masks
             for f in activation_copy(problem, k, masks)]
 
 
-def source_replaced(problem: Problem, k: int) -> tuple[str, tuple[tuple[float, ...], ...]] | None:
+def source_replaced(problem: Problem, k: int, into: dict[str, list[int]], masks: Masked
+                    ) -> tuple[str, tuple[tuple[float, ...], ...]] | None:
     """Where the one op that saves an activation saves resharded copies of it instead (edge k the first
     of its edges from the activation or its views into that op): (the activation, an [a][b] table on k of
     its bytes where every such edge keeps a copy, else 0). The liveness model keeps the activation saved
     for that op as well (docs/architecture.md, Known limits), but what the op saves at run time, and what
     activation offload moves, is the copies alone. None where the activation has other savers, or the
-    table is not a function of k's pair."""
+    table is not a function of k's pair. `into`: `edges_by(problem, "dst")`; `masks` holds the tables
+    made (a linked layer's copies, and the layer groups' representatives, mostly share them)."""
     e, live = problem.edges[k], problem.live
     lead = problem.decisions[e.src].leader
     # the activation: the edge's source, or the one whose view it is (a view follows its source's leader)
@@ -130,18 +132,29 @@ def source_replaced(problem: Problem, k: int) -> tuple[str, tuple[tuple[float, .
     if len(found) != 1:
         return None
     o = found[0]
-    ks = [j for j, x in enumerate(problem.edges) if x.dst == e.dst and problem.decisions[x.src].kind == "op"
-          and problem.decisions[x.src].leader == lead and (x.src == o or x.src not in live.defined)]
+    ks = [j for j in into[e.dst] if problem.decisions[problem.edges[j].src].kind == "op"
+          and problem.decisions[problem.edges[j].src].leader == lead
+          and (problem.edges[j].src == o or problem.edges[j].src not in live.defined)]
     if ks[0] != k:
         return None
+    xs, act = [problem.edges[j] for j in ks], problem.decisions[o].act_bytes
+    key = ("replaced", tuple(act), tuple((id(x.saved), tuple(x.a_of), tuple(x.b_of)) for x in xs))
+    table = masks.once(key, tuple(x.saved for x in xs), lambda: _replaced_table(xs, act))
+    return None if table is None else (o, table)
+
+
+def _replaced_table(xs, act) -> tuple[tuple[float, ...], ...] | None:
+    """`source_replaced`'s table on the first of the edges `xs` (`act`: the activation's bytes per
+    strategy), or None where it is not a function of that edge's pair."""
+    e = xs[0]
     table: dict[tuple[int, int], float] = {}
     for i, a in enumerate(e.a_of):
         for j, b in enumerate(e.b_of):
-            copied = all(problem.edges[x].saved[problem.edges[x].a_of[i]][problem.edges[x].b_of[j]] > 0 for x in ks)
-            v = problem.decisions[o].act_bytes[i] if copied else 0.0
+            copied = all(x.saved[x.a_of[i]][x.b_of[j]] > 0 for x in xs)
+            v = act[i] if copied else 0.0
             if table.setdefault((a, b), v) != v:
                 return None
-    return o, tuple(tuple(table.get((a, b), 0.0) for b in range(len(row))) for a, row in enumerate(e.saved))
+    return tuple(tuple(table.get((a, b), 0.0) for b in range(len(row))) for a, row in enumerate(e.saved))
 
 
 def activation_copy(problem: Problem, k: int, masks: Masked) -> tuple[Freed, Freed]:
