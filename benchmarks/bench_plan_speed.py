@@ -217,6 +217,21 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     small). llama3-8b-node 9923e3d82bef
     both (1.0064 s; 5.51 / 5.63 CPU s); qwen3-8b 9484e72a9a96 and phi3-mini bae6d9561bc7 on the branch
     (unchanged from stop 52).
+* 2026-11-28 (stop 53, s53mip; base main 59fa648): the layout models' objective (compute and resharding
+  seconds) summed from each edge group's terms as arrays (`StrategyILP.layout_objective`, `np.bincount`:
+  the same sums, added in the same order, to the bit), not term by term into a dict: under cProfile
+  (`--time-limit 1000`) that loop was 184k calls and ~20M dict updates over the search's 78 models (4.5 of
+  77 profiled CPU s; the 16 step-3 calls, `heuristic.improve`, 19.6 profiled s: `solve_lazy` 11.6 (HiGHS
+  most of it; the memory-row checks, `MemoryRows.values` making its arrays once per model, 2.8 over all
+  the search's models), `_better` 5.5 (the option model built anew for each plan, `families_for`:
+  `FamilyTerms`, `MemoryRows._sweep` per choice; and its evaluation), the layout models' builds 2.4).
+  - gpt3-175b, `--time-limit 1000`, base and branch at once, load 4-13: base 39.13 / 40.00 CPU s, branch
+    38.73 / 39.14 (two pairs; wall 67.5 / 123.1 and 62.2 / 119.3 s): ~0.4-0.9 CPU s (1-2%), within
+    this machine's noise on one pair. All 18599a4f3ad5 (6.942 s). With no options (limit 60) at load
+    7-13 both were cut by the deadline (26.75 / 26.61 CPU s, 7 of 13 groups solved), both 18599a4f3ad5.
+    **30 s: still missed**; what is left of step 3's Python is the option models built anew for each
+    rounding (no columns shared between choices) and the memory rows' arrays per model.
+  - llama3-8b-node 9923e3d82bef, qwen3-8b 9484e72a9a96, phi3-mini bae6d9561bc7 on the branch (unchanged).
 """
 from __future__ import annotations
 
