@@ -17,7 +17,7 @@ import autopar  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.shape_prop import annotate  # noqa: E402
 from autopar.solver.evaluate import evaluate
-from autopar.solver.ilp import FEASIBILITY_SLACK_BYTES, StrategyILP  # noqa: E402
+from autopar.solver.ilp import FEASIBILITY_SLACK_BYTES  # noqa: E402
 from autopar.solver.solve import solve  # noqa: E402
 from autopar.solver.problem import build_problem  # noqa: E402
 from models import GPT, MLP, Block  # noqa: E402
@@ -264,20 +264,3 @@ def test_report_without_the_scaling_table():
     assert "Scaling with the global batch" in plan.report()
     short = plan.report(symbolic=False)
     assert "Scaling" not in short and short.splitlines()[0] == plan.report().splitlines()[0]
-
-
-def test_the_layout_objective_is_the_term_by_term_sum():
-    # the objective's layout part, summed from arrays, to the bit the sum of every node's and edge's
-    # terms added one by one in order (a different order of additions would change the plans' floats)
-    with torch.device("meta"):
-        model = GPT(vocab=64, seq=16, hidden=32, heads=4, layers=3)
-        ids = torch.randint(0, 64, (8, 16), device="meta")
-    cap = capture(model, (ids, ids))
-    problem = build_problem(cap, annotate(cap.gm), autopar.Mesh((2, 2), ("dp", "tp"), device="h100"))
-    ilp = StrategyILP(problem, float("inf"))
-    one_by_one: dict = {}
-    ilp._node_terms(one_by_one, "compute_s", problem.decisions)
-    for k, e in enumerate(problem.edges):
-        ilp.add_edge_terms(one_by_one, k, e.cost)
-    assert len(problem.edges) > len(set(ilp.group_of)) > 1     # linked layers: edges share their terms
-    assert ilp.layout_objective() == one_by_one

@@ -61,7 +61,7 @@ from .branch import branch
 from .evaluate import evaluate
 from .families import Families
 from .ilp_terms import FamilyTerms
-from .memory_rows import GIB, MemoryRows, pair_arrays
+from .memory_rows import GIB, MemoryRows
 from .mip import INF, MIP_GAP, Defined, Mip, MipResult
 from .problem import Problem
 
@@ -239,31 +239,13 @@ class StrategyILP:
                 if vals[i]:
                     coef[v] = coef.get(v, 0.0) + scale * vals[i]
 
-    def edge_arrays(self, k: int, table: list[list[float]]) -> tuple:
-        """`edge_coefs` as (columns, coefficients) arrays, made once like it."""
-        known = self.shared.setdefault("edge_arrays", {})
-        key = (self.group_of[k], id(table))
-        if key not in known:
-            known[key] = pair_arrays(self.edge_coefs(k, table))     # edge_coefs keeps the table: its id stays its own
-        return known[key]
-
-    def layout_objective(self) -> dict[int, float]:
-        """Column -> its compute and resharding seconds: the nodes' terms, then every edge's in order. Summed
-        per column by `np.bincount`, which adds its weights in their order (the sums of a loop adding them
-        one by one, to the bit), from each edge group's terms as arrays: the loop took GPT-3 175B's pipeline
-        search ~20M dict updates (~250k terms a layout model)."""
-        import numpy as np
-        nodes: dict = {}
-        self._node_terms(nodes, "compute_s", self.p.decisions)
-        parts = [pair_arrays(nodes.items())] + [self.edge_arrays(k, e.cost) for k, e in enumerate(self.p.edges)]
-        cols = np.concatenate([v for v, _ in parts])
-        total = np.bincount(cols, weights=np.concatenate([c for _, c in parts]), minlength=self.m.n_cols)
-        used = np.flatnonzero(np.bincount(cols, minlength=self.m.n_cols))
-        return dict(zip(used.tolist(), total[used].tolist()))
-
     def set_objective(self) -> None:
-        if "objective" not in self.shared:       # the layouts' part
-            self.shared["objective"] = self.layout_objective()
+        if "objective" not in self.shared:       # the layouts' part: compute and resharding seconds
+            coef: dict = {}
+            self._node_terms(coef, "compute_s", self.p.decisions)
+            for k, e in enumerate(self.p.edges):
+                self.add_edge_terms(coef, k, e.cost)
+            self.shared["objective"] = coef
         coef = dict(self.shared["objective"])
         self.terms.objective_terms(coef)
         for j, c in coef.items():

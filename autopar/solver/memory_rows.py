@@ -197,11 +197,10 @@ class MemoryRows:
         frees = _flat(self.ilp.terms.freed_changes(live.positions) if self.n else ())
         backward = np.asarray([where >= self.since for where in live.positions[:self.n]], dtype=np.float64)
         extra = (np.asarray(self.fixed[:self.n], dtype=np.float64), backward)
-        return (events, temps, frees, pair_arrays(self.state.items()), pair_arrays(self.buckets),
-                pair_arrays(self.whole.items()), extra)
+        return events, temps, frees, _pairs(self.state.items()), _pairs(self.buckets), _pairs(self.whole.items()), extra
 
 
-def pair_arrays(items) -> tuple:
+def _pairs(items) -> tuple:
     """(columns, coefficients) arrays of (column, coefficient) pairs."""
     import numpy as np
     items = tuple(items)
@@ -228,7 +227,7 @@ def _events(events: list) -> tuple:
             if not pairs:
                 continue
             if id(pairs) not in known:
-                known[id(pairs)] = (pairs, pair_arrays(pairs))     # the tuple is kept: its id stays its own
+                known[id(pairs)] = (pairs, _pairs(pairs))     # the tuple is kept: its id stays its own
             v, c = known[id(pairs)][1]
             points.append(t)
             signs.append(sign)
