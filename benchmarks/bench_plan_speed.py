@@ -217,6 +217,26 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     small). llama3-8b-node 9923e3d82bef
     both (1.0064 s; 5.51 / 5.63 CPU s); qwen3-8b 9484e72a9a96 and phi3-mini bae6d9561bc7 on the branch
     (unchanged from stop 52).
+* 2026-11-28 (stop 53, s53mip; base main 59fa648): step 3's Python (`heuristic.improve`), measured, the
+  one change tried not kept. cProfile (`--time-limit 1000`, 77 profiled CPU s) put the layout models'
+  objective first: `StrategyILP.set_objective`'s loop over every edge, 184k calls and ~20M dict updates
+  over the search's 78 models, 4.5 profiled s. Summed from each edge group's term arrays instead
+  (`np.bincount`, the same sums to the bit; tested) it gave, timed in one run with `process_time` beside
+  the old loop: 0.88 against 1.09 CPU s over all 78 models (the 263k-column plan without a pipeline
+  0.376 against 0.357: slower), i.e. cProfile's per-call cost had made it look 20x larger. Runs at once,
+  load 4-13: base 39.13 / 40.00 CPU s, branch 38.73 / 39.14 (two pairs), all 18599a4f3ad5 (6.942 s), as
+  were llama3-8b-node 9923e3d82bef, qwen3-8b 9484e72a9a96, phi3-mini bae6d9561bc7 and
+  `bench_time_limit.py --limits 1` (1.7437 / 1.7358, both): 0.2 CPU s is noise, so reverted.
+  - Where step 3's CPU goes, `process_time` timers around functions (one run, load 2.5-5, 38.8 CPU s
+    in all): `improve` 11.56 CPU s (16 calls), of which HiGHS's MIPs 6.62 (`Mip.solve`, its model
+    handed over in 0.08), `branch.py`'s LPs and roundings 2.00, the option models built and solved for
+    each plan (`families_for`) 1.49, the layout models' builds (`_Models.get`) 0.65, evaluations 0.51,
+    memory-row checks (`MemoryRows.values`) 0.41, `values_of` 0.24, lazy memory rows 0.12. So ~8 of the
+    11.6 are the solver's (`solver_seconds` for the whole run: 9.47 s, `branch.py`'s LPs included) and
+    ~3.3 Python, no piece over 1.5: not the ~7 s of Python read from s53gpt3's split above. What would
+    cut it: the option models share nothing between the plans they price (a new `FamilyTerms`,
+    `MemoryRows` sweep and objective per layout choice); a model of the options over columns shared by
+    choices, or fewer roundings priced, not cheaper row writing.
 """
 from __future__ import annotations
 
