@@ -237,6 +237,13 @@ Measured (CPU seconds of the planning call; the machine's 2 cores shared, load s
     cut it: the option models share nothing between the plans they price (a new `FamilyTerms`,
     `MemoryRows` sweep and objective per layout choice); a model of the options over columns shared by
     choices, or fewer roundings priced, not cheaper row writing.
+* 2026-11-28 (stop 53, the lead, main after the merges (49284c0), quiet: nothing else on the machine,
+  autogroup nice -20, load average 1-4): gpt3-175b with no options **34.5 s wall, 37.2 CPU s** (capture
+  4.1; stop 52: 39.1 / 41.8), 6.942 s (18599a4f3ad5; 9 of 13 groups solved, 4 ruled out), peak RSS 802
+  MiB; **30 s: missed**. The held-out models, wall / CPU s (hashes unchanged): qwen3-8b 2.45 / 2.56,
+  gemma2-9b 4.26 / 4.36, phi3-mini 1.58 / 1.69, qwen3-30b-a3b 3.89 / 4.00, mistral-7b 1.89 / 1.99,
+  granite-3-8b 2.01 / 2.12 (one run each, 0.1-0.3 s over stop 52's quiet ones: their (8, 8) path is the
+  2-axis ILP, which this stop did not change); llama3-8b-node 5.43 / 5.76 (9923e3d82bef).
 """
 from __future__ import annotations
 

@@ -332,6 +332,11 @@ changes, not this); Gemma-2-9B 4.57 / 4.79 -> 3.65, plan 0d0e1a7b7160 (2.2992) a
 of pricing at ~6 us each with the step cache, the rest building the [a][b] lists), node decisions' enumeration
 and pricing, `source_replaced`'s pair loop per distinct input. **The bound (~1.1 s after the capture) is still
 missed**: the strategies alone take ~2.2 CPU s.
+Stop 53, the lead, main after the merges (49284c0), quiet (nothing else running, autogroup nice -20, load
+average 1.5-3): `--limits 1 --best-limit 30 --llama3-405b 60`: limit 1 1.7437 (step 1.7468, 1.0045x the best
+known) in **5.2 s wall** (capture 0.63; stop 52 6.2 s): **the bound (~1.8 s) still missed**; limit 30 1.7358 in
+30.7 s; longer never slower; Llama-3-405B (128, 16, 8) at T=60 **52.2 s wall, 53.5 CPU s** (capture 1.09,
+allowed 67.2): within, 74.30 s step.
 """
 from __future__ import annotations
 
