@@ -36,13 +36,20 @@ from .layers import layer_key, module_path
 
 def layer_sequence(graph: fx.Graph) -> list[str]:
     """The layers of a graph ("blocks.0", "blocks.1", ...) in the order their first node runs."""
-    seen: dict[str, None] = {}
-    for node in graph.nodes:
-        if node.op not in ("placeholder", "output", "get_attr"):
-            key = layer_key(module_path(node))
-            if key is not None:
-                seen.setdefault(key, None)
-    return list(seen)
+    return _in_order(_layer_keys(_calls(graph)))
+
+
+def _calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def _layer_keys(calls: Sequence[fx.Node]) -> list[str | None]:
+    """Each call node's layer (None outside every layer)."""
+    return [layer_key(module_path(n)) for n in calls]
+
+
+def _in_order(keys: Sequence[str | None]) -> list[str]:
+    return list(dict.fromkeys(k for k in keys if k is not None))
 
 
 def even_boundaries(layers: Sequence[str], chunks: int) -> tuple[str, ...]:
@@ -64,9 +71,9 @@ def even_boundaries(layers: Sequence[str], chunks: int) -> tuple[str, ...]:
 
 def chunk_of(graph: fx.Graph, pipeline: PipelinePlan) -> dict[fx.Node, int]:
     """Every call node of `graph` -> the chunk it runs in (see module docstring)."""
-    calls = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    keys = [layer_key(module_path(n)) for n in calls]
-    layers = list(dict.fromkeys(k for k in keys if k is not None))      # `layer_sequence(graph)`
+    calls = _calls(graph)
+    keys = _layer_keys(calls)
+    layers = _in_order(keys)        # `layer_sequence(graph)`, from the keys the loop below reads too
     position = {k: i for i, k in enumerate(layers)}
     starts = [0]
     for c, b in enumerate(pipeline.boundaries[1:], start=1):

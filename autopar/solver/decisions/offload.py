@@ -113,7 +113,9 @@ def _link(problem: Problem, tier: int):
 
 
 def activations(problem: Problem, fam: Families, key: str, rep: str, layers, groups, allowed, saved, copies) -> None:
-    """`copies`: (`edges_by(problem, "dst")`, a `Masked`) to find the resharded copies the layer's ops keep."""
+    """`copies`: (`edges_by(problem, "dst")`, a `Masked`) to find the resharded copies the layer's ops keep;
+    the `Masked` also derives each table the terms need once (the groups' representatives share most)."""
+    into, masks = copies
     live = problem.live
     gates = tuple((key, t) for t in allowed if t)
     kept = {}
@@ -125,16 +127,15 @@ def activations(problem: Problem, fam: Families, key: str, rep: str, layers, gro
             fam.freed.append(Freed(Expr(((o, tuple(problem.decisions[o].act_bytes)),)), gates, live.fwd_end[o],
                                    until, f"activation {o} of {layer}", f"act:{o}"))
         # a copy, saved by its consumer alone: fetched back when that consumer's backward needs it
-        kept[layer] = activation_copies(problem, groups.nodes[layer], *copies)
+        kept[layer] = activation_copies(problem, groups.nodes[layer], into, masks)
         fam.freed += [replace(f, gates=gates) for _, f in kept[layer]]
     items = saved.get(rep, [])
     held = Expr(tuple((o, tuple(problem.decisions[o].act_bytes)) for o in items))
     held = sum((f.expr for _, f in kept[rep]), held)
-    masks = copies[1]       # the groups' representatives share most tables: each derived once
     count = Expr((), tuple((k, masks.ones(t, 1.0)) for k, t in (e for _, f in kept[rep] for e in f.expr.edges)))
     # an activation whose one saver keeps a resharded copy instead: the copy alone is moved
     for k in dict.fromkeys(k for k, _ in kept[rep]):
-        replaced = source_replaced(problem, k, *copies)
+        replaced = source_replaced(problem, k, into, masks)
         if replaced is not None and replaced[0] in items:
             table = replaced[1]
             held = held + Expr((), ((k, table),)).scaled(-1.0, masks.scaled)
